@@ -1,0 +1,82 @@
+"""Gives requests their KV pages: cached prefix from the radix cache, the rest from the pool.
+
+The three moments of a request's memory life:
+- ``admit``: look up the longest cached prefix, reference it, start computing after it;
+- ``reserve``: before each iteration, pages for the tokens it will compute (evicting
+  unreferenced cache when the pool runs dry);
+- ``release``: on finish, abort or preemption, hand its full computed pages to the cache
+  (so a recompute or a later turn hits them) and free the rest.
+"""
+
+from __future__ import annotations
+
+from preble_backend.kv_pool import KVPool
+from preble_backend.radix_cache import RadixCache
+from preble_backend.request import Request
+
+
+class BlockManager:
+    def __init__(self, pool: KVPool, cache: RadixCache | None) -> None:
+        self.pool = pool
+        self.cache = cache  # None: prefix caching off
+        self.page_size = pool.page_size
+
+    def admit(self, req: Request) -> int:
+        """Attach the cached prefix; return how many tokens it saves. At least one token is
+        always left to compute, since sampling needs its logits."""
+        if self.cache is None:
+            return 0
+        pages, node = self.cache.match_prefix(req.all_ids[: req.num_tokens - 1])
+        self.cache.lock(node)
+        req.cache_node = node
+        req.page_table = list(pages)
+        req.num_tree_pages = len(pages)
+        req.num_computed = len(pages) * self.page_size
+        return req.num_computed
+
+    def pages_needed(self, req: Request, num_new_tokens: int) -> int:
+        total = KVPool.pages_for(req.num_computed + num_new_tokens, self.page_size)
+        return max(0, total - len(req.page_table))
+
+    def reserve(self, req: Request, num_new_tokens: int) -> bool:
+        need = self.pages_needed(req, num_new_tokens)
+        if need > self.pool.num_free and self.cache is not None:
+            self.pool.free(self.cache.evict(need - self.pool.num_free))
+        if need > self.pool.num_free:
+            return False
+        req.page_table.extend(self.pool.alloc(need))
+        return True
+
+    def share_computed(self, req: Request) -> None:
+        """Put the request's full computed pages into the cache while it still runs, so
+        requests arriving behind it hit them; its reference moves to the new end node."""
+        if self.cache is None:
+            return
+        full = req.num_computed // self.page_size
+        if full <= req.num_tree_pages:
+            return
+        tokens = req.all_ids[: full * self.page_size]
+        canonical, node = self.cache.insert(tokens, req.page_table[:full])
+        duplicates = [
+            mine
+            for mine, theirs in zip(
+                req.page_table[req.num_tree_pages : full], canonical[req.num_tree_pages :]
+            )
+            if mine != theirs
+        ]
+        req.page_table[:full] = canonical
+        self.cache.lock(node)
+        self.cache.unlock(req.cache_node)
+        self.pool.free(duplicates)
+        req.cache_node = node
+        req.num_tree_pages = full
+
+    def release(self, req: Request) -> None:
+        self.share_computed(req)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        self.pool.free(req.page_table[req.num_tree_pages :])
+        req.page_table = []
+        req.num_tree_pages = 0
+        req.cache_node = None
+        req.num_computed = 0

@@ -1,0 +1,249 @@
+"""The engine: requests in, streamed tokens out, one model iteration per ``step``.
+
+Callers on any thread ``add_request`` and ``abort``; both only enqueue (validation is
+done on the caller's thread, so bad input raises there and never reaches the loop). The
+iteration loop runs either on the caller (``generate``, tests) or on the engine's own
+thread (``start``), as Triton's vLLM backend runs its engine: ``execute`` only enqueues.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from preble_backend.block_manager import BlockManager
+from preble_backend.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from preble_backend.local_scheduler import LocalScheduler
+from preble_backend.model_runner import ModelRunner
+from preble_backend.priority_queue import PriorityWaitQueue
+from preble_backend.radix_cache import CacheEvent, RadixCache
+from preble_backend.request import Request, RequestOutput, Status
+from preble_backend.sampling import SamplerState, SamplingParams, sample
+from preble_backend.stop_checker import StopChecker
+
+log = logging.getLogger("preble.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config.model_path, config.dtype, config.device, config.attention_backend)
+        self.model_config = self.runner.cfg
+        self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
+        self.cache = RadixCache(config.page_size) if config.enable_prefix_caching else None
+        self.scheduler = LocalScheduler(
+            BlockManager(self.pool, self.cache),
+            PriorityWaitQueue(config.priority_groups, config.priority_quota),
+            config.chunk_size,
+            config.max_running_requests,
+        )
+        self.stops = StopChecker(config.model_path, self.model_config.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._inbox: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_finished = 0
+
+    def _num_pages(self) -> int:
+        cfg = self.config
+        tokens = cfg.max_num_tokens
+        if not tokens:
+            if self.runner.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.runner.device)
+                tokens = int(free * cfg.kv_memory_fraction) // self.runner.kv_bytes_per_token()
+            else:
+                tokens = DEFAULT_CPU_KV_TOKENS
+        return max(1, tokens // cfg.page_size)
+
+    # ---- the request API (any thread) -----------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | dict | None = None,
+        callback: Callable[[RequestOutput], None] | None = None,
+    ) -> None:
+        """Queue a request; raise ``ValueError`` naming the problem if it can never run."""
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params)
+        self._validate(request_id, prompt_ids, params)
+        req = Request(
+            request_id=request_id,
+            prompt_ids=[int(t) for t in prompt_ids],
+            params=params,
+            sampler=SamplerState.create(params, self.runner.device),
+            callback=callback,
+        )
+        with self._wake:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._requests[request_id] = req
+            self._inbox.append(req)
+            self._wake.notify()
+
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        limit = self.model_config.max_context
+        if total > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                f"{total} tokens, over the model's context length of {limit}"
+            )
+        if total > self.pool.capacity_tokens:
+            raise ValueError(
+                f"prompt plus max_tokens ({total} tokens) exceeds the KV pool "
+                f"({self.pool.capacity_tokens} tokens); raise max_num_tokens"
+            )
+        if params.stop:
+            self.stops.require_tokenizer()
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    # ---- the iteration loop ---------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+
+    def step(self) -> None:
+        """One iteration: take new requests and aborts, run one batch, stream its tokens."""
+        with self._wake:
+            inbox, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = list(self._aborts), deque()
+        for req in inbox:
+            self.scheduler.add(req)
+        for request_id in aborts:
+            req = self._requests.get(request_id)
+            if req is not None and req.status is not Status.FINISHED:
+                self._finish(req, "abort")
+        batch = self.scheduler.schedule()
+        if not batch:
+            return
+        try:
+            logits, rows = self.runner.forward(batch, self.pool)
+            self.scheduler.advance(batch)
+            sampled = [batch.requests[i] for i in rows]
+            tokens = sample(logits, [r.sampler for r in sampled], [self.stops.banned(r) for r in sampled])
+        except Exception as exc:  # a broken batch must not take the engine down
+            log.exception("iteration failed")
+            for req in batch.requests:
+                self._finish(req, "error", error=f"engine iteration failed: {exc}")
+            return
+        for req, token in zip(sampled, tokens):
+            req.output_ids.append(token)
+            reason = self.stops.finish_reason(req, self.model_config.max_context)
+            if reason is None:
+                self._emit(req, [token])
+            else:
+                self._finish(req, reason, new_tokens=[token])
+
+    def _finish(self, req: Request, reason: str, new_tokens=(), error: str | None = None) -> None:
+        self.scheduler.finish(req)
+        req.finish_reason = reason
+        self.num_finished += 1
+        with self._wake:
+            self._requests.pop(req.request_id, None)
+        self._emit(req, list(new_tokens), error)
+
+    def _emit(self, req: Request, tokens: list[int], error: str | None = None) -> None:
+        if req.callback is not None:
+            try:
+                req.callback(req.output(tokens, error))
+            except Exception:
+                log.exception("callback of request %s failed; aborting it", req.request_id)
+                if req.status is not Status.FINISHED:
+                    self.abort(req.request_id)
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | dict | None = None
+    ) -> list[list[int]]:
+        """Run prompts to completion on the calling thread; returns their output ids."""
+        if self._thread is not None:
+            raise RuntimeError("generate() runs the loop itself; stop the engine thread first")
+        outputs: dict[str, list[int]] = {}
+
+        def collect(out: RequestOutput) -> None:
+            outputs.setdefault(out.request_id, []).extend(out.token_ids)
+
+        ids = [f"generate-{id(outputs)}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params, collect)
+        while self.has_work():
+            self.step()
+        return [outputs.get(rid, []) for rid in ids]
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="preble-engine", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.has_work():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    def shutdown(self) -> None:
+        """Stop the thread; every request still queued or running finishes as ``abort``."""
+        if self._thread is not None:
+            with self._wake:
+                self._stopping = True
+                self._wake.notify()
+            self._thread.join()
+            self._thread = None
+        with self._wake:
+            pending = list(self._requests)
+        for request_id in pending:
+            self.abort(request_id)
+        self.step()
+
+    # ---- observation ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        s = self.scheduler.stats
+        return {
+            "page_size": self.pool.page_size,
+            "kv_pages_total": self.pool.num_pages,
+            "kv_pages_used": self.pool.num_used,
+            "kv_pages_free": self.pool.num_free,
+            "kv_pages_cached": self.cache.num_pages if self.cache else 0,
+            "kv_pages_evictable": self.cache.num_evictable_pages if self.cache else 0,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "prompt_tokens_computed": s.prompt_tokens_computed,
+            "prompt_tokens_cached": s.prompt_tokens_cached,
+            "num_preemptions": s.num_preemptions,
+            "requests_finished": self.num_finished,
+        }
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Cache events since the last call, for the global scheduler's mirror."""
+        return self.cache.drain_events() if self.cache else []
+
+    def flush_cache(self) -> int:
+        """Evict every unreferenced cached page back to the free list; return how many."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.reset()
+        self.pool.free(freed)
+        return len(freed)

@@ -1,0 +1,72 @@
+"""The paged KV pool: preallocated K/V storage cut into fixed pages, and a free list.
+
+Every page is owned by exactly one of: the free list, a running request's private tail, or
+the radix cache. ``num_free`` plus what those two hold always equals ``num_pages``; tests
+check that after every run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfPages(Exception):
+    """Raised when the pool cannot hand out the pages asked for (callers evict or preempt)."""
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
+        if num_pages < 1:
+            raise ValueError(f"the KV pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # Low page ids first: a LIFO stack keeps recently freed (cache-warm) pages in use.
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"asked for {n} pages, {len(self._free)} free")
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def slots(self, pages: list[int] | torch.Tensor, length: int) -> torch.Tensor:
+        """Flat token-slot indices of the first ``length`` tokens stored in ``pages``."""
+        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.k_cache.device)
+        offsets = torch.arange(self.page_size, device=pages_t.device)
+        return (pages_t[:, None] * self.page_size + offsets).reshape(-1)[:length]
+
+    @staticmethod
+    def pages_for(num_tokens: int, page_size: int) -> int:
+        return -(-num_tokens // page_size)

@@ -1,0 +1,159 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, ragged token batch.
+
+The batch has no padding: ``input_ids`` and ``positions`` are the concatenated new tokens
+of every request, and attention is delegated to an ``AttentionBackend`` that knows where
+each request's context lives in the paged KV pool. The numerics follow Hugging Face's
+modeling code (RMSNorm in fp32, rotate-half RoPE) so greedy outputs match token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from preble_backend.attention import AttentionBackend, AttentionBatch
+from preble_backend.kv_pool import KVPool
+from preble_backend.model_config import ModelConfig
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.qkv_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+
+    def forward(self, x, cos, sin, batch: AttentionBatch, pool: KVPool, backend: AttentionBackend):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = backend.forward(self.layer, q, k, v, batch, pool)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported: {list(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch, pool, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        pool: KVPool,
+        backend: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the new tokens; return fp32 logits only at ``logits_indices`` (sampling rows)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch, pool, backend)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+    @classmethod
+    def from_pretrained(cls, model_path: str | Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
+        cfg = ModelConfig.from_dir(model_path)
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = _load_state_dict(Path(model_path))
+        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        missing = set(model.state_dict()) - set(state)
+        if missing:
+            raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:5]}")
+        model.load_state_dict(
+            {k: v.to(dtype) for k, v in state.items() if k in model.state_dict()},
+            strict=True,
+            assign=True,
+        )
+        model.inv_freq = cfg.inv_freq()
+        return model.to(device).eval()
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All safetensors shards, with Hugging Face's ``model.`` prefix stripped."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    if not files:
+        raise FileNotFoundError(f"model_path {path} has no .safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        for key, tensor in load_file(str(path / name)).items():
+            state[key.removeprefix("model.")] = tensor
+    return state

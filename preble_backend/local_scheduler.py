@@ -1,0 +1,132 @@
+"""The paper's local scheduler (§4.3): iteration-level batches with chunked prefill.
+
+Each iteration gets a token budget (``chunk_size``, Sarathi-style). Running requests go
+first, oldest first: a decode costs one token, an unfinished prefill takes the next chunk
+that fits. Then waiting requests are admitted from the priority wait queue while budget,
+pages and the running cap allow. When pages run out, unreferenced cache is evicted; if
+that is not enough, the newest running request is preempted: its computed pages go to the
+cache, and it waits at the front of its group to be recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from preble_backend.block_manager import BlockManager
+from preble_backend.priority_queue import PriorityWaitQueue
+from preble_backend.request import Request, Status
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+
+    def drop(self, req: Request) -> int:
+        i = self.requests.index(req)
+        self.requests.pop(i)
+        return self.num_new_tokens.pop(i)
+
+
+@dataclass
+class SchedulerStats:
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    num_preemptions: int = 0
+
+
+class LocalScheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        waiting: PriorityWaitQueue,
+        chunk_size: int,
+        max_running_requests: int,
+    ) -> None:
+        self.blocks = blocks
+        self.waiting = waiting
+        self.running: list[Request] = []  # in admission order
+        self.chunk_size = chunk_size
+        self.max_running = max_running_requests
+        self.stats = SchedulerStats()
+
+    def add(self, req: Request, front: bool = False) -> None:
+        cache = self.blocks.cache
+        cached = cache.cached_len(req.all_ids) if cache is not None else 0
+        req.status = Status.WAITING
+        self.waiting.push(req, self.waiting.group_for(cached, req.num_tokens), front=front)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.chunk_size
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
+            if n <= 0:
+                continue
+            while not self.blocks.reserve(req, n):
+                victim = self.running[-1]
+                if victim in batch.requests:
+                    budget += batch.drop(victim)
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                batch.add(req, n)
+                budget -= n
+        self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        for req in self.waiting.candidates():
+            if budget <= 0 or len(self.running) >= self.max_running:
+                return
+            cached = self.blocks.admit(req)
+            n = min(req.num_uncomputed, budget)
+            if not self.blocks.reserve(req, n):
+                self.blocks.release(req)
+                return
+            self.waiting.take(req)
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(cached, len(req.prompt_ids))
+            self.stats.prompt_tokens_cached += min(cached, len(req.prompt_ids))
+            req.status = Status.RUNNING
+            self.running.append(req)
+            batch.add(req, n)
+            budget -= n
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Account for an iteration that computed ``batch``; share finished prefill pages."""
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            p = len(req.prompt_ids)
+            self.stats.prompt_tokens_computed += min(req.num_computed + n, p) - min(req.num_computed, p)
+            req.num_computed += n
+            if n > 1:
+                self.blocks.share_computed(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req)
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.add(req, front=True)
+
+    def finish(self, req: Request) -> None:
+        """Release a running or waiting request (finished or aborted)."""
+        if req in self.running:
+            self.running.remove(req)
+            self.blocks.release(req)
+        else:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED

@@ -1,0 +1,129 @@
+"""What the engine needs to know about a Llama-family checkpoint, read from its config.json.
+
+Hugging Face has written RoPE settings two ways (``rope_theta`` + ``rope_scaling`` before
+transformers 5, one ``rope_parameters`` dict after); both are accepted here so checkpoints
+from either era load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    rope: dict = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @property
+    def max_context(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, model_path: str | Path) -> ModelConfig:
+        path = Path(model_path) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model_path {model_path!s} has no config.json")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch!r} is not supported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = cfg["num_attention_heads"]
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        window = cfg.get("sliding_window")
+        if window and (family == "mistral" or cfg.get("use_sliding_window")) and window < max_pos:
+            # Sliding-window attention is not implemented; cap the context where it is exact.
+            max_pos = window
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope = _rope_parameters(cfg)
+        return cls(
+            architecture=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            max_position_embeddings=max_pos,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            rope=rope,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    def inv_freq(self) -> torch.Tensor:
+        """RoPE inverse frequencies, computed exactly as Hugging Face does."""
+        base = self.rope["rope_theta"]
+        dim = self.head_dim
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        kind = self.rope["rope_type"]
+        if kind == "linear":
+            inv = inv / self.rope["factor"]
+        elif kind == "llama3":
+            inv = _llama3_inv_freq(inv, self.rope)
+        return inv
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {kind!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+    params["rope_type"] = kind
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent rescaling: long wavelengths stretched, short kept."""
+    factor = rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

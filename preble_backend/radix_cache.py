@@ -1,0 +1,213 @@
+"""Radix prefix cache over the paged KV pool (SGLang-style, page-granular).
+
+Keys are token ids and matching compares them exactly, but storage is page-granular: every
+node holds a whole number of full pages, and nodes split only at page boundaries. A
+request's partially filled last page is therefore never shared: it stays private to the
+request while it runs and goes back to the free list when it ends (its tokens are
+recomputed by whoever needs them next). Full pages never change once written, so sharing
+needs no copy-on-write.
+
+Running requests hold a reference (``lock``) on the node that ends their cached prefix;
+the reference protects the whole path to the root. Eviction takes unreferenced leaves in
+least-recently-used order, and only the tail of a leaf when that is enough. Every page
+added or removed is reported as a ``CacheEvent`` so a global scheduler can mirror the
+cache exactly.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+_clock = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """``tokens[start:]`` was stored in, or evicted from, the cache; ``tokens[:start]`` is
+    the prefix that stays cached above it (the path from the root)."""
+
+    kind: Literal["stored", "evicted"]
+    tokens: tuple[int, ...]
+    start: int
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def path_tokens(self) -> list[int]:
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
+
+class RadixCache:
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.root = TreeNode(lock_ref=1)  # the root is never evicted
+        self.events: list[CacheEvent] = []
+        self.num_pages = 0  # pages held by the tree
+        self.num_locked_pages = 0  # of those, pages on a path some request references
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def _first(self, tokens: list[int], pos: int) -> tuple[int, ...]:
+        return tuple(tokens[pos : pos + self.page_size])
+
+    def _common_pages(self, node: TreeNode, tokens: list[int], pos: int) -> int:
+        ps, n = self.page_size, 0
+        limit = min(len(node.pages), (len(tokens) - pos) // ps)
+        while n < limit and node.key[n * ps : (n + 1) * ps] == tokens[pos + n * ps : pos + (n + 1) * ps]:
+            n += 1
+        return n
+
+    def cached_len(self, tokens: list[int]) -> int:
+        """How many leading tokens are cached (page-aligned), touching nothing."""
+        node, pos = self.root, 0
+        while (child := node.children.get(self._first(tokens, pos))) is not None:
+            n = self._common_pages(child, tokens, pos)
+            pos += n * self.page_size
+            if n < len(child.pages):
+                break
+            node = child
+        return pos
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+        """Pages of the longest cached prefix and the node it ends at (split to fit)."""
+        node, pos, pages = self.root, 0, []
+        stamp = next(_clock)
+        while (child := node.children.get(self._first(tokens, pos))) is not None:
+            n = self._common_pages(child, tokens, pos)
+            partial = n < len(child.pages)
+            if partial:
+                child = self._split(child, n)
+            child.last_access = stamp
+            pages.extend(child.pages)
+            pos += n * self.page_size
+            node = child
+            if partial:
+                break
+        return pages, node
+
+    def _split(self, node: TreeNode, n_pages: int) -> TreeNode:
+        """Cut ``node`` after ``n_pages``; return the new upper half (same parent)."""
+        cut = n_pages * self.page_size
+        upper = TreeNode(
+            key=node.key[:cut],
+            pages=node.pages[:n_pages],
+            parent=node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
+        node.parent.children[self._first(upper.key, 0)] = upper
+        node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
+        upper.children[self._first(node.key, 0)] = node
+        return upper
+
+    # ---- insertion ------------------------------------------------------------------------
+
+    def insert(self, tokens: list[int], pages: list[int]) -> tuple[list[int], TreeNode]:
+        """Cache ``tokens`` (whole pages only) stored in ``pages``.
+
+        Returns the tree's pages for the sequence and its end node. Where the tree already
+        held a prefix, its own pages win: the caller frees any of ``pages`` that differ.
+        """
+        ps = self.page_size
+        usable = min(len(tokens) // ps, len(pages))
+        tokens, pages = tokens[: usable * ps], pages[:usable]
+        node, pos, canonical = self.root, 0, []
+        stamp = next(_clock)
+        while pos < len(tokens):
+            child = node.children.get(self._first(tokens, pos))
+            if child is None:
+                leaf = TreeNode(key=tokens[pos:], pages=pages[pos // ps :], parent=node)
+                leaf.last_access = stamp
+                node.children[self._first(leaf.key, 0)] = leaf
+                self.num_pages += len(leaf.pages)
+                canonical.extend(leaf.pages)
+                self.events.append(CacheEvent("stored", tuple(tokens), pos))
+                return canonical, leaf
+            n = self._common_pages(child, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = stamp
+            canonical.extend(child.pages)
+            pos += n * ps
+            node = child
+        return canonical, node
+
+    # ---- references -----------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.num_locked_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.num_locked_pages -= len(node.pages)
+            node = node.parent
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.num_pages - self.num_locked_pages
+
+    # ---- eviction -------------------------------------------------------------------------
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least ``num_pages`` pages (fewer if not enough are unreferenced), LRU first."""
+        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while len(freed) < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            keep = max(0, len(leaf.pages) - (num_pages - len(freed)))
+            freed.extend(self._drop_tail(leaf, keep))
+            parent = leaf.parent
+            if keep == 0 and parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _drop_tail(self, leaf: TreeNode, keep: int) -> list[int]:
+        cut = keep * self.page_size
+        path = leaf.path_tokens()
+        start = len(path) - len(leaf.key) + cut
+        self.events.append(CacheEvent("evicted", tuple(path), start))
+        dropped = leaf.pages[keep:]
+        self.num_pages -= len(dropped)
+        if keep == 0:
+            del leaf.parent.children[self._first(leaf.key, 0)]
+        else:
+            leaf.key, leaf.pages = leaf.key[:cut], leaf.pages[:keep]
+        return dropped
+
+    def _leaves(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                yield node
+
+    def reset(self) -> list[int]:
+        """Drop every unreferenced page (used by tests and by ``flush_cache``)."""
+        return self.evict(self.num_pages)
+
+    def drain_events(self) -> list[CacheEvent]:
+        events, self.events = self.events, []
+        return events

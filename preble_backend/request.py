@@ -1,0 +1,77 @@
+"""A request's life inside one engine: its tokens, its KV pages and its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from preble_backend.radix_cache import TreeNode
+from preble_backend.sampling import SamplerState, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a streaming callback receives: tokens since the last call, and on the last
+    call the finish reason."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: SamplerState
+    callback: Callable[[RequestOutput], None] | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    # KV state: page_table[:num_tree_pages] belongs to the radix cache (locked through
+    # cache_node); the rest is private to this request.
+    page_table: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    cache_node: TreeNode | None = None
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def output(self, new_tokens: list[int], error: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            token_ids=new_tokens,
+            finished=self.status is Status.FINISHED,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(self.prompt_ids),
+            num_cached_tokens=self.num_cached_tokens or 0,
+            num_output_tokens=len(self.output_ids),
+            error=error,
+        )

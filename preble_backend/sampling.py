@@ -1,0 +1,138 @@
+"""Sampling parameters (the vLLM-backend JSON keys), their validation, and the sampler."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+import torch
+
+_INT_KEYS = ("max_tokens", "min_tokens", "top_k", "seed")
+_FLOAT_KEYS = ("temperature", "top_p")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit, as in vLLM
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> SamplingParams:
+        """Build from the JSON object clients send; every wrong key or type is named."""
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        kwargs = {}
+        for key, value in raw.items():
+            if value is None:
+                continue
+            if key in _INT_KEYS:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"sampling parameter {key} must be an integer, got {value!r}")
+            elif key in _FLOAT_KEYS:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"sampling parameter {key} must be a number, got {value!r}")
+                value = float(value)
+            elif key == "ignore_eos":
+                if not isinstance(value, bool):
+                    raise ValueError(f"sampling parameter ignore_eos must be a boolean, got {value!r}")
+            elif key == "stop":
+                value = (value,) if isinstance(value, str) else value
+                if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
+                    raise ValueError("sampling parameter stop must be a string or list of strings")
+                value = tuple(value)
+            elif key == "stop_token_ids":
+                if not isinstance(value, list | tuple) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in value
+                ):
+                    raise ValueError("sampling parameter stop_token_ids must be a list of integers")
+                value = tuple(value)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str | bytes | None) -> SamplingParams:
+        if text is None or (isinstance(text, str | bytes) and not text.strip()):
+            return cls()
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("sampling_parameters must be a JSON object")
+        return cls.from_dict(raw)
+
+
+@dataclass
+class SamplerState:
+    """Per-request random state, so a seeded request samples the same tokens in any batch."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = field(default=None)
+
+    @classmethod
+    def create(cls, params: SamplingParams, device) -> SamplerState:
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=device)
+            if params.seed is not None:
+                gen.manual_seed(params.seed)
+            else:
+                gen.seed()
+        return cls(params, gen)
+
+
+def sample(logits: torch.Tensor, states: list[SamplerState], banned: list[list[int]]) -> list[int]:
+    """One token per row; ``banned`` ids (EOS/stops before ``min_tokens``) get -inf."""
+    out: list[int] = []
+    for row, state, ban in zip(logits, states, banned):
+        if ban:
+            row = row.clone()
+            row[ban] = float("-inf")
+        p = state.params
+        if p.greedy:
+            out.append(int(torch.argmax(row)))
+            continue
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[-1]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
+            keep[0] = True
+            mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order[keep], True)
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+            probs = probs / probs.sum()
+        out.append(int(torch.multinomial(probs, 1, generator=state.generator)))
+    return out
