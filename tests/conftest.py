@@ -1,0 +1,142 @@
+"""Shared fixtures: small random-init checkpoints written by the tests themselves, Hugging
+Face reference generation, and engines whose every KV page is checked at teardown."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _preble_cache(tmp_path_factory):
+    """The tiny model is written once per session into a private cache."""
+    os.environ["PREBLE_CACHE"] = str(tmp_path_factory.mktemp("preble-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(_preble_cache) -> str:
+    from preble_backend.tiny_model import tiny_model_path
+
+    return str(tiny_model_path())
+
+
+def _write_random_checkpoint(path: Path, config, seed: int) -> str:
+    """Save a Hugging Face model of ``config`` with seeded N(0, 0.1) weights (norms at 1)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def qwen2_gqa_model(tmp_path_factory) -> str:
+    """Qwen2-style: qkv bias, GQA 4:1, untied embeddings."""
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_id=1, bos_token_id=0,
+    )  # fmt: skip
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    return _write_random_checkpoint(tmp_path_factory.mktemp("qwen2"), cfg, seed=11)
+
+
+@pytest.fixture(scope="session")
+def llama3_tied_model(tmp_path_factory) -> str:
+    """Llama-3 rope scaling, tied embeddings, GQA 2:1, head_dim 32."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=384, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, eos_token_id=1, bos_token_id=0, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    return _write_random_checkpoint(tmp_path_factory.mktemp("llama3"), cfg, seed=12)
+
+
+@pytest.fixture(scope="session", params=["tiny", "qwen2_gqa", "llama3_tied"])
+def any_model(request) -> str:
+    return request.getfixturevalue({"tiny": "tiny_model", "qwen2_gqa": "qwen2_gqa_model",
+                                    "llama3_tied": "llama3_tied_model"}[request.param])  # fmt: skip
+
+
+class HFReference:
+    """Greedy continuations from transformers' own ``generate``, memoized per prompt."""
+
+    _models: dict[str, torch.nn.Module] = {}
+
+    def __init__(self, model_path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if model_path not in self._models:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self._models[model_path] = model.eval()
+        self.model = self._models[model_path]
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+            do_sample=False, pad_token_id=self.model.config.eos_token_id,
+        )  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture
+def hf_reference():
+    return HFReference
+
+
+@pytest.fixture
+def make_engine():
+    """Build engines; at teardown each must hold no request and, after the unreferenced
+    cache is flushed, have every KV page back on the free list."""
+    from preble_backend.config import EngineConfig
+    from preble_backend.engine import Engine
+
+    engines: list[Engine] = []
+
+    def build(model_path: str, **overrides) -> Engine:
+        engine = Engine(EngineConfig(model_path=model_path, **overrides))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.shutdown()
+        assert_all_pages_free(engine)
+
+
+def assert_all_pages_free(engine) -> None:
+    stats = engine.stats()
+    assert stats["running"] == 0 and stats["waiting"] == 0, stats
+    if engine.cache is not None:
+        assert engine.cache.num_locked_pages == 0
+        assert stats["kv_pages_used"] == stats["kv_pages_cached"], stats
+    engine.flush_cache()
+    assert engine.pool.num_free == engine.pool.num_pages
+    assert len(set(engine.pool._free)) == engine.pool.num_pages  # no page freed twice
+
+
+def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]
