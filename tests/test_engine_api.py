@@ -1,0 +1,194 @@
+"""The engine's request API: validation, sampling and stopping, abort, the runner thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from preble_backend.config import EngineConfig
+from preble_backend.sampling import SamplerState, SamplingParams, sample
+
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture
+def engine(tiny_model, make_engine):
+    return make_engine(tiny_model, page_size=8, chunk_size=32, max_num_tokens=1024)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], {}, "prompt is empty"),
+        ([5] * 4090, {"max_tokens": 16}, "over the model's context length of 4096"),
+        ([5, 2048], {}, "token id 2048 is outside the vocabulary [0, 2048)"),
+        ([5, -1], {}, "token id -1 is outside the vocabulary"),
+        ([5], {"max_tokens": 0}, "max_tokens must be >= 1"),
+        ([5], {"max_tokens": -1}, "max_tokens must be >= 1"),
+        ([5], {"temperature": -0.5}, "temperature must be >= 0"),
+        ([5], {"top_p": 0}, "top_p must be in (0, 1]"),
+        ([5], {"top_p": 1.5}, "top_p must be in (0, 1]"),
+        ([5], {"top_k": 0}, "top_k must be -1 (off) or >= 1"),
+        ([5], {"beam_width": 2}, "unknown sampling parameter(s): beam_width"),
+        ([5], {"max_tokens": "8"}, "max_tokens must be an integer"),
+        ([5], {"temperature": "hot"}, "temperature must be a number"),
+        ([5], {"min_tokens": 9, "max_tokens": 4}, "min_tokens must be in [0, max_tokens=4]"),
+        ([5], {"stop": [""]}, "stop strings must be non-empty"),
+        ([5] * 1020, {"max_tokens": 8}, "exceeds the KV pool (1024 tokens)"),
+    ],
+)
+def test_bad_input_is_named_and_the_engine_keeps_serving(
+    engine, hf_reference, tiny_model, prompt, params, message
+):
+    [good] = random_prompts([20], 2048, seed=20)
+    engine.add_request("good", good, {**GREEDY, "max_tokens": 6})
+    with pytest.raises(ValueError) as err:
+        engine.add_request("bad", prompt, params)
+    assert message in str(err.value)
+    outputs = []
+    engine.add_request("after", good, {**GREEDY, "max_tokens": 6}, outputs.append)
+    while engine.has_work():
+        engine.step()
+    assert [t for o in outputs for t in o.token_ids] == hf_reference(tiny_model).greedy(good, 6)
+
+
+def test_duplicate_request_id_is_refused(engine):
+    engine.add_request("same", [5, 6], {"max_tokens": 2})
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("same", [5, 6], {"max_tokens": 2})
+    while engine.has_work():
+        engine.step()
+
+
+def test_sampling_parameters_json():
+    assert SamplingParams.from_json('{"max_tokens": 3, "stop": "x"}') == SamplingParams(
+        max_tokens=3, stop=("x",)
+    )
+    assert SamplingParams.from_json("") == SamplingParams()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SamplingParams.from_json("{max_tokens: 3")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        SamplingParams.from_json("[1, 2]")
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    prompts = random_prompts([12, 30], 2048, seed=21)
+    params = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7, "max_tokens": 12}
+    alone = engine.generate(prompts[:1], params)
+    together = engine.generate(prompts, params)
+    assert together[0] == alone[0]
+    assert engine.generate(prompts[:1], {**params, "seed": 8}) != alone
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    greedy = logits.argmax(-1).tolist()
+    for params in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6, seed=1)):
+        states = [SamplerState.create(params, "cpu") for _ in range(3)]
+        assert sample(logits, states, [[], [], []]) == greedy
+
+
+def test_banned_tokens_are_never_sampled():
+    logits = torch.zeros(1, 5)
+    logits[0, 3] = 100.0
+    state = SamplerState.create(SamplingParams(temperature=0), "cpu")
+    assert sample(logits, [state], [[3]]) != [3]
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(engine, hf_reference, tiny_model):
+    [prompt] = random_prompts([25], 2048, seed=22)
+    ref = hf_reference(tiny_model).greedy(prompt, 10)
+    stop_at = ref[4]
+    first = ref.index(stop_at)
+    out = engine.generate([prompt], {**GREEDY, "max_tokens": 10, "stop_token_ids": [stop_at]})
+    assert out == [ref[: first + 1]]
+    # min_tokens forbids the stop token until that many tokens exist: the output diverges.
+    late = engine.generate(
+        [prompt], {**GREEDY, "max_tokens": 10, "min_tokens": 8, "stop_token_ids": [stop_at]}
+    )
+    assert len(late[0]) >= 8 and stop_at not in late[0][:8]
+
+
+def test_stop_strings_end_generation(engine, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    [prompt] = random_prompts([25], 2048, seed=23)
+    [full] = engine.generate([prompt], {**GREEDY, "max_tokens": 12})
+    text = tok.decode(full)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    outputs = []
+    engine.add_request("s", prompt, {**GREEDY, "max_tokens": 12, "stop": [stop]}, outputs.append)
+    while engine.has_work():
+        engine.step()
+    got = [t for o in outputs for t in o.token_ids]
+    assert outputs[-1].finish_reason == "stop"
+    assert stop in tok.decode(got) and stop not in tok.decode(got[:-1])
+    assert full[: len(got)] == got
+
+
+def test_finish_reasons_and_counts_stream_to_the_callback(engine):
+    [prompt] = random_prompts([10], 2048, seed=24)
+    outputs = []
+    engine.add_request("r", prompt, {**GREEDY, "max_tokens": 5, "ignore_eos": True}, outputs.append)
+    while engine.has_work():
+        engine.step()
+    assert [len(o.token_ids) for o in outputs] == [1] * 5
+    assert [o.finished for o in outputs] == [False] * 4 + [True]
+    last = outputs[-1]
+    assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens) == ("length", 10, 5)
+
+
+def test_abort_frees_pages_midway(engine):
+    prompts = random_prompts([100, 40], 2048, seed=25)
+    outputs = []
+    engine.add_request("a", prompts[0], {**GREEDY, "max_tokens": 50}, outputs.append)
+    engine.add_request("b", prompts[1], {**GREEDY, "max_tokens": 3})
+    for _ in range(6):
+        engine.step()
+    engine.abort("a")
+    engine.abort("no-such-request")  # ignored
+    while engine.has_work():
+        engine.step()
+    assert outputs[-1].finish_reason == "abort" and outputs[-1].finished
+    assert engine.stats()["running"] == 0  # teardown checks every page came back
+
+
+def test_runner_thread_serves_many_client_threads(tiny_model, make_engine, hf_reference):
+    engine = make_engine(tiny_model, page_size=8, chunk_size=48)
+    prompts = random_prompts([9, 31, 57, 4, 22, 80], 2048, seed=26)
+    engine.start()
+    results: dict[int, list[int]] = {}
+    done = threading.Event()
+
+    def submit(i: int) -> None:
+        def on_output(out):
+            results.setdefault(i, []).extend(out.token_ids)
+            if out.finished and len(results) == len(prompts) and all(len(v) == 8 for v in results.values()):
+                done.set()
+
+        engine.add_request(f"t{i}", prompts[i], {**GREEDY, "max_tokens": 8, "ignore_eos": True}, on_output)
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert done.wait(60)
+    engine.shutdown()
+    ref = hf_reference(tiny_model)
+    assert [results[i] for i in range(len(prompts))] == [ref.greedy(p, 8) for p in prompts]
+
+
+def test_engine_config_names_the_bad_key(tiny_model):
+    with pytest.raises(ValueError, match="page_size=12"):
+        EngineConfig(model_path=tiny_model, page_size=12)
+    with pytest.raises(ValueError, match="chunk_size='big' is invalid"):
+        EngineConfig.from_strings({"model_path": tiny_model, "chunk_size": "big"})
+    with pytest.raises(ValueError, match="unknown engine parameter"):
+        EngineConfig.from_strings({"model_path": tiny_model, "chunk": "1"})
+    cfg = EngineConfig.from_strings({"model_path": tiny_model, "enable_prefix_caching": "false"})
+    assert cfg.enable_prefix_caching is False

@@ -1,0 +1,108 @@
+"""The paper's priority wait queue and the iteration batches the local scheduler forms."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_prompts
+
+from preble_backend.block_manager import BlockManager
+from preble_backend.local_scheduler import LocalScheduler
+from preble_backend.priority_queue import PriorityWaitQueue
+from preble_backend.radix_cache import RadixCache
+from test_radix_cache import make_request, tiny_pool
+
+
+@pytest.mark.parametrize(
+    "cached, prompt, group",
+    [(63, 100, 6), (0, 100, 0), (1, 100, 0), (10, 100, 0), (11, 100, 1), (100, 100, 9), (99, 100, 9)],
+)
+def test_group_is_ceil_of_hit_ratio_times_p_minus_one(cached, prompt, group):
+    # The paper's example: 63 of 100 tokens cached with P = 10 is priority six.
+    assert PriorityWaitQueue(10, 10).group_for(cached, prompt) == group
+
+
+def test_round_quotas_are_g_plus_one_times_k_fcfs_inside_a_group():
+    q = PriorityWaitQueue(num_groups=3, quota_unit=2)  # quotas 2, 4, 6 for groups 0, 1, 2
+    reqs = {g: [make_request([g], rid=f"{g}-{i}") for i in range(8)] for g in range(3)}
+    for g in range(3):
+        for r in reqs[g]:
+            q.push(r, g)
+    admitted = []
+    for _ in range(3):  # three scheduling steps admitting 4 requests each
+        for r in list(q.candidates())[:4]:
+            q.take(r)
+            admitted.append(r.request_id)
+    # Round one: all 6 of group 2, then 4 of group 1, then 2 of group 0 (12 = 2 + 4 + 6).
+    assert admitted == [f"2-{i}" for i in range(6)] + [f"1-{i}" for i in range(4)] + ["0-0", "0-1"]
+    # Round two starts with fresh quotas: group 2's remaining two lead again.
+    assert [r.request_id for r in q.candidates()][:3] == ["2-6", "2-7", "1-4"]
+
+
+def test_preempted_request_goes_to_the_front_of_its_group():
+    q = PriorityWaitQueue(2, 1)
+    a, b, c = (make_request([i], rid=i) for i in range(3))
+    q.push(a, 1)
+    q.push(b, 1)
+    q.push(c, 1, front=True)
+    assert [r.request_id for r in q.candidates()] == ["2", "0"]  # group 1's quota: (1 + 1) * 1
+    assert q.remove(b) and not q.remove(b)
+    assert len(q) == 2
+
+
+def make_scheduler(chunk_size=8, max_running=8, num_pages=24):
+    pool = tiny_pool(num_pages)
+    blocks = BlockManager(pool, RadixCache(pool.page_size))
+    return LocalScheduler(blocks, PriorityWaitQueue(10, 10), chunk_size, max_running)
+
+
+def test_batches_mix_decodes_and_prefill_chunks_under_the_token_budget():
+    sched = make_scheduler(chunk_size=8)
+    long, short = make_request(list(range(20)), "long"), make_request([7, 8, 9], "short")
+    sched.add(long)
+    sched.add(short)
+    batch = sched.schedule()
+    assert [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)] == [("long", 8)]
+    sched.advance(batch)
+    batch = sched.schedule()  # long continues its prefill, short gets nothing yet (budget 8)
+    assert [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)] == [("long", 8)]
+    sched.advance(batch)
+    batch = sched.schedule()  # long's last 4 tokens, then short's whole prompt
+    assert [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)] == [
+        ("long", 4),
+        ("short", 3),
+    ]
+    sched.advance(batch)
+    long.output_ids.append(1)  # both sampled a token: now they decode one token each
+    short.output_ids.append(1)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [1, 1]
+    for r in (long, short):
+        sched.finish(r)
+
+
+def test_running_cap_holds_requests_back():
+    sched = make_scheduler(chunk_size=64, max_running=2)
+    reqs = [make_request(p, i) for i, p in enumerate(random_prompts([5, 5, 5], 50))]
+    for r in reqs:
+        sched.add(r)
+    assert len(sched.schedule()) == 2 and len(sched.waiting) == 1
+    for r in reqs:
+        sched.finish(r)
+
+
+def test_out_of_pages_preempts_the_newest_request():
+    # 6 pages of 4 tokens; two requests of 10 tokens use 3 pages each; the first to grow
+    # past its third page forces the newer one out.
+    sched = make_scheduler(chunk_size=64, num_pages=6)
+    old, new = make_request(list(range(10)), "old"), make_request(list(range(50, 62)), "new")
+    sched.add(old)
+    sched.add(new)
+    sched.advance(sched.schedule())
+    for r, extra in ((old, [1, 2, 3]), (new, [])):
+        r.output_ids.extend(extra)  # old now holds 13 tokens: it needs a fourth page
+        r.num_computed = r.num_tokens - 1 if extra else r.num_computed
+    batch = sched.schedule()
+    assert batch.requests == [old] and sched.stats.num_preemptions == 1
+    assert new in list(sched.waiting) and new.num_computed == 0
+    for r in (old, new):
+        sched.finish(r)
