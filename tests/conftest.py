@@ -140,3 +140,18 @@ def assert_all_pages_free(engine) -> None:
 def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def make_request(tokens: list[int], rid: int | str = 0):
+    from preble_backend.request import Request
+    from preble_backend.sampling import SamplerState, SamplingParams
+
+    params = SamplingParams(max_tokens=1)
+    return Request(str(rid), list(tokens), params, SamplerState.create(params, "cpu"))
+
+
+def tiny_pool(num_pages: int = 24, page_size: int = 4):
+    """A KV pool with one-number pages: for tests of page bookkeeping alone."""
+    from preble_backend.kv_pool import KVPool
+
+    return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+from conftest import make_request, random_prompts, tiny_pool
 
 from preble_backend.block_manager import BlockManager
 from preble_backend.local_scheduler import LocalScheduler
 from preble_backend.priority_queue import PriorityWaitQueue
 from preble_backend.radix_cache import RadixCache
-from test_radix_cache import make_request, tiny_pool
 
 
 @pytest.mark.parametrize(

@@ -3,28 +3,17 @@ admissions, releases, matches and evictions (property-based), plus hand-made cas
 
 from __future__ import annotations
 
-import torch
+from conftest import make_request, tiny_pool
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from preble_backend.block_manager import BlockManager
-from preble_backend.kv_pool import KVPool
 from preble_backend.radix_cache import RadixCache
 from preble_backend.request import Request
-from preble_backend.sampling import SamplerState, SamplingParams
 
 PAGE = 4
-NUM_PAGES = 24
-
-
-def make_request(tokens: list[int], rid: int = 0) -> Request:
-    params = SamplingParams(max_tokens=1)
-    return Request(str(rid), list(tokens), params, SamplerState.create(params, "cpu"))
-
-
-def tiny_pool(num_pages: int = NUM_PAGES) -> KVPool:
-    return KVPool(num_pages, PAGE, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+NUM_PAGES = 24  # tiny_pool's defaults
 
 
 def walk(node):
