@@ -25,4 +25,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) -m preble_backend.bench_prefix_cache
+	$(PY) -m client.bench_prefix_cache
