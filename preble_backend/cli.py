@@ -1,13 +1,18 @@
-"""The ``preble`` command. ``demo`` runs the engine on the tiny model from the command line."""
+"""The ``preble`` command: ``serve`` a model repository in tritonserver, write one with
+``repo``, or run the engine alone on the command line with ``demo``."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+from pathlib import Path
 
 from preble_backend.config import EngineConfig
 from preble_backend.engine import Engine
+from preble_backend.launcher import LaunchError, ServerPorts, start_server
+from preble_backend.repository import write_repository
 from preble_backend.tiny_model import tiny_model_path
 
 
@@ -44,9 +49,78 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run tritonserver until Ctrl-C or SIGTERM; one clear line on any failure."""
+    ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
+    try:
+        server = start_server(args.model_repository, ports, log_path=args.log_file)
+    except LaunchError as exc:
+        print(f"preble serve: {exc}", file=sys.stderr)
+        return 1
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    print(
+        f"preble serve: starting tritonserver on {args.model_repository} (log: {server.log_path})", flush=True
+    )
+    try:
+        while not server.is_ready():
+            if stop:
+                server.stop()
+                return 0
+            if server.process.poll() is not None:
+                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+                server.stop()
+                return 1
+            time.sleep(0.25)
+        for kind, url in ports.endpoints().items():
+            print(f"  {kind:8s} {url}")
+        print(
+            '  generate: curl -X POST {}/v2/models/preble/generate -d \'{{"text_input": "Hello", '
+            '"sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''.format(ports.endpoints()["http"])
+        )
+        print("ready; Ctrl-C to stop", flush=True)
+        while not stop and server.process.poll() is None:
+            time.sleep(0.25)
+        if not stop:
+            print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+            return 1
+    finally:
+        code = server.stop()
+    print(f"preble serve: stopped (tritonserver exit code {code})")
+    return 0
+
+
+def repo(args: argparse.Namespace) -> int:
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    remotes = [r for r in (args.remote or "").split(",") if r]
+    root = write_repository(args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines,
+                            policy=args.policy, remote_engines=remotes)  # fmt: skip
+    print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="preble", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="start tritonserver on a model repository and wait")
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-file", default=None, help="tritonserver log (default: a temporary file)")
+    p.set_defaults(func=serve)
+    p = sub.add_parser("repo", help="write a model repository for a model directory")
+    p.add_argument("output", help="directory to write")
+    p.add_argument("--model-path", default="tiny", help="local HF model directory ('tiny': embedded model)")
+    p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
+    p.add_argument("--cpu-engines", type=int, default=2, help="CPU engines when no --gpus")
+    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
+    p.set_defaults(func=repo)
     p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")
     p.add_argument("--model-path", default=None, help="local HF model directory (default: tiny model)")
     p.add_argument("--max-tokens", type=int, default=32)

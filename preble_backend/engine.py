@@ -12,6 +12,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -45,6 +46,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -115,16 +117,34 @@ class Engine:
             self._aborts.append(request_id)
             self._wake.notify()
 
+    def run_in_loop(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the loop's thread between iterations (for anything that touches the
+        cache or the queues from outside, such as a cache flush)."""
+        future: Future = Future()
+        with self._wake:
+            if self._thread is not None:
+                self._calls.append((fn, future))
+                self._wake.notify()
+                return future
+        future.set_result(fn())
+        return future
+
     # ---- the iteration loop ---------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self._aborts or self.scheduler.has_work())
+        return bool(self._inbox or self._aborts or self._calls or self.scheduler.has_work())
 
     def step(self) -> None:
         """One iteration: take new requests and aborts, run one batch, stream its tokens."""
         with self._wake:
             inbox, self._inbox = list(self._inbox), deque()
             aborts, self._aborts = list(self._aborts), deque()
+            calls, self._calls = list(self._calls), deque()
+        for fn, future in calls:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
         for req in inbox:
             self.scheduler.add(req)
         for request_id in aborts:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,7 +56,7 @@ class RadixCache:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
-        self.events: list[CacheEvent] = []
+        self.events: deque[CacheEvent] = deque()  # appends and pops are thread-safe
         self.num_pages = 0  # pages held by the tree
         self.num_locked_pages = 0  # of those, pages on a path some request references
 
@@ -209,5 +210,5 @@ class RadixCache:
         return self.evict(self.num_pages)
 
     def drain_events(self) -> list[CacheEvent]:
-        events, self.events = self.events, []
-        return events
+        """Events since the last drain; safe to call from another thread."""
+        return [self.events.popleft() for _ in range(len(self.events))]

@@ -1,0 +1,1 @@
+from preble_backend.triton_router import TritonPythonModel  # noqa: F401

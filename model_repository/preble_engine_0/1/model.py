@@ -1,0 +1,1 @@
+from preble_backend.triton_engine import TritonPythonModel  # noqa: F401

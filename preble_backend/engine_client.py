@@ -1,0 +1,175 @@
+"""How the router reaches an engine: BLS for engines in the same tritonserver, gRPC
+streaming for engines on other servers (``grpc://host:port/model``). Both stream
+``EngineResponse``s and take the same control operations."""
+
+from __future__ import annotations
+
+import json
+import queue
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+ENGINE_OUTPUTS = ("token_ids", "finish_reason", "num_cached_tokens", "report")
+REMOTE_TIMEOUT_S = 600.0
+
+
+class EngineError(RuntimeError):
+    """The engine refused or failed the request; the message is the engine's."""
+
+
+@dataclass(frozen=True)
+class EngineResponse:
+    token_ids: list[int]
+    final: bool
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    report: str | None = None
+
+
+def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
+    """Decode one engine response; an empty one (a bare final flag) gives None."""
+    if all(v is None for v in outputs.values()):
+        return None
+    tokens = outputs.get("token_ids")
+    reason = outputs.get("finish_reason")
+    cached = outputs.get("num_cached_tokens")
+    report = outputs.get("report")
+
+    def text(a):
+        return None if a is None else bytes(a.reshape(-1)[0]).decode()
+
+    return EngineResponse(
+        token_ids=[] if tokens is None else tokens.reshape(-1).tolist(),
+        final=reason is not None,
+        finish_reason=text(reason),
+        num_cached_tokens=0 if cached is None else int(cached.reshape(-1)[0]),
+        report=text(report),
+    )
+
+
+class EngineClient(ABC):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @abstractmethod
+    def _call(self, inputs: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray | None]]:
+        """Send one request; yield each response's outputs; raise EngineError on error."""
+
+    def generate(self, request_id: str, input_ids: list[int], params_json: str) -> Iterator[EngineResponse]:
+        inputs = {
+            "input_ids": np.asarray(input_ids, dtype=np.int32),
+            "sampling_parameters": np.array([params_json.encode()], dtype=np.object_),
+            "request_id": np.array([request_id.encode()], dtype=np.object_),
+        }
+        for outputs in self._call(inputs):
+            resp = _response(outputs)
+            if resp is not None:
+                yield resp
+
+    def control(self, op: str, **fields) -> str:
+        """Run a control operation; return the engine's report (JSON)."""
+        body = json.dumps({"op": op, **fields}).encode()
+        report = None
+        for outputs in self._call({"control": np.array([body], dtype=np.object_)}):
+            resp = _response(outputs)
+            if resp is not None and resp.report is not None:
+                report = resp.report
+        if report is None:
+            raise EngineError(f"engine {self.name} sent no report for control op {op!r}")
+        return report
+
+    def abort(self, request_id: str) -> None:
+        self.control("abort", request_id=request_id)
+
+
+class LocalEngine(EngineClient):
+    """An engine model in this tritonserver, called through decoupled BLS."""
+
+    def _call(self, inputs):
+        import triton_python_backend_utils as pb_utils
+
+        request = pb_utils.InferenceRequest(
+            model_name=self.name,
+            requested_output_names=list(ENGINE_OUTPUTS),
+            inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
+        )
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                raise EngineError(response.error().message())
+            yield {
+                name: (
+                    t.as_numpy()
+                    if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None
+                    else None
+                )
+                for name in ENGINE_OUTPUTS
+            }
+
+
+class RemoteEngine(EngineClient):
+    """An engine model on another tritonserver, over a gRPC stream per request (errors on
+    a shared stream do not say which request they belong to)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        super().__init__(f"grpc://{url}/{model}")
+        self.url, self.model = url, model
+
+    def _call(self, inputs):
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
+
+        client = grpcclient.InferenceServerClient(self.url)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        try:
+            tensors = []
+            for name, value in inputs.items():
+                t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+                t.set_data_from_numpy(value)
+                tensors.append(t)
+            client.async_stream_infer(
+                self.model,
+                tensors,
+                outputs=[grpcclient.InferRequestedOutput(n) for n in ENGINE_OUTPUTS],
+                enable_empty_final_response=True,
+            )
+            while True:
+                try:
+                    result, error = results.get(timeout=REMOTE_TIMEOUT_S)
+                except queue.Empty:
+                    raise EngineError(
+                        f"engine {self.name} sent nothing for {REMOTE_TIMEOUT_S:.0f}s"
+                    ) from None
+                if error is not None:
+                    raise EngineError(error.message() if hasattr(error, "message") else str(error))
+                yield {name: result.as_numpy(name) for name in ENGINE_OUTPUTS}
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+
+def make_engine_clients(spec: str) -> list[EngineClient]:
+    """Parse the router's ``engines`` parameter: comma-separated local model names and
+    ``grpc://host:port/model`` remotes."""
+    clients: list[EngineClient] = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        if entry.startswith("grpc://"):
+            rest = entry.removeprefix("grpc://")
+            url, _, model = rest.partition("/")
+            if not model or ":" not in url:
+                raise ValueError(f"engines entry {entry!r} is invalid: expected grpc://host:port/model")
+            clients.append(RemoteEngine(url, model))
+        elif "://" in entry:
+            raise ValueError(f"engines entry {entry!r} is invalid: only grpc:// remotes are supported")
+        else:
+            clients.append(LocalEngine(entry))
+    if not clients:
+        raise ValueError("engines='' is invalid: expected at least one engine model name or grpc:// URL")
+    return clients

@@ -1,0 +1,183 @@
+"""Start tritonserver on a model repository, the way DESIGN.md §8 found it works here.
+
+Outside an NGC container the server comes from the ``nvidia-pytriton`` wheel. Its Python
+backend needs a backend directory holding ``libtriton_python.so``, the utils module and
+the stub built for the running interpreter's version; the stub's embedded Python ignores
+``PYTHONPATH`` and finds site-packages through the first ``python3`` on ``PATH``, so the
+virtual environment's ``bin/`` goes first; the bundled libraries and libpython go on
+``LD_LIBRARY_PATH``. Inside an NGC container the ``tritonserver`` on ``PATH`` is used.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """A one-line reason the server cannot start."""
+
+
+@dataclass
+class ServerPorts:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    def endpoints(self, host: str = "127.0.0.1") -> dict[str, str]:
+        return {
+            "http": f"http://{host}:{self.http}",
+            "grpc": f"{host}:{self.grpc}",
+            "metrics": f"http://{host}:{self.metrics}/metrics",
+        }
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver child process."""
+
+    process: subprocess.Popen
+    ports: ServerPorts
+    log_path: Path
+    workdir: Path
+    env: dict[str, str] = field(repr=False, default_factory=dict)
+
+    def is_ready(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.ports.http}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise LaunchError(
+                    f"tritonserver exited with code {self.process.returncode}: {self.failure()}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        self.stop()
+        raise LaunchError(f"tritonserver was not ready after {timeout:.0f}s: {self.failure()}")
+
+    def failure(self) -> str:
+        """The most telling line of the server log."""
+        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
+        for marker in ("failed to load", "Invalid argument", "error:", "E1", "Error"):
+            hits = [ln for ln in lines if marker in ln]
+            if hits:
+                return hits[-1].strip()[-600:]
+        return lines[-1].strip() if lines else "no log output"
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return self.process.returncode
+
+
+def _wheel_root() -> Path | None:
+    try:
+        import pytriton
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    return root if (root / "bin" / "tritonserver").is_file() else None
+
+
+def _backend_dir(wheel: Path, workdir: Path) -> Path:
+    """``backends/python`` with the stub of this interpreter's version."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise LaunchError(f"nvidia-pytriton ships no Python backend stub for Python {version}")
+    python_dir = workdir / "backends" / "python"
+    python_dir.mkdir(parents=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        (python_dir / name).symlink_to(wheel / "backends" / "python" / name)
+    shutil.copy2(stub, python_dir / "triton_python_backend_stub")
+    return workdir / "backends"
+
+
+def server_environment(wheel: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    if wheel is not None:
+        import site
+
+        libs = [str(Path(p) / "nvidia_pytriton.libs") for p in site.getsitepackages()]
+        libs.append(sysconfig.get_config_var("LIBDIR") or "")
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")])
+    return env
+
+
+def check_port_free(port: int, host: str = "0.0.0.0") -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise LaunchError(f"port {port} is already in use") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    model_repository: str | Path,
+    ports: ServerPorts | None = None,
+    log_path: str | Path | None = None,
+    extra_args: list[str] | None = None,
+) -> TritonServer:
+    """Launch tritonserver (not yet waiting for readiness)."""
+    repo = Path(model_repository)
+    if not repo.is_dir():
+        raise LaunchError(f"model repository {repo} does not exist")
+    ports = ports or ServerPorts()
+    for port in (ports.http, ports.grpc, ports.metrics):
+        check_port_free(port)
+    workdir = Path(tempfile.mkdtemp(prefix="preble-triton-"))
+    wheel = _wheel_root()
+    if wheel is not None:
+        binary = str(wheel / "bin" / "tritonserver")
+        backend_args = [f"--backend-directory={_backend_dir(wheel, workdir)}"]
+    elif shutil.which("tritonserver"):
+        binary, backend_args = shutil.which("tritonserver"), []
+    else:
+        raise LaunchError("no tritonserver: install nvidia-pytriton or run inside an NGC Triton container")
+    log = Path(log_path) if log_path else workdir / "tritonserver.log"
+    cmd = [
+        binary,
+        f"--model-repository={repo.resolve()}",
+        f"--http-port={ports.http}",
+        f"--grpc-port={ports.grpc}",
+        f"--metrics-port={ports.metrics}",
+        "--allow-metrics=true",
+        "--log-verbose=0",
+        *backend_args,
+        *(extra_args or []),
+    ]
+    env = server_environment(wheel)
+    with open(log, "ab") as out:
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return TritonServer(process, ports, log, workdir, env)

@@ -1,0 +1,156 @@
+"""The wire contracts, free of Triton imports so they can be tested on their own.
+
+- The router ``preble`` speaks Triton's vLLM-backend contract (``text_input``, ``stream``,
+  ``sampling_parameters``, ``exclude_input_in_output``, ``return_*``), plus
+  ``num_cached_tokens`` and ``instance`` outputs.
+- An engine ``preble_engine_<i>`` takes ``input_ids`` (INT32 [-1]), ``sampling_parameters``
+  and ``request_id``, and streams ``token_ids``; its final response adds
+  ``finish_reason``, ``num_cached_tokens`` and a ``report``: the cache events and load
+  snapshot since the last report. A ``control`` input instead of a prompt asks for
+  ``stats``, ``abort`` of a request id, or ``flush_cache``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from preble_backend.radix_cache import CacheEvent
+from preble_backend.sampling import SamplingParams
+
+ROUTER_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+CONTROL_OPS = ("stats", "abort", "flush_cache")
+
+
+class BadRequest(ValueError):
+    """Input that can never be served; the message names the problem."""
+
+
+def _single(name: str, array: np.ndarray | None):
+    if array is None:
+        return None
+    if array.size != 1:
+        raise BadRequest(f"input '{name}' must hold exactly one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _text(name: str, value) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, bytes | np.bytes_):
+        raise BadRequest(f"input '{name}' must be a string")
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"input '{name}' is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+
+
+def _flag(name: str, array: np.ndarray | None, default: bool = False) -> bool:
+    value = _single(name, array)
+    if value is None:
+        return default
+    if not isinstance(value, bool | np.bool_):
+        raise BadRequest(f"input '{name}' must be a BOOL")
+    return bool(value)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    params: SamplingParams
+    params_json: str  # forwarded to the engine verbatim once validated
+    stream: bool
+    prepend_input: bool
+    return_finish_reason: bool
+    return_num_input_tokens: bool
+    return_num_output_tokens: bool
+
+
+def parse_generate(inputs: dict[str, np.ndarray | None], request_parameters: str | None) -> GenerateRequest:
+    """Validate a router request the way the vLLM backend reads it.
+
+    Sampling parameters come from the ``sampling_parameters`` input, else from the
+    request's own parameters (Triton's ``triton_*`` keys are not ours and are dropped).
+    Without ``exclude_input_in_output`` a non-streaming answer repeats the prompt;
+    streaming answers never do, and asking for it is an error.
+    """
+    raw = _single("text_input", inputs.get("text_input"))
+    if raw is None:
+        raise BadRequest("missing required input 'text_input'")
+    prompt = _text("text_input", raw)
+    if not prompt:
+        raise BadRequest("input 'text_input' is empty")
+    stream = _flag("stream", inputs.get("stream"))
+    exclude = inputs.get("exclude_input_in_output")
+    prepend = not _flag("exclude_input_in_output", exclude) if exclude is not None else not stream
+    if prepend and stream:
+        raise BadRequest("when streaming, exclude_input_in_output = false is not allowed")
+    sp = _single("sampling_parameters", inputs.get("sampling_parameters"))
+    if sp is not None:
+        params_json = _text("sampling_parameters", sp)
+        params = SamplingParams.from_json(params_json)
+    else:
+        try:
+            extra = json.loads(request_parameters or "{}")
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"request parameters are not valid JSON: {exc}") from None
+        extra = {k: v for k, v in extra.items() if not k.startswith("triton_")}
+        params = SamplingParams.from_dict(extra)
+        params_json = json.dumps(extra)
+    flags = {name: _flag(name, inputs.get(name)) for name in ROUTER_FLAGS}
+    return GenerateRequest(prompt, params, params_json, stream, prepend, **flags)
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One request to an engine model: a prompt, or a control operation."""
+
+    request_id: str
+    input_ids: list[int] | None = None
+    params: SamplingParams | None = None
+    control: dict | None = None
+
+
+def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) -> EngineCall:
+    control = _single("control", inputs.get("control"))
+    if control is not None:
+        try:
+            op = json.loads(_text("control", control))
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"input 'control' is not valid JSON: {exc}") from None
+        if not isinstance(op, dict) or op.get("op") not in CONTROL_OPS:
+            raise BadRequest(f"input 'control' must be an object with op in {CONTROL_OPS}")
+        if op["op"] == "abort" and not isinstance(op.get("request_id"), str):
+            raise BadRequest("control op 'abort' needs a string request_id")
+        return EngineCall(request_id=fallback_id, control=op)
+    ids = inputs.get("input_ids")
+    if ids is None:
+        raise BadRequest("missing input 'input_ids' (or a 'control' input)")
+    if ids.dtype.kind not in "iu":
+        raise BadRequest(f"input 'input_ids' must be INT32, got {ids.dtype}")
+    rid = _single("request_id", inputs.get("request_id"))
+    params_raw = _single("sampling_parameters", inputs.get("sampling_parameters"))
+    params = SamplingParams.from_json(
+        _text("sampling_parameters", params_raw) if params_raw is not None else None
+    )
+    return EngineCall(
+        request_id=_text("request_id", rid) if rid is not None else fallback_id,
+        input_ids=[int(t) for t in ids.reshape(-1)],
+        params=params,
+    )
+
+
+def encode_report(events: list[CacheEvent], stats: dict) -> str:
+    """Cache events since the last report plus a load snapshot, as compact JSON."""
+    return json.dumps(
+        {"events": [[e.kind, e.start, list(e.tokens)] for e in events], "load": stats},
+        separators=(",", ":"),
+    )
+
+
+def decode_report(text: str) -> tuple[list[CacheEvent], dict]:
+    data = json.loads(text)
+    events = [CacheEvent(kind, tuple(tokens), start) for kind, start, tokens in data.get("events", [])]
+    return events, data.get("load", {})

@@ -1,0 +1,132 @@
+"""Writes a Triton model repository: the router ``preble`` and one ``preble_engine_<i>``
+per GPU (or per CPU engine). ``model.py`` files are one import; the logic lives here.
+
+The checked-in ``model_repository/`` is ``write_repository(path, cpu_engines=2)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from preble_backend.config import EngineConfig
+
+ENGINE_MODEL_PY = "from preble_backend.triton_engine import TritonPythonModel  # noqa: F401\n"
+ROUTER_MODEL_PY = "from preble_backend.triton_router import TritonPythonModel  # noqa: F401\n"
+
+ROUTER_IO = """\
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+  { name: "exclude_input_in_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "return_finish_reason" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "return_num_input_tokens" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "return_num_output_tokens" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
+output [
+  { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] },
+  { name: "finish_reason" data_type: TYPE_STRING dims: [ -1 ] },
+  { name: "num_input_tokens" data_type: TYPE_UINT32 dims: [ 1 ] },
+  { name: "num_output_tokens" data_type: TYPE_UINT32 dims: [ -1 ] },
+  { name: "num_cached_tokens" data_type: TYPE_UINT32 dims: [ 1 ] },
+  { name: "instance" data_type: TYPE_STRING dims: [ 1 ] }
+]
+"""
+
+ENGINE_IO = """\
+input [
+  { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] optional: true },
+  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+  { name: "request_id" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+  { name: "control" data_type: TYPE_STRING dims: [ 1 ] optional: true }
+]
+output [
+  { name: "token_ids" data_type: TYPE_INT32 dims: [ -1 ] },
+  { name: "finish_reason" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "num_cached_tokens" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "report" data_type: TYPE_STRING dims: [ 1 ] }
+]
+"""
+
+ENGINE_PARAMETER_NOTES = {
+    "model_path": "local HF model dir; 'tiny' = the embedded model; relative = from the repository root",
+    "dtype": "auto (fp32 on CPU, bf16 on GPU) | float32 | float16 | bfloat16",
+    "page_size": "tokens per KV page, a power of two",
+    "max_num_tokens": "KV capacity in tokens; 0 = kv_memory_fraction of free GPU memory (32768 on CPU)",
+    "kv_memory_fraction": "GPU only, used when max_num_tokens is 0",
+    "chunk_size": "prefill token budget per iteration (chunked prefill)",
+    "max_running_requests": "cap on requests in the running batch",
+    "priority_groups": "P of the priority wait queue",
+    "priority_quota": "k: group g admits (g + 1) * k requests per round",
+    "enable_prefix_caching": "radix prefix cache on/off",
+    "attention_backend": "torch | triton | flashinfer",
+}
+ROUTER_PARAMETER_NOTES = {
+    "model_path": "tokenizer directory (the engines' model); 'tiny' = the embedded model",
+    "engines": "comma-separated engine model names in this server and grpc://host:port/model remotes",
+    "policy": "global scheduling policy",
+    "max_inflight": "requests the router forwards at once (worker threads)",
+}
+
+
+def _parameters(values: dict[str, object], notes: dict[str, str]) -> str:
+    lines = []
+    for key, value in values.items():
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        lines.append(f"# {key}: {notes[key]}")
+        lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{text}" }} }}')
+    return "\n".join(lines) + "\n"
+
+
+def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides) -> str:
+    values = asdict(EngineConfig(model_path=model_path, **overrides))
+    values.pop("device")  # the instance group decides: KIND_GPU with gpus: [i] or KIND_CPU
+    group = (
+        f"{{ count: 1 kind: KIND_GPU gpus: [ {gpu} ] }}" if gpu is not None else "{ count: 1 kind: KIND_CPU }"
+    )
+    return (
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        "model_transaction_policy { decoupled: true }\n"
+        f"{ENGINE_IO}instance_group [ {group} ]\n" + _parameters(values, ENGINE_PARAMETER_NOTES)
+    )
+
+
+def router_config_pbtxt(model_path: str, engines: list[str], policy: str = "round_robin") -> str:
+    values = {"model_path": model_path, "engines": ",".join(engines), "policy": policy, "max_inflight": 1024}
+    return (
+        'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
+        "model_transaction_policy { decoupled: true }\n"
+        f"{ROUTER_IO}instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n"
+        + _parameters(values, ROUTER_PARAMETER_NOTES)
+    )
+
+
+def _write_model(root: Path, name: str, config: str, model_py: str) -> None:
+    (root / name / "1").mkdir(parents=True, exist_ok=True)
+    (root / name / "config.pbtxt").write_text(config)
+    (root / name / "1" / "model.py").write_text(model_py)
+
+
+def write_repository(
+    path: str | Path,
+    model_path: str = "tiny",
+    gpus: list[int] | None = None,
+    cpu_engines: int = 2,
+    policy: str = "round_robin",
+    remote_engines: list[str] | None = None,
+    with_router: bool = True,
+    **engine_overrides,
+) -> Path:
+    """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines) and the router."""
+    root = Path(path)
+    slots: list[int | None] = list(gpus) if gpus else [None] * cpu_engines
+    names = [f"preble_engine_{i}" for i in range(len(slots))]
+    for name, gpu in zip(names, slots):
+        _write_model(
+            root, name, engine_config_pbtxt(name, model_path, gpu, **engine_overrides), ENGINE_MODEL_PY
+        )
+    if with_router:
+        engines = names + list(remote_engines or [])
+        _write_model(root, "preble", router_config_pbtxt(model_path, engines, policy), ROUTER_MODEL_PY)
+    return root

@@ -1,0 +1,101 @@
+"""Pieces both Triton models share: config parameters, input reading, error responses,
+custom metrics. Imported only inside Triton's Python backend stub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from preble_backend.tiny_model import tiny_model_path
+
+
+def config_parameters(model_config: dict) -> dict[str, str]:
+    return {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+
+
+def resolve_model_path(value: str, model_dir: str) -> str:
+    """``tiny`` (or empty) is the embedded model; a relative path is taken from the
+    model repository's root, so a repository can carry its checkpoint."""
+    if value in ("", "tiny"):
+        return str(tiny_model_path())
+    path = Path(value)
+    if not path.is_absolute():
+        path = Path(model_dir).parent / path
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model_path={value!r} is invalid: {path} holds no config.json")
+    return str(path)
+
+
+def require_decoupled(model_config: dict) -> None:
+    if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+        raise ValueError(
+            f"model {model_config['name']} must set model_transaction_policy {{ decoupled: true }}"
+        )
+
+
+def read_inputs(request, names: tuple[str, ...]) -> dict[str, np.ndarray | None]:
+    out = {}
+    for name in names:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        out[name] = tensor.as_numpy() if tensor is not None else None
+    return out
+
+
+def send_error(sender, message: str, code=None) -> None:
+    """A final error response; a client that has gone away is not an error of ours."""
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    try:
+        sender.send(
+            pb_utils.InferenceResponse(output_tensors=[], error=error),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+    except Exception:
+        pass
+
+
+def string_tensor(name: str, values: list[str | bytes]) -> pb_utils.Tensor:
+    data = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    return pb_utils.Tensor(name, np.array(data, dtype=np.object_))
+
+
+class Metrics:
+    """Custom metrics on Triton's metrics port; a no-op when the server disables metrics."""
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self._families: dict[str, object] = {}
+        self._metrics: dict[tuple, object] = {}
+        self.enabled = True
+
+    def _metric(self, name: str, kind, description: str, labels: dict[str, str] | None, **kw):
+        key = (name, json.dumps(labels or {}, sort_keys=True))
+        if key not in self._metrics:
+            if name not in self._families:
+                self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
+            self._metrics[key] = self._families[name].Metric(labels={**self.labels, **(labels or {})}, **kw)
+        return self._metrics[key]
+
+    def _guard(self, fn) -> None:
+        if not self.enabled:
+            return
+        try:
+            fn()
+        except pb_utils.TritonModelException as exc:
+            if "metrics not supported" not in str(exc):
+                raise
+            self.enabled = False
+
+    def gauge(self, name: str, description: str, value: float, labels=None) -> None:
+        self._guard(lambda: self._metric(name, pb_utils.MetricFamily.GAUGE, description, labels).set(value))
+
+    def count(self, name: str, description: str, delta: float, labels=None) -> None:
+        """Add ``delta`` (a zero delta still makes the counter visible)."""
+        kind = pb_utils.MetricFamily.COUNTER
+        self._guard(lambda: self._metric(name, kind, description, labels).increment(max(delta, 0)))
+
+    def observe(self, name: str, description: str, value: float, buckets: list[float], labels=None) -> None:
+        kind = pb_utils.MetricFamily.HISTOGRAM
+        self._guard(lambda: self._metric(name, kind, description, labels, buckets=buckets).observe(value))

@@ -1,0 +1,166 @@
+"""The Triton model that hosts one engine instance (``preble_engine_<i>``).
+
+As in Triton's vLLM backend: the engine loop runs on its own thread, ``execute`` only
+validates and enqueues, and a response thread sends, so sending never stalls the model.
+The response thread also watches for cancelled requests and aborts them in the engine,
+which frees their pages, and it publishes the engine's load as custom metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import uuid
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from preble_backend.config import EngineConfig
+from preble_backend.engine import Engine
+from preble_backend.protocol import encode_report, parse_engine_call
+from preble_backend.request import RequestOutput
+from preble_backend.triton_common import (
+    Metrics,
+    config_parameters,
+    read_inputs,
+    require_decoupled,
+    resolve_model_path,
+    send_error,
+    string_tensor,
+)
+
+INPUTS = ("input_ids", "sampling_parameters", "request_id", "control")
+CANCEL_POLL_S = 0.1
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        self.model_config = json.loads(args["model_config"])
+        require_decoupled(self.model_config)
+        params = config_parameters(self.model_config)
+        params["model_path"] = resolve_model_path(params.get("model_path", "tiny"), args["model_repository"])
+        if args["model_instance_kind"] == "GPU":
+            params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
+        self.engine = Engine(EngineConfig.from_strings(params))
+        self.metrics = Metrics({"model": args["model_name"]})
+        self._counted = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+        self._active: dict[str, object] = {}  # request id -> response sender
+        self._responses: queue.Queue = queue.Queue()
+        self._response_thread = threading.Thread(target=self._response_loop, name="preble-responses")
+        self.engine.start()
+        self._response_thread.start()
+        pb_utils.Logger.log_info(
+            f"{args['model_name']}: engine on {self.engine.config.device}, "
+            f"{self.engine.pool.num_pages} KV pages of {self.engine.pool.page_size} tokens"
+        )
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                self._submit(request, sender)
+            except Exception as exc:
+                send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+        return None
+
+    def _submit(self, request, sender) -> None:
+        call = parse_engine_call(read_inputs(request, INPUTS), request.request_id() or uuid.uuid4().hex)
+        if call.control is not None:
+            self._control(call.control, sender)
+            return
+        if call.request_id in self._active:
+            raise ValueError(f"request id {call.request_id!r} is already in use")
+        self._active[call.request_id] = sender
+        try:
+            self.engine.add_request(
+                call.request_id, call.input_ids, call.params, lambda out: self._on_output(sender, out)
+            )
+        except ValueError:
+            self._active.pop(call.request_id, None)
+            raise
+
+    def _on_output(self, sender, out: RequestOutput) -> None:
+        """Engine thread: hand the output over; a final one carries the report, drained here
+        so that events and the load snapshot are consistent with the cache."""
+        report = encode_report(self.engine.drain_events(), self.engine.stats()) if out.finished else None
+        self._responses.put((sender, out, report))
+
+    def _control(self, op: dict, sender) -> None:
+        if op["op"] == "abort":
+            self.engine.abort(op["request_id"])
+        elif op["op"] == "flush_cache":
+            self.engine.run_in_loop(self.engine.flush_cache).result(timeout=60)
+        report = self.engine.run_in_loop(
+            lambda: encode_report(self.engine.drain_events(), self.engine.stats())
+        )
+        sender.send(
+            pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor("token_ids", np.zeros(0, dtype=np.int32)),
+                    string_tensor("report", [report.result(timeout=60)]),
+                ]
+            ),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+
+    def _response_loop(self) -> None:
+        while True:
+            try:
+                item = self._responses.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                self._sweep()
+                continue
+            if item is None:
+                return
+            sender, out, report = item
+            try:
+                self._send(sender, out, report)
+            except Exception as exc:  # the client is gone; the engine must not keep its pages
+                pb_utils.Logger.log_warn(f"sending {out.request_id} failed ({exc}); aborting it")
+                self.engine.abort(out.request_id)
+            if out.finished:
+                self._active.pop(out.request_id, None)
+                self._publish_metrics()
+
+    def _send(self, sender, out: RequestOutput, report: str | None) -> None:
+        if out.error is not None:
+            send_error(sender, out.error)
+            return
+        tensors = [pb_utils.Tensor("token_ids", np.asarray(out.token_ids, dtype=np.int32))]
+        flags = 0
+        if out.finished:
+            tensors += [
+                string_tensor("finish_reason", [out.finish_reason or ""]),
+                pb_utils.Tensor("num_cached_tokens", np.asarray([out.num_cached_tokens], dtype=np.int32)),
+                string_tensor("report", [report or ""]),
+            ]
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def _sweep(self) -> None:
+        for request_id, sender in list(self._active.items()):
+            if sender.is_cancelled():
+                self.engine.abort(request_id)
+        self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        stats = self.engine.stats()
+        m = self.metrics
+        m.gauge(
+            "preble_engine_kv_pages_used",
+            "KV pages in use (running requests and cache)",
+            stats["kv_pages_used"],
+        )
+        m.gauge("preble_engine_kv_pages_free", "KV pages on the free list", stats["kv_pages_free"])
+        m.gauge("preble_engine_kv_pages_cached", "KV pages held by the radix cache", stats["kv_pages_cached"])
+        m.gauge("preble_engine_waiting_requests", "requests in the priority wait queue", stats["waiting"])
+        m.gauge("preble_engine_running_requests", "requests running", stats["running"])
+        for key in self._counted:
+            m.count(f"preble_engine_{key}", key.replace("_", " "), stats[key] - self._counted[key])
+            self._counted[key] = stats[key]
+
+    def finalize(self) -> None:
+        self.engine.shutdown()  # pending requests finish as "abort" and reach the queue
+        self._responses.put(None)
+        self._response_thread.join()

@@ -1,0 +1,97 @@
+"""The global scheduler's policy interface and the simplest policies behind it.
+
+A policy sees each request (its token ids and sampling parameters) and the router's load
+view of every instance, and picks an instance. It hears back when a request finishes,
+with the engine's report (cache events and a load snapshot), so prefix-aware policies can
+mirror the engines' caches.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from preble_backend.radix_cache import CacheEvent
+from preble_backend.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    request_id: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Decision:
+    instance: int
+    branch: str  # which rule of the policy chose it (for metrics and tests)
+
+
+@dataclass
+class InstanceLoad:
+    """What the router knows of one instance: its own in-flight requests, exact and
+    immediate, and the engine's last reported snapshot, which covers other routers too."""
+
+    in_flight: int = 0
+    reported: dict = field(default_factory=dict)
+
+    @property
+    def queued(self) -> int:
+        return int(self.reported.get("waiting", 0)) + int(self.reported.get("running", 0))
+
+
+class Policy(ABC):
+    name: str
+
+    def __init__(self, num_instances: int) -> None:
+        if num_instances < 1:
+            raise ValueError("a policy needs at least one instance")
+        self.num_instances = num_instances
+
+    @abstractmethod
+    def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision: ...
+
+    def on_finish(self, instance: int, request: RoutingRequest, events: list[CacheEvent], load: dict) -> None:
+        """The request finished on ``instance``; the engine reported ``events`` and ``load``.
+        Policies that keep no state ignore it."""
+        return None
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, num_instances: int) -> None:
+        super().__init__(num_instances)
+        self._next = 0
+
+    def select(self, request, loads):
+        choice = self._next
+        self._next = (self._next + 1) % self.num_instances
+        return Decision(choice, "round_robin")
+
+
+class LeastLoad(Policy):
+    """Fewest requests in flight from this router; ties go round-robin so that an idle
+    cluster spreads work instead of piling it on instance 0."""
+
+    name = "least_load"
+
+    def __init__(self, num_instances: int) -> None:
+        super().__init__(num_instances)
+        self._start = 0
+
+    def select(self, request, loads):
+        order = [(self._start + i) % self.num_instances for i in range(self.num_instances)]
+        choice = min(order, key=lambda i: (loads[i].in_flight, loads[i].queued))
+        self._start = (choice + 1) % self.num_instances
+        return Decision(choice, "least_load")
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoad)}
+
+
+def make_policy(name: str, num_instances: int) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r} is invalid: expected one of {', '.join(POLICIES)}")
+    return POLICIES[name](num_instances)
