@@ -1,0 +1,162 @@
+"""A small client for the ``preble`` router over Triton's HTTP generate endpoints and gRPC
+streaming, plus the engine models' control operations (stats, abort, cache flush)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PrebleError(RuntimeError):
+    """The server answered with an error; the message is the server's."""
+
+
+@dataclass
+class StreamResult:
+    text: str = ""
+    responses: list[dict] = field(default_factory=list)  # every response's outputs
+    final: dict = field(default_factory=dict)  # the last response's outputs
+
+
+def _json_payload(prompt: str, params: dict | None, **inputs) -> bytes:
+    body = {"text_input": prompt, **inputs}
+    if params is not None:
+        body["sampling_parameters"] = json.dumps(params)
+    return json.dumps(body).encode()
+
+
+class PrebleClient:
+    def __init__(
+        self, http_url: str = "127.0.0.1:8000", grpc_url: str = "127.0.0.1:8001", model: str = "preble"
+    ):
+        self.http_url, self.grpc_url, self.model = http_url, grpc_url, model
+
+    # ---- HTTP -----------------------------------------------------------------------------
+
+    def _post(self, path: str, data: bytes, timeout: float):
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method="POST")
+        try:
+            return urllib.request.urlopen(req, timeout=timeout)
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+            try:
+                message = json.loads(body)["error"]
+            except (ValueError, KeyError):
+                message = body
+            raise PrebleError(message) from None
+
+    def generate(self, prompt: str, params: dict | None = None, timeout: float = 300, **inputs) -> dict:
+        """``POST /v2/models/preble/generate``: one JSON answer."""
+        with self._post(
+            f"/v2/models/{self.model}/generate", _json_payload(prompt, params, **inputs), timeout
+        ) as r:
+            return json.loads(r.read())
+
+    def generate_raw(self, body: dict | bytes, timeout: float = 300) -> dict:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        with self._post(f"/v2/models/{self.model}/generate", data, timeout) as r:
+            return json.loads(r.read())
+
+    def generate_stream(
+        self, prompt: str, params: dict | None = None, timeout: float = 300, **inputs
+    ) -> Iterator[dict]:
+        """``POST /v2/models/preble/generate_stream``: one event per response (SSE)."""
+        inputs.setdefault("stream", True)
+        data = _json_payload(prompt, params, **inputs)
+        with self._post(f"/v2/models/{self.model}/generate_stream", data, timeout) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data:"):
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise PrebleError(event["error"])
+                    yield event
+
+    # ---- gRPC streaming -------------------------------------------------------------------
+
+    def stream_grpc(
+        self,
+        prompt: str | bytes,
+        params: dict | None = None,
+        cancel_after: int | None = None,
+        timeout: float = 300,
+        model: str | None = None,
+        **bool_inputs,
+    ) -> StreamResult:
+        """Stream one request over gRPC; with ``cancel_after=n``, cancel it after n responses."""
+        inputs = {
+            "text_input": np.array([prompt.encode() if isinstance(prompt, str) else prompt], dtype=np.object_)
+        }
+        inputs["stream"] = np.array([True])
+        if params is not None:
+            inputs["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
+        for name, value in bool_inputs.items():
+            inputs[name] = np.array([value])
+        return self.infer_grpc(inputs, cancel_after=cancel_after, timeout=timeout, model=model)
+
+    def infer_grpc(
+        self,
+        inputs: dict[str, np.ndarray],
+        cancel_after: int | None = None,
+        timeout: float = 300,
+        model: str | None = None,
+    ) -> StreamResult:
+        """Send raw tensors to a decoupled model over a gRPC stream; gather its responses."""
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import np_to_triton_dtype
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        out = StreamResult()
+        try:
+            tensors = []
+            for name, value in inputs.items():
+                t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+                t.set_data_from_numpy(value)
+                tensors.append(t)
+            client.async_stream_infer(model or self.model, tensors, enable_empty_final_response=True)
+            while True:
+                result, error = results.get(timeout=timeout)
+                if error is not None:
+                    raise PrebleError(error.message() if hasattr(error, "message") else str(error))
+                response = result.get_response()
+                outputs = {o.name: _decode(result.as_numpy(o.name)) for o in response.outputs}
+                if outputs:
+                    out.responses.append(outputs)
+                    out.final = outputs
+                    text = outputs.get("text_output")
+                    out.text += text if isinstance(text, str) else ""
+                if response.parameters["triton_final_response"].bool_param:
+                    return out
+                if cancel_after is not None and len(out.responses) >= cancel_after:
+                    client.stop_stream(cancel_requests=True)
+                    return out
+        finally:
+            client.stop_stream(cancel_requests=True)
+            client.close()
+
+    # ---- engine control -------------------------------------------------------------------
+
+    def engine_control(self, engine: str, op: str, **fields) -> dict:
+        """Run ``stats`` / ``abort`` / ``flush_cache`` on an engine model; return its report."""
+        body = np.array([json.dumps({"op": op, **fields}).encode()], dtype=np.object_)
+        result = self.infer_grpc({"control": body}, model=engine, timeout=60)
+        return json.loads(result.final["report"])
+
+
+def _decode(array):
+    if array is None:
+        return None
+    flat = array.reshape(-1)
+    if array.dtype == np.object_:
+        values = [bytes(v).decode("utf-8", errors="replace") for v in flat]
+    else:
+        values = flat.tolist()
+    return values[0] if len(values) == 1 else values

@@ -1,0 +1,238 @@
+"""A real tritonserver with the router and two CPU engines, driven by real clients."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from server_utils import (
+    assert_engine_pages_free,
+    client_for,
+    launch,
+    repository_index,
+    wait_idle,
+    write_test_repository,
+)
+
+from client.triton_client import PrebleError
+
+pytestmark = pytest.mark.server
+ENGINES = ("preble_engine_0", "preble_engine_1")
+GREEDY = {"temperature": 0, "max_tokens": 12}
+PROMPT = "The router sends each request to the engine that caches its prefix."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("triton")
+    srv = launch(write_test_repository(root / "repo"), root / "server.log")
+    yield srv
+    try:  # after the whole module: every engine has every page back
+        client = client_for(srv)
+        for engine in ENGINES:
+            assert_engine_pages_free(client, engine)
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return client_for(server)
+
+
+@pytest.fixture(scope="module")
+def direct_text(tiny_model):
+    """What the engine itself produces for PROMPT, decoded: the answer every path must give."""
+    from transformers import AutoTokenizer
+
+    from preble_backend.config import EngineConfig
+    from preble_backend.engine import Engine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    engine = Engine(EngineConfig(model_path=tiny_model))
+    [ids] = engine.generate([tok(PROMPT).input_ids], GREEDY)
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def test_http_generate_stream_and_grpc_agree_with_the_engine(client, direct_text):
+    whole = client.generate(PROMPT, GREEDY, exclude_input_in_output=True, return_finish_reason=True,
+                            return_num_input_tokens=True, return_num_output_tokens=True)  # fmt: skip
+    assert whole["text_output"] == direct_text
+    assert whole["finish_reason"] == "length" and whole["num_output_tokens"] == 12
+    assert whole["num_input_tokens"] > 0
+    events = list(client.generate_stream(PROMPT, GREEDY))
+    assert "".join(e["text_output"] for e in events) == direct_text
+    assert len(events) > 1 and events[-1]["instance"] in ENGINES
+    grpc = client.stream_grpc(PROMPT, GREEDY, return_finish_reason=True)
+    assert grpc.text == direct_text
+    assert grpc.final["finish_reason"] == "length"
+    # Without exclude_input_in_output a non-streaming answer repeats the prompt (vLLM backend).
+    assert client.generate(PROMPT, GREEDY)["text_output"] == PROMPT + direct_text
+
+
+def test_both_engines_serve_and_instance_names_them(client):
+    seen = {client.generate(f"{PROMPT} {i}", {"max_tokens": 2})["instance"] for i in range(4)}
+    assert seen == set(ENGINES)
+
+
+def test_repeated_prefix_is_served_from_cache(client):
+    shared = " ".join(f"tool_{i}(query)" for i in range(60))
+    answers = [client.generate(f"{shared} question {i}", {"max_tokens": 2}) for i in range(4)]
+    # Round-robin sends requests 2 and 3 to engines that already hold the shared prefix.
+    assert [a["num_cached_tokens"] > 0 for a in answers] == [False, False, True, True]
+
+
+def test_cancelled_stream_frees_its_pages(client):
+    before = {e: client.engine_control(e, "stats")["load"]["requests_finished"] for e in ENGINES}
+    params = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}
+    result = client.stream_grpc(PROMPT, params, cancel_after=3)
+    assert len(result.responses) == 3
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        loads = {e: client.engine_control(e, "stats")["load"] for e in ENGINES}
+        if sum(v["requests_finished"] - before[e] for e, v in loads.items()) == 1:
+            break
+        time.sleep(0.1)
+    for load in loads.values():
+        assert load["running"] == 0, load
+        assert load["kv_pages_used"] == load["kv_pages_cached"], load  # no private page left
+    assert sum(v["requests_finished"] - before[e] for e, v in loads.items()) == 1
+
+
+LONG_PROMPT = " ".join(["cache"] * 5000)
+
+BAD_HTTP = [
+    ({}, "missing required input 'text_input'"),
+    ({"text_input": ""}, "input 'text_input' is empty"),
+    ({"text_input": 5}, "attempt to access JSON non-string as string"),
+    ({"text_input": ["a", "b"]}, "input 'text_input'"),
+    ({"text_input": "hi", "sampling_parameters": "{max_tokens"}, "sampling_parameters is not valid JSON"),
+    ({"text_input": "hi", "sampling_parameters": "[1]"}, "sampling_parameters must be a JSON object"),
+    ({"text_input": "hi", "sampling_parameters": '{"beam": 2}'}, "unknown sampling parameter(s): beam"),
+    ({"text_input": "hi", "parameters": {"foo": 1}}, "unknown sampling parameter(s): foo"),
+    ({"text_input": "hi", "sampling_parameters": '{"max_tokens": "8"}'}, "max_tokens must be an integer"),
+    ({"text_input": "hi", "sampling_parameters": '{"seed": 1.5}'}, "seed must be an integer"),
+    ({"text_input": "hi", "sampling_parameters": '{"stop": 5}'}, "stop must be a string or list of strings"),
+    ({"text_input": "hi", "sampling_parameters": '{"max_tokens": 0}'}, "max_tokens must be >= 1"),
+    ({"text_input": "hi", "sampling_parameters": '{"max_tokens": -1}'}, "max_tokens must be >= 1"),
+    (
+        {"text_input": "hi", "sampling_parameters": '{"max_tokens": 1000000000}'},
+        "over the model's context length",
+    ),
+    ({"text_input": LONG_PROMPT}, "over the model's context length of 4096"),
+    ({"text_input": "hi", "sampling_parameters": '{"temperature": -1}'}, "temperature must be >= 0"),
+    ({"text_input": "hi", "sampling_parameters": '{"top_p": 0}'}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "sampling_parameters": '{"top_p": 1.5}'}, "top_p must be in (0, 1]"),
+    ({"text_input": "hi", "sampling_parameters": '{"top_k": 0}'}, "top_k must be -1 (off) or >= 1"),
+    (
+        {"text_input": "hi", "sampling_parameters": '{"min_tokens": 5, "max_tokens": 2}'},
+        "min_tokens must be in",
+    ),
+    (
+        {"text_input": "hi", "stream": True, "exclude_input_in_output": False},
+        "exclude_input_in_output = false",
+    ),
+    ({"text_input": "hi", "stream": "yes"}, "attempt to access JSON non-boolean as boolean"),
+]
+
+BAD_GRPC = [
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "input 'text_input' is not valid UTF-8"),
+    ({"text_input": np.array([1], dtype=np.int32)}, "input 'text_input' data-type is 'INT32'"),
+    ({"text_input": np.array([[b"hi"]], dtype=np.object_)}, "unexpected shape for input 'text_input'"),
+    ({"text_input": np.array([b"one", b"two"], dtype=np.object_)}, "unexpected shape for input 'text_input'"),
+    ({"text_input": np.array([b"hi"], dtype=np.object_), "stream": np.array([1], dtype=np.int32)},
+     "input 'stream' data-type is 'INT32'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, message", BAD_HTTP, ids=[m for _, m in BAD_HTTP])
+def test_bad_http_input_is_named_and_the_next_request_succeeds(client, body, message):
+    with pytest.raises(PrebleError) as err:
+        client.generate_raw(body)
+    assert message in str(err.value)
+    assert client.generate("still serving", {"max_tokens": 3})["text_output"].startswith("still serving")
+
+
+@pytest.mark.parametrize("inputs, message", BAD_GRPC, ids=[m for _, m in BAD_GRPC])
+def test_bad_grpc_input_is_named_and_the_next_request_succeeds(client, inputs, message):
+    with pytest.raises(PrebleError) as err:
+        client.infer_grpc(inputs)
+    assert message in str(err.value)
+    assert client.stream_grpc("still serving", {"max_tokens": 3}).final["instance"] in ENGINES
+
+
+def test_bad_input_loses_no_page(client):
+    for engine in ENGINES:
+        load = wait_idle(client, engine)
+        assert load["kv_pages_used"] == load["kv_pages_cached"], load
+
+
+def test_metrics_report_engines_and_routing(server, client):
+    client.generate(PROMPT, {"max_tokens": 2})
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for engine in ENGINES:
+        for name in ("kv_pages_used", "kv_pages_free", "waiting_requests", "running_requests",
+                     "prompt_tokens_computed", "prompt_tokens_cached"):  # fmt: skip
+            assert f'preble_engine_{name}{{model="{engine}"}}' in text, name
+    decisions = [ln for ln in text.splitlines() if ln.startswith("preble_router_decisions_total{")]
+    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in decisions) >= 2
+    assert 'branch="round_robin"' in decisions[0]
+    assert "preble_router_request_latency_seconds_count" in text
+
+
+def test_router_in_another_server_reaches_these_engines(server, client, tmp_path, direct_text):
+    remote = f"grpc://127.0.0.1:{server.ports.grpc}/preble_engine_1"
+    repo = write_test_repository(tmp_path / "front", cpu_engines=0, remote_engines=[remote])
+    front = launch(repo, tmp_path / "front.log")
+    try:
+        answer = client_for(front).generate(PROMPT, GREEDY, exclude_input_in_output=True)
+        assert answer["text_output"] == direct_text
+        assert answer["instance"] == remote
+        streamed = client_for(front).stream_grpc(PROMPT, GREEDY)
+        assert streamed.text == direct_text
+    finally:
+        front.stop()
+
+
+def _set_parameter(path, key: str, value: str, name: str | None = None) -> None:
+    text = re.sub(rf'(key: "{key}" value: {{ string_value: ")[^"]*"', rf'\g<1>{value}"', path.read_text())
+    if name is not None:
+        text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text)
+    path.write_text(text)
+
+
+def test_invalid_config_values_fail_the_load_naming_the_key(tmp_path):
+    repo = write_test_repository(tmp_path / "bad", cpu_engines=1)
+    _set_parameter(repo / "preble_engine_0" / "config.pbtxt", "chunk_size", "0")
+    for key, value in (("page_size", "12"), ("attention_backend", "cuda_magic")):
+        shutil.copytree(repo / "preble_engine_0", repo / f"bad_{key}")
+        _set_parameter(repo / f"bad_{key}" / "config.pbtxt", "chunk_size", "512", name=f"bad_{key}")
+        _set_parameter(repo / f"bad_{key}" / "config.pbtxt", key, value)
+    _set_parameter(repo / "preble" / "config.pbtxt", "policy", "nope")
+    srv = launch(repo, tmp_path / "bad.log", ready=False, extra_args=["--exit-on-error=false"])
+    try:
+        index: dict = {}
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (
+            len(index) == 4 and all(m.get("state") in ("READY", "UNAVAILABLE") for m in index.values())
+        ):
+            time.sleep(0.5)
+            try:
+                index = {m["name"]: m for m in repository_index(srv)}
+            except OSError:
+                pass
+        reasons = {name: m.get("reason", "") for name, m in index.items()}
+        assert "chunk_size=0 is invalid" in reasons["preble_engine_0"]
+        assert (
+            "page_size=12 is invalid" in reasons["bad_page_size"]
+            and "power of two" in reasons["bad_page_size"]
+        )
+        assert "attention_backend='cuda_magic' is invalid" in reasons["bad_attention_backend"]
+        assert "policy='nope' is invalid" in reasons["preble"]
+    finally:
+        srv.stop()
