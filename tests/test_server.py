@@ -236,3 +236,15 @@ def test_invalid_config_values_fail_the_load_naming_the_key(tmp_path):
         assert "policy='nope' is invalid" in reasons["preble"]
     finally:
         srv.stop()
+
+
+def test_perf_analyzer_streaming_run_has_no_errors(server):
+    from client.perf_analyzer import run
+
+    result = run(
+        f"127.0.0.1:{server.ports.grpc}", concurrency=2, request_count=16, num_prompts=8, max_tokens=8
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Request count: 16" in result.stdout
+    assert "Successful request count: 16" in result.stdout
+    assert "error" not in (result.stdout + result.stderr).lower()

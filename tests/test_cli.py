@@ -1,0 +1,61 @@
+"""``preble serve``: ready, endpoints printed, clean stop on SIGTERM; one clear line when a
+port is taken or the repository is missing."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from server_utils import fresh_ports, write_test_repository
+
+pytestmark = pytest.mark.server
+
+
+def serve(repo, ports) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo)]
+    cmd += ["--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_model):
+    ports = fresh_ports()
+    proc = serve(write_test_repository(tmp_path / "repo", cpu_engines=1), ports)
+    lines = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("ready"):
+            break
+    assert any(f"http://127.0.0.1:{ports.http}" in ln for ln in lines), lines
+    assert any(f"127.0.0.1:{ports.grpc}" in ln for ln in lines), lines
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "stopped" in out
+    with socket.socket() as s:  # the server is gone: its port is free again
+        s.bind(("127.0.0.1", ports.http))
+
+
+def test_serve_fails_with_one_line_when_a_port_is_taken(tmp_path):
+    ports = fresh_ports()
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", ports.grpc))
+        busy.listen()
+        proc = serve(write_test_repository(tmp_path / "repo", cpu_engines=1), ports)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.strip() == f"preble serve: port {ports.grpc} is already in use"
+
+
+def test_serve_fails_with_one_line_when_the_repository_is_missing(tmp_path):
+    proc = serve(tmp_path / "nowhere", fresh_ports())
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.strip() == f"preble serve: model repository {tmp_path / 'nowhere'} does not exist"
