@@ -17,7 +17,14 @@ pytestmark = pytest.mark.server
 
 def serve(repo, ports) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo)]
-    cmd += ["--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(ports.metrics)]
+    cmd += [
+        "--http-port",
+        str(ports.http),
+        "--grpc-port",
+        str(ports.grpc),
+        "--metrics-port",
+        str(ports.metrics),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
