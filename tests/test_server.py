@@ -172,7 +172,8 @@ def test_bad_input_loses_no_page(client):
 
 
 def test_metrics_report_engines_and_routing(server, client):
-    client.generate(PROMPT, {"max_tokens": 2})
+    for _ in range(2):
+        client.generate(PROMPT, {"max_tokens": 2})
     with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
         text = r.read().decode()
     for engine in ENGINES:
