@@ -25,7 +25,9 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int], final: bool = False) -> str:
-        """Append tokens; return the new text that is safe to send."""
+        """Append tokens; return the new text that is safe to send (none after a stop string)."""
+        if self.stopped:
+            return ""
         self.ids.extend(token_ids)
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
