@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 serve: setup
-	$(VENV)/bin/preble demo
+	$(VENV)/bin/preble serve
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

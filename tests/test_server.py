@@ -74,6 +74,16 @@ def test_http_generate_stream_and_grpc_agree_with_the_engine(client, direct_text
     assert client.generate(PROMPT, GREEDY)["text_output"] == PROMPT + direct_text
 
 
+def test_stop_string_ends_the_text_before_it(client, direct_text):
+    stop = direct_text[len(direct_text) // 2 :][:3]
+    answer = client.generate(PROMPT, {**GREEDY, "stop": [stop]}, exclude_input_in_output=True,
+                             return_finish_reason=True)  # fmt: skip
+    assert answer["text_output"] == direct_text[: direct_text.index(stop)]
+    assert answer["finish_reason"] == "stop"
+    streamed = "".join(e["text_output"] for e in client.generate_stream(PROMPT, {**GREEDY, "stop": [stop]}))
+    assert streamed == answer["text_output"]
+
+
 def test_both_engines_serve_and_instance_names_them(client):
     seen = {client.generate(f"{PROMPT} {i}", {"max_tokens": 2})["instance"] for i in range(4)}
     assert seen == set(ENGINES)
