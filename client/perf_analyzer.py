@@ -21,19 +21,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-from client.workloads import WORKLOADS
+from client.workloads import WORKLOADS, Materializer, generate
 
 
-def write_input_data(path: Path, workload: str, num_prompts: int, max_tokens: int, seed: int = 0) -> Path:
-    requests = WORKLOADS[workload](num_prompts, max_tokens=max_tokens, seed=seed)
+def write_input_data(
+    path: Path, workload: str, num_prompts: int, max_tokens: int, seed: int = 0, scale: float = 0.1
+) -> Path:
+    """Prompts as text (``scale`` shrinks the paper's lengths to fit small models);
+    every request asks for ``max_tokens`` with EOS ignored, so load is predictable."""
+    words = Materializer()
     data = [
         {
-            "text_input": [r.prompt],
+            "text_input": [words.text(r)],
             "stream": [True],
             "exclude_input_in_output": [True],
-            "sampling_parameters": [json.dumps({"max_tokens": r.max_tokens, "ignore_eos": True})],
+            "sampling_parameters": [json.dumps({"max_tokens": max_tokens, "ignore_eos": True})],
         }
-        for r in requests
+        for r in generate(workload, num_prompts, seed=seed, scale=scale)
     ]
     path.write_text(json.dumps({"data": data}))
     return path

@@ -1,61 +1,306 @@
-"""Workload generators: prompts with the sharing structure of the paper's workloads.
+"""The paper's five workloads (§3, Table 1) as deterministic generators, plus Azure trace
+replay, mixes and Poisson arrivals.
 
-``toolbench``: a shared system prompt, then the documentation of one tool chosen with
-Zipf(1.1) popularity (so a few tools are hot), then a user question. Requests that pick
-the same tool share system prompt + tool documentation, the part the paper calls the key
-portion. Deterministic for a given seed.
+A request is a list of *segments* (an id and a length in tokens) and an output length.
+Requests that share a segment id share its tokens, so the sharing structure (system
+prompts, tool documentation, demonstrations, videos, documents, multi-turn chains,
+parallel samples) is explicit. Segments become token ids (``token_ids``, for the
+simulator: any vocabulary) or text whose length is measured in a real tokenizer
+(``text``, for live servers). ``summarize`` computes Table 1's statistics over the
+requests' prefix tree, and ``TABLE1`` holds the paper's numbers to print beside them.
 """
 
 from __future__ import annotations
 
+import csv
+import math
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# Table 1: (mean, std) of prompt length, output length, shared prefix %, key portion %,
+# requests sharing the key portion.
+TABLE1 = {
+    "toolbench": ((1835, 742), (43, 16), (85, 13), (76, 16), (39, 64)),
+    "embodied_agent": ((2285, 471), (16, 13), (97, 14), (76, 12), (48, 8)),
+    "programming": ((3871, 1656), (190, 343), (97, 7.4), (78, 13), (126, 2157)),
+    "videoqa": ((9865, 5976), (4, 1.5), (88, 32), (99, 0.2), (8.6, 2)),
+    "loogle": ((23474, 6105), (16, 9.9), (91, 24), (94, 15), (18, 8.6)),
+}
+STAT_NAMES = ("prompt_len", "output_len", "shared_prefix_pct", "key_portion_pct", "req_share_key")
 
 _WORDS = (
-    "query result list item value range filter limit offset page sort field name type date time "
-    "city weather price stock flight hotel route map video frame scene object person score rank "
-    "search fetch update create delete status report summary detail language translate convert"
+    "query result list item value range filter limit offset page sort field name type date time city "
+    "weather price stock flight hotel route map video frame scene object person score rank search fetch "
+    "update create delete status report summary detail language translate convert robot kitchen table "
+    "drawer apple knife cabinet fridge sink lamp book chapter section argument proof theorem function class"
 ).split()
 
 
 @dataclass(frozen=True)
+class Segment:
+    id: str
+    length: int  # tokens
+
+
+@dataclass
 class WorkloadRequest:
-    prompt: str
-    max_tokens: int
-    group: str  # which shared prefix (tool, document, video...) it uses
+    segments: list[Segment]
+    output_len: int
+    group: str  # the sharing unit (tool, task, problem, video, document)
+    arrival: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return sum(s.length for s in self.segments)
 
 
-def _zipf_index(rng: random.Random, n: int, s: float) -> int:
-    weights = [1.0 / (k**s) for k in range(1, n + 1)]
-    return rng.choices(range(n), weights=weights)[0]
+def _normal(rng: random.Random, mean: float, std: float, lo: float, hi: float = math.inf) -> int:
+    return int(min(hi, max(lo, rng.gauss(mean, std))))
 
 
-def _tool_doc(rng: random.Random, tool: int, words: int) -> str:
-    params = ", ".join(
-        f"{rng.choice(_WORDS)}_{i}: {rng.choice(['str', 'int', 'float', 'bool'])}" for i in range(6)
-    )
-    body = " ".join(rng.choice(_WORDS) for _ in range(words))
-    return f"Tool tool_{tool}({params}).\nDescription: {body}\n"
+def _lognormal(rng: random.Random, mean: float, std: float, lo: float, hi: float) -> int:
+    sigma2 = math.log(1 + (std / mean) ** 2)
+    return int(min(hi, max(lo, rng.lognormvariate(math.log(mean) - sigma2 / 2, math.sqrt(sigma2)))))
 
 
-def toolbench(
-    num_requests: int, num_tools: int = 200, doc_words: int = 400, max_tokens: int = 32, seed: int = 0
-) -> list[WorkloadRequest]:
+def _zipf(rng: random.Random, n: int, s: float) -> int:
+    return rng.choices(range(n), weights=[1 / (k**s) for k in range(1, n + 1)])[0]
+
+
+def toolbench(n: int, seed: int = 0, num_tools: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """Shared system prompt, one tool's documentation (Zipf-1.1 popularity), a question."""
     rng = random.Random(seed)
-    system = "You are an agent that calls tools. Answer with a JSON tool call.\n" + " ".join(
-        rng.choice(_WORDS) for _ in range(100)
-    )
-    docs = [_tool_doc(random.Random(seed * 100_003 + t), t, doc_words) for t in range(num_tools)]
-    requests = []
-    for _ in range(num_requests):
-        tool = _zipf_index(rng, num_tools, 1.1)
-        question = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(8, 30)))
-        requests.append(
-            WorkloadRequest(
-                f"{system}\n{docs[tool]}User: {question}?\nAssistant:", max_tokens, f"tool_{tool}"
-            )
-        )
+    tools = num_tools or max(8, n // 3)
+    doc = [
+        _normal(random.Random(seed * 7919 + t), 1250 * scale, 650 * scale, 100 * scale) for t in range(tools)
+    ]
+    out = []
+    for i in range(n):
+        t = _zipf(rng, tools, 1.1)
+        segs = [Segment("tb-system", int(100 * scale)), Segment(f"tb-tool-{t}", doc[t]),
+                Segment(f"tb-q-{seed}-{i}", _normal(rng, 250 * scale, 200 * scale, 10))]  # fmt: skip
+        out.append(WorkloadRequest(segs, _normal(rng, 43, 16, 1), f"tool-{t}"))
+    return out
+
+
+def embodied_agent(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """A task's demonstration, an episode's environment, then a growing chain of steps:
+    each step's prompt is the previous prompt plus its output and a new observation."""
+    rng = random.Random(seed)
+    demos = max(1, n // 48)
+    active: list[dict] = []
+    out = []
+    episode = 0
+    while len(out) < n:
+        if len(active) < 8:
+            d = rng.randrange(demos)
+            env = Segment(f"ea-env-{seed}-{episode}", _normal(rng, 250 * scale, 200 * scale, 10))
+            segs = [Segment("ea-system", int(30 * scale)), Segment(f"ea-demo-{d}", int(1600 * scale)), env]
+            active.append({"segs": segs, "steps": _normal(rng, 16, 8, 2), "demo": d, "id": episode})
+            episode += 1
+        ep = active[rng.randrange(len(active))]
+        step = len(ep["segs"]) - 3
+        obs = Segment(f"ea-obs-{seed}-{ep['id']}-{step}", _normal(rng, 30 * scale, 10 * scale, 3))
+        output = _normal(rng, 16, 13, 1)
+        out.append(WorkloadRequest(ep["segs"] + [obs], output, f"demo-{ep['demo']}"))
+        ep["segs"] = ep["segs"] + [obs, Segment(f"ea-out-{seed}-{ep['id']}-{step}", output)]
+        if step + 1 >= ep["steps"]:
+            active.remove(ep)
+    return out
+
+
+def programming(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """A shared code demonstration, a problem, and several parallel samples per problem."""
+    rng = random.Random(seed)
+    out, problem = [], 0
+    while len(out) < n:
+        length = _lognormal(rng, 2950 * scale, 1650 * scale, 50 * scale, 16000 * scale)
+        for _ in range(rng.randint(1, 12)):
+            segs = [Segment("pg-demo", int(900 * scale)), Segment(f"pg-problem-{seed}-{problem}", length)]
+            out.append(WorkloadRequest(segs, _lognormal(rng, 190, 343, 1, 2048), f"problem-{problem}"))
+        problem += 1
+    rng.shuffle(out)
+    return out[:n]
+
+
+def videoqa(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """A tokenized video and a multiple-choice question; ~8.6 questions per video."""
+    rng = random.Random(seed)
+    out, video = [], 0
+    while len(out) < n:
+        length = _normal(rng, 9800 * scale, 6000 * scale, 500 * scale)
+        for _ in range(1 if rng.random() < 0.1 else _normal(rng, 9.5, 2, 2)):
+            segs = [
+                Segment(f"vq-video-{seed}-{video}", length),
+                Segment(f"vq-q-{seed}-{len(out)}", _normal(rng, 25, 8, 5)),
+            ]
+            out.append(WorkloadRequest(segs, _normal(rng, 4, 1.5, 1), f"video-{video}"))
+        video += 1
+    rng.shuffle(out)
+    return out[:n]
+
+
+def loogle(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """A 13-token system prompt, a long document, a question; ~18 questions per document."""
+    rng = random.Random(seed)
+    out, doc = [], 0
+    while len(out) < n:
+        length = _normal(rng, 23400 * scale, 6100 * scale, 1000 * scale)
+        for _ in range(1 if rng.random() < 0.3 else _normal(rng, 20, 8.6, 2)):
+            segs = [Segment("lg-system", 13), Segment(f"lg-doc-{seed}-{doc}", length),
+                    Segment(f"lg-q-{seed}-{len(out)}", _normal(rng, 40, 15, 5))]  # fmt: skip
+            out.append(WorkloadRequest(segs, _normal(rng, 16, 9.9, 1), f"doc-{doc}"))
+        doc += 1
+    rng.shuffle(out)
+    return out[:n]
+
+
+WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
+    "toolbench": toolbench,
+    "embodied_agent": embodied_agent,
+    "programming": programming,
+    "videoqa": videoqa,
+    "loogle": loogle,
+}
+
+
+def generate(name: str, n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}: expected one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](n, seed=seed, scale=scale)
+
+
+def mix(parts: list[tuple[list[WorkloadRequest], float]], seed: int = 0) -> list[WorkloadRequest]:
+    """Interleave workloads, drawing from each in proportion to its weight."""
+    rng = random.Random(seed)
+    queues = [list(reqs) for reqs, _ in parts]
+    weights = [w for _, w in parts]
+    out = []
+    while any(queues):
+        k = rng.choices(
+            [i for i, q in enumerate(queues) if q], weights=[weights[i] for i, q in enumerate(queues) if q]
+        )[0]
+        out.append(queues[k].pop(0))
+    return out
+
+
+def poisson_arrivals(requests: list[WorkloadRequest], rps: float, seed: int = 0) -> list[WorkloadRequest]:
+    rng = random.Random(seed)
+    t = 0.0
+    for r in requests:
+        t += rng.expovariate(rps)
+        r.arrival = t
     return requests
 
 
-WORKLOADS = {"toolbench": toolbench}
+def azure_trace(path: str | Path, shared_fraction: float = 0.5, num_prefixes: int = 50, seed: int = 0,
+                limit: int | None = None) -> list[WorkloadRequest]:  # fmt: skip
+    """Replay an Azure LLM inference trace (``TIMESTAMP, ContextTokens, GeneratedTokens``).
+    The trace has no content, so each prompt gets a synthesized shared prefix (Zipf-1.1
+    over ``num_prefixes``) covering ``shared_fraction`` of its context; arrivals keep the
+    trace's timestamps, relative to the first."""
+    import datetime as dt
+
+    rng = random.Random(seed)
+    out, start = [], None
+    with open(path, newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if limit is not None and i >= limit:
+                break
+            stamp = row["TIMESTAMP"].strip()
+            try:
+                t = float(stamp)
+            except ValueError:
+                t = dt.datetime.fromisoformat(stamp[:26]).timestamp()
+            start = t if start is None else start
+            context, generated = int(row["ContextTokens"]), max(1, int(row["GeneratedTokens"]))
+            prefix = _zipf(rng, num_prefixes, 1.1)
+            shared = int(context * shared_fraction)
+            segs = [
+                Segment(f"az-prefix-{prefix}-{shared // 256}", shared),
+                Segment(f"az-{seed}-{i}", context - shared),
+            ]
+            out.append(
+                WorkloadRequest([s for s in segs if s.length > 0], generated, f"prefix-{prefix}", t - start)
+            )
+    return out
+
+
+# ---- materializing segments ---------------------------------------------------------------
+
+
+@dataclass
+class Materializer:
+    """Token ids for the simulator (any vocabulary), or text sized in a real tokenizer."""
+
+    vocab_size: int = 32000
+    tokenizer: object = None
+    _ids: dict[str, list[int]] = field(default_factory=dict)
+    _text: dict[str, str] = field(default_factory=dict)
+
+    def _segment_ids(self, seg: Segment) -> list[int]:
+        if seg.id not in self._ids:
+            gen = np.random.default_rng(_stable_seed(seg.id))
+            self._ids[seg.id] = gen.integers(10, self.vocab_size, seg.length).tolist()
+        return self._ids[seg.id]
+
+    def token_ids(self, req: WorkloadRequest) -> list[int]:
+        return [t for seg in req.segments for t in self._segment_ids(seg)]
+
+    def _segment_text(self, seg: Segment) -> str:
+        if seg.id not in self._text:
+            rng = random.Random(_stable_seed(seg.id))
+            words = [rng.choice(_WORDS) for _ in range(max(1, seg.length))]
+            text = " " + " ".join(words)
+            if self.tokenizer is not None:  # trim to the wanted number of tokens
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids[: seg.length]
+                text = self.tokenizer.decode(ids)
+            self._text[seg.id] = text
+        return self._text[seg.id]
+
+    def text(self, req: WorkloadRequest) -> str:
+        return "".join(self._segment_text(s) for s in req.segments)
+
+
+def _stable_seed(text: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+# ---- Table 1 statistics -------------------------------------------------------------------
+
+
+def summarize(prompts: list[list[int]], output_lens: list[int]) -> dict[str, tuple[float, float]]:
+    """Table 1's statistics over the prefix tree of all prompts (an infinite cache)."""
+    from scheduler.global_tree import GlobalPrefixTree
+
+    tree = GlobalPrefixTree(1, window_s=math.inf)
+    ends = [tree.route(p, 0, 0.0) for p in prompts]
+    shared, key_pct, key_share = [], [], []
+    for prompt, end in zip(prompts, ends):
+        path = end.path() if end is not tree.root else []
+        shared.append(100 * sum(len(n.key) for n in path if n.pending.get(0, 0) >= 2) / len(prompt))
+        key, before = None, 0
+        for node in path:
+            if len(node.key) > before:
+                key = node
+            before += len(node.key)
+        key_pct.append(100 * len(key.key) / len(prompt) if key else 0.0)
+        key_share.append(key.pending.get(0, 0) if key else 0)
+    columns = ([len(p) for p in prompts], output_lens, shared, key_pct, key_share)
+    return {name: (float(np.mean(c)), float(np.std(c))) for name, c in zip(STAT_NAMES, columns)}
+
+
+def summary_table(name: str, stats: dict[str, tuple[float, float]]) -> str:
+    paper = dict(zip(STAT_NAMES, TABLE1.get(name, ((0, 0),) * 5)))
+    lines = [f"{name}: ours (mean, std) vs paper Table 1", "| statistic | ours | paper |", "|---|---|---|"]
+    for key in STAT_NAMES:
+        m, s = stats[key]
+        pm, ps = paper[key]
+        lines.append(f"| {key} | ({m:.1f}, {s:.1f}) | ({pm}, {ps}) |")
+    return "\n".join(lines)

@@ -30,7 +30,7 @@ from preble_backend.triton_common import (
     send_error,
     string_tensor,
 )
-from scheduler.policy import InstanceLoad, RoutingRequest, make_policy
+from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
 
 INPUTS = (
     "text_input",
@@ -111,7 +111,10 @@ class TritonPythonModel:
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         num_output = sent_tokens = 0
         cancelled = False
+        start, ttft = time.monotonic(), None
         for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json):
+            if ttft is None and resp.token_ids:
+                ttft = time.monotonic() - start
             if not cancelled and sender.is_cancelled():
                 cancelled = True
                 engine.abort(routing.request_id)  # keep reading: the final response confirms it
@@ -121,7 +124,7 @@ class TritonPythonModel:
                 events, load = decode_report(resp.report) if resp.report else ([], {})
                 with self.lock:
                     self.loads[instance].reported = load
-                    self.policy.on_finish(instance, routing, events, load)
+                    self.policy.on_finish(instance, routing, FinishInfo(events, load, ttft, num_output))
             if cancelled:
                 continue
             if req.stream and (delta or resp.final):

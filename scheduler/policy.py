@@ -8,7 +8,9 @@ mirror the engines' caches.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preble_backend.radix_cache import CacheEvent
@@ -28,6 +30,16 @@ class Decision:
     branch: str  # which rule of the policy chose it (for metrics and tests)
 
 
+@dataclass(frozen=True)
+class FinishInfo:
+    """What the router learns when a request finishes on an instance."""
+
+    events: list[CacheEvent] = field(default_factory=list)  # the engine's cache events
+    load: dict = field(default_factory=dict)  # the engine's load snapshot
+    ttft_s: float | None = None  # dispatch to first token, as the router saw it
+    num_output_tokens: int = 0
+
+
 @dataclass
 class InstanceLoad:
     """What the router knows of one instance: its own in-flight requests, exact and
@@ -44,25 +56,28 @@ class InstanceLoad:
 class Policy(ABC):
     name: str
 
-    def __init__(self, num_instances: int) -> None:
+    def __init__(
+        self, num_instances: int, clock: Callable[[], float] = time.monotonic, **_other_options
+    ) -> None:
         if num_instances < 1:
             raise ValueError("a policy needs at least one instance")
         self.num_instances = num_instances
+        self.clock = clock  # the simulator passes its own
 
     @abstractmethod
-    def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision: ...
+    def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
+        """Pick the instance; the request is then dispatched there (and counted as such)."""
 
-    def on_finish(self, instance: int, request: RoutingRequest, events: list[CacheEvent], load: dict) -> None:
-        """The request finished on ``instance``; the engine reported ``events`` and ``load``.
-        Policies that keep no state ignore it."""
+    def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
+        """The request finished on ``instance``. Policies that keep no state ignore it."""
         return None
 
 
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def __init__(self, num_instances: int) -> None:
-        super().__init__(num_instances)
+    def __init__(self, num_instances: int, **kw) -> None:
+        super().__init__(num_instances, **kw)
         self._next = 0
 
     def select(self, request, loads):
@@ -77,8 +92,8 @@ class LeastLoad(Policy):
 
     name = "least_load"
 
-    def __init__(self, num_instances: int) -> None:
-        super().__init__(num_instances)
+    def __init__(self, num_instances: int, **kw) -> None:
+        super().__init__(num_instances, **kw)
         self._start = 0
 
     def select(self, request, loads):
@@ -88,10 +103,17 @@ class LeastLoad(Policy):
         return Decision(choice, "least_load")
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoad)}
+def policies() -> dict[str, type[Policy]]:
+    from scheduler.baselines import CacheAware, KVCost, PrefixHash
+    from scheduler.e2 import E2
+
+    return {p.name: p for p in (E2, RoundRobin, LeastLoad, PrefixHash, CacheAware, KVCost)}
 
 
-def make_policy(name: str, num_instances: int) -> Policy:
-    if name not in POLICIES:
-        raise ValueError(f"policy={name!r} is invalid: expected one of {', '.join(POLICIES)}")
-    return POLICIES[name](num_instances)
+def make_policy(name: str, num_instances: int, **options) -> Policy:
+    """Build a policy by name; ``options`` go to the policies that take them (E2's cost
+    model and capacity, the simulator's clock)."""
+    table = policies()
+    if name not in table:
+        raise ValueError(f"policy={name!r} is invalid: expected one of {', '.join(table)}")
+    return table[name](num_instances, **options)

@@ -1,0 +1,126 @@
+"""Baseline policies behind the same interface as E2, with their published defaults.
+
+- ``prefix_hash``: consistent hashing of the first K prompt tokens; a stand-in for the
+  paper's oracle partition (requests with the same leading K tokens always meet).
+- ``cache_aware``: SGLang's router. Per worker an approximate tree of the tokens routed
+  there; if the pending-request gap is large (max − min > 64 and max > 1.5 · min) go to
+  the least loaded worker, else to the best prefix match if its match rate exceeds 0.3,
+  else to the least loaded.
+- ``kv_cost``: NVIDIA Dynamo's KV router. Overlap comes from the engines' KV events;
+  cost = overlap_weight · blocks to prefill + active blocks of in-flight requests; lowest
+  wins.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+
+import numpy as np
+
+from scheduler.global_tree import GlobalPrefixTree
+from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
+
+
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class PrefixHash(Policy):
+    name = "prefix_hash"
+
+    def __init__(self, num_instances: int, prefix_tokens: int = 512, virtual_nodes: int = 160, **options):
+        super().__init__(num_instances, **options)
+        self.prefix_tokens = prefix_tokens
+        ring = sorted(
+            (_hash(f"instance-{i}-{v}".encode()), i)
+            for i in range(num_instances)
+            for v in range(virtual_nodes)
+        )
+        self._points = [p for p, _ in ring]
+        self._owners = [i for _, i in ring]
+
+    def select(self, request, loads):
+        key = _hash(np.asarray(request.input_ids[: self.prefix_tokens], dtype=np.int64).tobytes())
+        at = bisect.bisect(self._points, key) % len(self._points)
+        return Decision(self._owners[at], "hash")
+
+
+class CacheAware(Policy):
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        num_instances: int,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 1 << 22,
+        **options,
+    ) -> None:
+        super().__init__(num_instances, **options)
+        self.cache_threshold = cache_threshold
+        self.balance_abs = balance_abs_threshold
+        self.balance_rel = balance_rel_threshold
+        self.max_tree_tokens = max_tree_tokens
+        self.trees = [GlobalPrefixTree(1, window_s=float("inf")) for _ in range(num_instances)]
+
+    def select(self, request, loads: list[InstanceLoad]):
+        pending = [load.in_flight for load in loads]
+        least = min(range(self.num_instances), key=lambda i: (pending[i], i))
+        if max(pending) - min(pending) > self.balance_abs and max(pending) > self.balance_rel * min(pending):
+            choice, branch = least, "balance"
+        else:
+            matched = [tree.match(request.input_ids).matched for tree in self.trees]
+            best = max(range(self.num_instances), key=lambda i: (matched[i], -pending[i]))
+            if matched[best] / len(request.input_ids) > self.cache_threshold:
+                choice, branch = best, "cache_hit"
+            else:
+                choice, branch = least, "cache_miss"
+        tree = self.trees[choice]
+        tree.route(request.input_ids, 0, self.clock())
+        self._evict(tree)
+        return Decision(choice, branch)
+
+    def _evict(self, tree: GlobalPrefixTree) -> None:
+        """Drop least recently routed leaves past the size cap (SGLang's tree eviction)."""
+        lru = tree.lru[0]
+        while tree.held_tokens[0] > self.max_tree_tokens and lru:
+            for node in list(lru.values()):
+                if not node.children:
+                    lru.pop(id(node))
+                    del node.parent.children[node.key[0]]
+                    tree.held_tokens[0] -= len(node.key)
+                    break
+
+
+class KVCost(Policy):
+    name = "kv_cost"
+
+    def __init__(self, num_instances: int, overlap_weight: float = 1.0, block_size: int = 16, **options):
+        super().__init__(num_instances, **options)
+        self.overlap_weight = overlap_weight
+        self.block_size = block_size
+        self.tree = GlobalPrefixTree(num_instances)  # fed by KV events only
+        self.active_blocks = [0] * num_instances
+        self._blocks: dict[str, int] = {}
+        self._next = 0
+
+    def select(self, request, loads):
+        tokens = request.input_ids
+        match = self.tree.match(tokens)
+        blocks = -(-len(tokens) // self.block_size)
+        costs = []
+        for i in range(self.num_instances):
+            overlap = match.cached_on(i) // self.block_size
+            costs.append(self.overlap_weight * (blocks - overlap) + self.active_blocks[i])
+        order = [(self._next + k) % self.num_instances for k in range(self.num_instances)]
+        choice = min(order, key=lambda i: costs[i])
+        self._next = (choice + 1) % self.num_instances
+        self.active_blocks[choice] += blocks
+        self._blocks[request.request_id] = blocks
+        return Decision(choice, "kv_cost")
+
+    def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
+        self.tree.apply_events(instance, info.events)
+        self.active_blocks[instance] -= self._blocks.pop(request.request_id, 0)
