@@ -68,17 +68,39 @@ def perf_analyzer_binary() -> str:
 
 
 def run(
-    url: str, concurrency: int, request_count: int, workload: str = "toolbench", num_prompts: int = 32,
-    max_tokens: int = 16, model: str = "preble", extra: list[str] | None = None, timeout: float = 900,
-) -> subprocess.CompletedProcess:  # fmt: skip
+    url: str,
+    concurrency: int,
+    request_count: int,
+    workload: str = "toolbench",
+    num_prompts: int = 32,
+    max_tokens: int = 16,
+    model: str = "preble",
+    extra: list[str] | None = None,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="preble-pa-") as tmp:
         data = write_input_data(Path(tmp) / "input.json", workload, num_prompts, max_tokens)
         cmd = [
-            perf_analyzer_binary(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
-            "--input-data", str(data), "--concurrency-range", str(concurrency),
-            "--measurement-mode", "count_windows", "--measurement-request-count", str(request_count),
-            "--request-count", str(request_count), *(extra or []),
-        ]  # fmt: skip
+            perf_analyzer_binary(),
+            "-m",
+            model,
+            "-u",
+            url,
+            "-i",
+            "grpc",
+            "--streaming",
+            "--input-data",
+            str(data),
+            "--concurrency-range",
+            str(concurrency),
+            "--measurement-mode",
+            "count_windows",
+            "--measurement-request-count",
+            str(request_count),
+            "--request-count",
+            str(request_count),
+            *(extra or []),
+        ]
         return subprocess.run(
             cmd, env=perf_analyzer_env(Path(tmp)), capture_output=True, text=True, timeout=timeout
         )
@@ -93,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
     args, extra = parser.parse_known_args(argv)
-    result = run(args.url, args.concurrency, args.request_count, args.workload, args.num_prompts,
-                 args.max_tokens, extra=extra)  # fmt: skip
+    result = run(
+        args.url,
+        args.concurrency,
+        args.request_count,
+        args.workload,
+        args.num_prompts,
+        args.max_tokens,
+        extra=extra,
+    )
     print(result.stdout)
     print(result.stderr, file=sys.stderr)
     return result.returncode

@@ -81,8 +81,11 @@ def toolbench(n: int, seed: int = 0, num_tools: int = 0, scale: float = 1.0) -> 
     out = []
     for i in range(n):
         t = _zipf(rng, tools, 1.1)
-        segs = [Segment("tb-system", int(100 * scale)), Segment(f"tb-tool-{t}", doc[t]),
-                Segment(f"tb-q-{seed}-{i}", _normal(rng, 250 * scale, 200 * scale, 10))]  # fmt: skip
+        segs = [
+            Segment("tb-system", int(100 * scale)),
+            Segment(f"tb-tool-{t}", doc[t]),
+            Segment(f"tb-q-{seed}-{i}", _normal(rng, 250 * scale, 200 * scale, 10)),
+        ]
         out.append(WorkloadRequest(segs, _normal(rng, 43, 16, 1), f"tool-{t}"))
     return out
 
@@ -151,8 +154,11 @@ def loogle(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
     while len(out) < n:
         length = _normal(rng, 23400 * scale, 6100 * scale, 1000 * scale)
         for _ in range(1 if rng.random() < 0.3 else _normal(rng, 20, 8.6, 2)):
-            segs = [Segment("lg-system", 13), Segment(f"lg-doc-{seed}-{doc}", length),
-                    Segment(f"lg-q-{seed}-{len(out)}", _normal(rng, 40, 15, 5))]  # fmt: skip
+            segs = [
+                Segment("lg-system", 13),
+                Segment(f"lg-doc-{seed}-{doc}", length),
+                Segment(f"lg-q-{seed}-{len(out)}", _normal(rng, 40, 15, 5)),
+            ]
             out.append(WorkloadRequest(segs, _normal(rng, 16, 9.9, 1), f"doc-{doc}"))
         doc += 1
     rng.shuffle(out)
@@ -197,8 +203,13 @@ def poisson_arrivals(requests: list[WorkloadRequest], rps: float, seed: int = 0)
     return requests
 
 
-def azure_trace(path: str | Path, shared_fraction: float = 0.5, num_prefixes: int = 50, seed: int = 0,
-                limit: int | None = None) -> list[WorkloadRequest]:  # fmt: skip
+def azure_trace(
+    path: str | Path,
+    shared_fraction: float = 0.5,
+    num_prefixes: int = 50,
+    seed: int = 0,
+    limit: int | None = None,
+) -> list[WorkloadRequest]:
     """Replay an Azure LLM inference trace (``TIMESTAMP, ContextTokens, GeneratedTokens``).
     The trace has no content, so each prompt gets a synthesized shared prefix (Zipf-1.1
     over ``num_prefixes``) covering ``shared_fraction`` of its context; arrivals keep the

@@ -49,7 +49,7 @@ class TreeNode:
         while node is not None:
             parts.append(node.key)
             node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        return list(itertools.chain.from_iterable(reversed(parts)))
 
 
 class RadixCache:
@@ -59,6 +59,7 @@ class RadixCache:
         self.events: deque[CacheEvent] = deque()  # appends and pops are thread-safe
         self.num_pages = 0  # pages held by the tree
         self.num_locked_pages = 0  # of those, pages on a path some request references
+        self.leaves: set[TreeNode] = set()  # eviction candidates when unreferenced
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -66,11 +67,19 @@ class RadixCache:
         return tuple(tokens[pos : pos + self.page_size])
 
     def _common_pages(self, node: TreeNode, tokens: list[int], pos: int) -> int:
-        ps, n = self.page_size, 0
+        """Whole pages of ``node`` that match ``tokens[pos:]`` (slice compares run in C)."""
+        ps = self.page_size
         limit = min(len(node.pages), (len(tokens) - pos) // ps)
-        while n < limit and node.key[n * ps : (n + 1) * ps] == tokens[pos + n * ps : pos + (n + 1) * ps]:
-            n += 1
-        return n
+        if node.key[: limit * ps] == tokens[pos : pos + limit * ps]:
+            return limit
+        lo, hi = 0, limit - 1  # the first page always matches: it is the child's key
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if node.key[: mid * ps] == tokens[pos : pos + mid * ps]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def cached_len(self, tokens: list[int]) -> int:
         """How many leading tokens are cached (page-aligned), touching nothing."""
@@ -134,6 +143,8 @@ class RadixCache:
                 leaf = TreeNode(key=tokens[pos:], pages=pages[pos // ps :], parent=node)
                 leaf.last_access = stamp
                 node.children[self._first(leaf.key, 0)] = leaf
+                self.leaves.discard(node)
+                self.leaves.add(leaf)
                 self.num_pages += len(leaf.pages)
                 canonical.extend(leaf.pages)
                 self.events.append(CacheEvent("stored", tuple(tokens), pos))
@@ -171,7 +182,7 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> list[int]:
         """Free at least ``num_pages`` pages (fewer if not enough are unreferenced), LRU first."""
-        heap = [(n.last_access, id(n), n) for n in self._leaves() if n.lock_ref == 0]
+        heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
@@ -192,23 +203,32 @@ class RadixCache:
         self.num_pages -= len(dropped)
         if keep == 0:
             del leaf.parent.children[self._first(leaf.key, 0)]
+            self.leaves.discard(leaf)
+            if leaf.parent is not self.root and not leaf.parent.children:
+                self.leaves.add(leaf.parent)
         else:
             leaf.key, leaf.pages = leaf.key[:cut], leaf.pages[:keep]
         return dropped
-
-    def _leaves(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                yield node
 
     def reset(self) -> list[int]:
         """Drop every unreferenced page (used by tests and by ``flush_cache``)."""
         return self.evict(self.num_pages)
 
     def drain_events(self) -> list[CacheEvent]:
-        """Events since the last drain; safe to call from another thread."""
-        return [self.events.popleft() for _ in range(len(self.events))]
+        """Events since the last drain, safe to call from another thread. A stored event
+        that only extends the previous one (chunked prefill stores a prompt page run by
+        page run) is merged into it, so a long prompt is reported once, not per chunk."""
+        out: list[CacheEvent] = []
+        for _ in range(len(self.events)):
+            event = self.events.popleft()
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and event.kind == last.kind == "stored"
+                and event.start == len(last.tokens)
+                and event.tokens[: event.start] == last.tokens
+            ):
+                out[-1] = CacheEvent("stored", event.tokens, last.start)
+            else:
+                out.append(event)
+        return out

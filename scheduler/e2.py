@@ -7,8 +7,9 @@ Per request:
    instances holding the key portion (and its autoscaled replicas), the lowest L + M + P.
    **Rebalance**: if that choice is the most loaded instance and its load exceeds
    ``Th_bal`` × the lightest instance's, the request goes to the lightest instead — but
-   only when the load gap is larger than the recompute this costs (the prefill of its
-   cached tokens), so an idle cluster does not scatter a prefix it could reuse.
+   only while the heavy instance has requests in flight and the load gap is larger than
+   the recompute the move costs (the prefill of its cached tokens): a short history
+   makes the ratio noisy, and an idle holder of the prefix serves it best.
 3. **Explore** otherwise: an instance whose in-flight work is decode-heavy (mean cached
    fraction above ``decode_ratio_threshold``) takes the prefill-heavy request; else the
    lowest L + M + P over all instances.
@@ -20,7 +21,6 @@ Per request:
 from __future__ import annotations
 
 import logging
-from collections import deque
 
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalNode, GlobalPrefixTree, Match
@@ -45,6 +45,8 @@ class E2(Policy):
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
         prune_every: int = 1000,
+        load_signal: str = "history",
+        rebalance_signal: str = "history",
         **options,
     ) -> None:
         super().__init__(num_instances, **options)
@@ -58,15 +60,19 @@ class E2(Policy):
         self.min_decode_units = min_decode_units
         self.autoscale_min_samples = autoscale_min_samples
         self.prune_every = prune_every
+        for key, value in (("load_signal", load_signal), ("rebalance_signal", rebalance_signal)):
+            if value not in ("history", "in_flight"):
+                raise ValueError(f"{key}={value!r} is invalid: expected history or in_flight")
+        self.load_signal = load_signal
+        self.rebalance_signal = rebalance_signal
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
-        self._ttft: dict[int, deque[tuple[float, float]]] = {}  # key node -> (time, ttft)
         self._decisions = 0
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
 
     def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
         missed = prompt_len - match.cached_on(instance)
-        load = self.history[instance].load(self.cost, now)
+        load = self.history[instance].load(self.cost, now, self.load_signal)
         memory = memory_cost(self.tree, instance, match, missed, self.capacity[instance], self.cost, now)
         return load + memory + self.cost.prefill_time(missed)
 
@@ -94,11 +100,13 @@ class E2(Policy):
         return decision
 
     def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
-        loads = [h.load(self.cost, now) for h in self.history]
+        loads = [h.load(self.cost, now, self.rebalance_signal) for h in self.history]
         heavy = max(range(self.num_instances), key=lambda i: loads[i])
         light = min(range(self.num_instances), key=lambda i: loads[i])
         if choice != heavy or heavy == light or loads[heavy] <= self.th_bal * loads[light]:
             return None
+        if not self.history[choice].in_flight:
+            return None  # nothing queues there now: reusing its cache costs nothing extra
         if loads[heavy] - loads[light] <= self.cost.prefill_time(match.cached_on(choice)):
             return None  # moving costs more recompute than the imbalance it fixes
         return Decision(light, "rebalance")
@@ -120,10 +128,28 @@ class E2(Policy):
             request.request_id, Routed(now, self.cost.prefill_time(missed), cached / prompt_len)
         )
         end = self.tree.route(request.input_ids, instance, now)
-        self._routed[request.request_id] = (end, key)
+        self._routed[request.request_id] = (end, self._node_ending_at(end, match, key))
         self._decisions += 1
         if self._decisions % self.prune_every == 0:
             self.tree.prune(now)
+
+    @staticmethod
+    def _node_ending_at(end: GlobalNode, match: Match, key: GlobalNode | None) -> GlobalNode | None:
+        """The key portion's node on the routed path (routing may have split the node the
+        match saw, and a split keeps the old object for the lower half)."""
+        if key is None:
+            return None
+        depth = 0
+        for node, n in zip(match.nodes, match.lengths):
+            depth += n
+            if node is key:
+                break
+        pos = 0
+        for node in end.path():
+            pos += len(node.key)
+            if pos == depth:
+                return node
+        return None
 
     def _refresh_capacity(self, loads: list[InstanceLoad]) -> None:
         for i, load in enumerate(loads):
@@ -146,7 +172,7 @@ class E2(Policy):
             self._autoscale(key, info.ttft_s, now)
 
     def _autoscale(self, key: GlobalNode, ttft: float, now: float) -> None:
-        samples = self._ttft.setdefault(id(key), deque())
+        samples = key.ttft
         samples.append((now, ttft))
         horizon = now - self.tree.window_s
         while samples and samples[0][0] < horizon:
@@ -160,7 +186,7 @@ class E2(Policy):
             return
         lacking = [i for i in range(self.num_instances) if not key.held_by(i) and i not in key.replicas]
         if lacking:
-            replica = min(lacking, key=lambda i: self.history[i].load(self.cost, now))
+            replica = min(lacking, key=lambda i: self.history[i].load(self.cost, now, self.load_signal))
             key.replicas.add(replica)
             samples.clear()  # measure afresh with the replica serving
             log.info("autoscale: key portion of %d tokens replicated on instance %d", len(key.key), replica)

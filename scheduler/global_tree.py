@@ -28,6 +28,7 @@ class GlobalNode:
     hits: dict[int, deque] = field(default_factory=dict)  # instance -> request times
     last_use: float = 0.0
     replicas: set[int] = field(default_factory=set)  # autoscaled copies (see e2.py)
+    ttft: deque = field(default_factory=deque)  # (time, ttft) of requests keyed here (e2.py)
 
     def held_by(self, instance: int) -> bool:
         return instance in self.cached or self.pending.get(instance, 0) > 0
@@ -102,17 +103,22 @@ class GlobalPrefixTree:
             node = child
         return Match(nodes, lengths)
 
-    def _walk_insert(self, tokens: list[int]) -> list[GlobalNode]:
-        """The path of nodes spelling exactly ``tokens`` (splitting and adding as needed)."""
+    def _walk_insert(self, tokens: list[int], cut: int = 0) -> list[GlobalNode]:
+        """The path of nodes spelling exactly ``tokens`` (splitting and adding as needed),
+        with a node boundary at ``cut`` as well."""
         path, node, pos = [], self.root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                child = GlobalNode(key=list(tokens[pos:]), parent=node)
+                end = cut if pos < cut < len(tokens) else len(tokens)
+                child = GlobalNode(key=list(tokens[pos:end]), parent=node)
                 node.children[tokens[pos]] = child
                 path.append(child)
-                return path
+                pos, node = end, child
+                continue
             n = _common(child.key, tokens, pos)
+            if pos < cut < pos + n:
+                n = cut - pos
             if n < len(child.key):
                 child = self._split(child, n)
             path.append(child)
@@ -181,17 +187,29 @@ class GlobalPrefixTree:
     # ---- mirroring the engines ------------------------------------------------------------
 
     def apply_events(self, instance: int, events: list[CacheEvent]) -> None:
+        """Mirror an engine's cache. The engine shares whole pages and this tree single
+        tokens, so one node here can lie under several engine branches: an eviction
+        unmarks a node only when no child of it is still cached (deepest first)."""
         for event in events:
-            path = self._walk_insert(list(event.tokens[: event.start]))
-            span = self._walk_insert(list(event.tokens))[len(path) :]
-            for node in span:
-                if event.kind == "stored" and instance not in node.cached:
-                    if not node.held_by(instance):
-                        self.held_tokens[instance] += len(node.key)
-                    node.cached.add(instance)
-                    self.cached_tokens[instance] += len(node.key)
-                    self.lru[instance].setdefault(id(node), node)
-                elif event.kind == "evicted" and instance in node.cached:
+            tokens, pos = list(event.tokens), 0
+            span = []
+            for node in self._walk_insert(tokens, cut=event.start):
+                if pos >= event.start:
+                    span.append(node)
+                pos += len(node.key)
+            if event.kind == "stored":
+                for node in span:
+                    if instance not in node.cached:
+                        if not node.held_by(instance):
+                            self.held_tokens[instance] += len(node.key)
+                        node.cached.add(instance)
+                        self.cached_tokens[instance] += len(node.key)
+                        self.lru[instance].setdefault(id(node), node)
+                continue
+            for node in reversed(span):
+                if any(instance in child.cached for child in node.children.values()):
+                    break
+                if instance in node.cached:
                     node.cached.discard(instance)
                     self.cached_tokens[instance] -= len(node.key)
                     if not node.held_by(instance):

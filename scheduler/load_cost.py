@@ -60,10 +60,16 @@ class InstanceHistory:
     def avg_decode_len(self) -> float:
         return self.decoded_sum / len(self.decoded) if self.decoded else self.default_decode_len
 
-    def load(self, cost: CostModel, now: float) -> float:
-        """L of Algorithm 2, in milliseconds."""
+    def load(self, cost: CostModel, now: float, signal: str = "history") -> float:
+        """L of Algorithm 2, in milliseconds: over the requests routed within the window
+        (``history``, as Algorithm 2 reads), or over those still in flight (``in_flight``,
+        the current load the paper's realization keeps up to date on every assignment and
+        completion)."""
         self.expire(now)
-        return max(0.0, self.prefill_ms) + len(self.routed) * cost.decode_time(self.avg_decode_len())
+        decode = cost.decode_time(self.avg_decode_len())
+        if signal == "in_flight":
+            return sum(r.prefill_ms for r in self.in_flight.values()) + len(self.in_flight) * decode
+        return max(0.0, self.prefill_ms) + len(self.routed) * decode
 
     def decode_ratio(self) -> float:
         """How decode-heavy the in-flight requests are: the mean cached fraction of their

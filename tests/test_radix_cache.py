@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from preble_backend.block_manager import BlockManager
 from preble_backend.radix_cache import RadixCache
 from preble_backend.request import Request
+from scheduler.global_tree import GlobalPrefixTree
 
 PAGE = 4
 NUM_PAGES = 24  # tiny_pool's defaults
@@ -40,6 +41,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.blocks = BlockManager(self.pool, self.cache)
         self.held: list[Request] = []
         self.content: dict[int, tuple[int, ...]] = {}  # what each page "stores"
+        self.mirror = GlobalPrefixTree(1)  # fed only by the cache's events
         self.next_id = 0
 
     @rule(tokens=token_lists)
@@ -90,8 +92,14 @@ class CacheMachine(RuleBasedStateMachine):
             start = len(path) - len(node.key)
             for i, page in enumerate(node.pages):
                 assert self.content[page] == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
+        assert self.cache.leaves == {n for n in nodes if not n.children}
         assert self.cache.num_pages == sum(len(n.pages) for n in nodes)
         assert self.cache.num_locked_pages == sum(len(n.pages) for n in nodes if n.lock_ref > 0)
+
+    @invariant()
+    def events_mirror_the_cache(self):
+        self.mirror.apply_events(0, self.cache.drain_events())
+        assert self.mirror.cached_sequences(0) == {tuple(leaf.path_tokens()) for leaf in self.cache.leaves}
 
     @invariant()
     def references(self):

@@ -1,0 +1,212 @@
+"""Discrete-event simulator of a Preble cluster.
+
+Each simulated instance runs the engine's real local scheduler, block manager, radix
+cache and priority wait queue (over a KV pool of one number per token), so chunked
+prefill, prefix sharing, LRU eviction and preemption behave exactly as in the engine;
+only the model forward is replaced by the cost model's iteration time. The global policy
+sees the same interface as in the router: requests at arrival, and on completion the
+instance's cache events and load snapshot. Outputs are pseudo-random token ids, so
+parallel samples of one prompt do not share outputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from preble_backend.block_manager import BlockManager
+from preble_backend.kv_pool import KVPool
+from preble_backend.local_scheduler import LocalScheduler, ScheduledBatch
+from preble_backend.priority_queue import PriorityWaitQueue
+from preble_backend.radix_cache import RadixCache
+from preble_backend.request import Request
+from preble_backend.sampling import SamplerState, SamplingParams
+from scheduler.cost_model import CostModel
+from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    num_instances: int = 4
+    capacity_tokens: int = 240_000  # KV tokens per instance
+    page_size: int = 16
+    chunk_size: int = 512
+    max_running_requests: int = 256
+    priority_groups: int = 10
+    priority_quota: int = 10
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    arrival: float
+    input_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestRecord:
+    arrival: float
+    instance: int = -1
+    branch: str = ""
+    first_token: float | None = None
+    finish: float | None = None
+    prompt_len: int = 0
+    cached_tokens: int = 0
+    output_len: int = 0
+
+
+class SimInstance:
+    def __init__(self, index: int, cfg: SimConfig, cost: CostModel) -> None:
+        self.index = index
+        self.cost = cost
+        num_pages = cfg.capacity_tokens // cfg.page_size
+        self.pool = KVPool(
+            num_pages, cfg.page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16
+        )
+        self.cache = RadixCache(cfg.page_size)
+        self.scheduler = LocalScheduler(
+            BlockManager(self.pool, self.cache),
+            PriorityWaitQueue(cfg.priority_groups, cfg.priority_quota),
+            cfg.chunk_size,
+            cfg.max_running_requests,
+        )
+        self.busy = False
+        self.batch: ScheduledBatch | None = None
+
+    def add(self, req: SimRequest) -> Request:
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0)
+        engine_req = Request(req.request_id, list(req.input_ids), params, SamplerState(params))
+        self.scheduler.add(engine_req)
+        return engine_req
+
+    def start_iteration(self) -> float | None:
+        """Form the next batch; return its duration in seconds (None when idle)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            self.busy = False
+            return None
+        self.busy, self.batch = True, batch
+        prefill = decodes = context = 0
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            if req.num_uncomputed == 1:
+                decodes += 1
+            else:
+                prefill += n
+            context += req.num_computed + n
+        return self.cost.iteration_time(prefill, decodes, context) / 1000.0
+
+    def finish_iteration(self) -> tuple[list[Request], list[Request]]:
+        """Apply the batch: requests that produced their first token, requests finished."""
+        batch, self.batch = self.batch, None
+        self.scheduler.advance(batch)
+        first, done = [], []
+        for req in batch.requests:
+            if req.num_computed < req.num_tokens:
+                continue
+            if not req.output_ids:
+                first.append(req)
+            req.output_ids.append(_output_token(req.request_id, len(req.output_ids)))
+            if len(req.output_ids) >= req.params.max_tokens:
+                self.scheduler.finish(req)
+                done.append(req)
+        return first, done
+
+    def stats(self) -> dict:
+        return {
+            "page_size": self.pool.page_size,
+            "kv_pages_total": self.pool.num_pages,
+            "kv_pages_used": self.pool.num_used,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+        }
+
+
+def _output_token(request_id: str, i: int) -> int:
+    return 1_000_000 + (hash((request_id, i)) & 0xFFFFF)
+
+
+@dataclass
+class SimResult:
+    records: dict[str, RequestRecord] = field(default_factory=dict)
+    instances: list[SimInstance] = field(default_factory=list)
+    end_time: float = 0.0
+
+
+def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: CostModel) -> SimResult:
+    """Run ``requests`` (with arrival times) through a cluster routed by the policy that
+    ``policy_factory(clock)`` builds."""
+    now = [0.0]
+    policy: Policy = policy_factory(lambda: now[0])
+    instances = [SimInstance(i, cfg, cost) for i in range(cfg.num_instances)]
+    loads = [InstanceLoad() for _ in instances]
+    result = SimResult(instances=instances)
+    routing: dict[str, RoutingRequest] = {}
+    seq = itertools.count()
+    events: list = [(r.arrival, next(seq), "arrive", r) for r in requests]
+    heapq.heapify(events)
+
+    def start(inst: SimInstance) -> None:
+        duration = inst.start_iteration()
+        if duration is not None:
+            heapq.heappush(events, (now[0] + duration, next(seq), "iteration", inst))
+
+    while events:
+        now[0], _, kind, payload = heapq.heappop(events)
+        if kind == "arrive":
+            req = payload
+            route = RoutingRequest(req.request_id, req.input_ids, SamplingParams(max_tokens=req.output_len))
+            decision = policy.select(route, loads)
+            routing[req.request_id] = route
+            loads[decision.instance].in_flight += 1
+            result.records[req.request_id] = RequestRecord(
+                req.arrival, decision.instance, decision.branch, prompt_len=len(req.input_ids)
+            )
+            inst = instances[decision.instance]
+            inst.add(req)
+            if not inst.busy:
+                start(inst)
+            continue
+        inst = payload
+        first, done = inst.finish_iteration()
+        for req in first:
+            result.records[req.request_id].first_token = now[0]
+        for req in done:
+            record = result.records[req.request_id]
+            record.finish, record.output_len = now[0], len(req.output_ids)
+            record.cached_tokens = req.num_cached_tokens or 0
+            loads[inst.index].in_flight -= 1
+            load = inst.stats()
+            loads[inst.index].reported = load
+            ttft = (record.first_token or now[0]) - record.arrival
+            info = FinishInfo(inst.cache.drain_events(), load, ttft, len(req.output_ids))
+            policy.on_finish(inst.index, routing.pop(req.request_id), info)
+        start(inst)
+    result.end_time = now[0]
+    return result
+
+
+def metrics(result: SimResult) -> dict[str, float]:
+    """The DESIGN §4.4 record fields a simulation can fill."""
+    recs = [r for r in result.records.values() if r.finish is not None]
+    lat = np.array([r.finish - r.arrival for r in recs])
+    ttft = np.array([r.first_token - r.arrival for r in recs])
+    tpot = np.array(
+        [(r.finish - r.first_token) / (r.output_len - 1) for r in recs if r.output_len > 1] or [0.0]
+    )
+    span = max(r.finish for r in recs) - min(r.arrival for r in recs)
+    return {
+        "num_requests": len(recs),
+        "avg_latency_s": float(lat.mean()),
+        "p50_latency_s": float(np.percentile(lat, 50)),
+        "p99_latency_s": float(np.percentile(lat, 99)),
+        "avg_ttft_s": float(ttft.mean()),
+        "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "avg_tpot_s": float(tpot.mean()),
+        "throughput_rps": len(recs) / span if span > 0 else 0.0,
+        "cache_hit_ratio": sum(r.cached_tokens for r in recs) / max(1, sum(r.prompt_len for r in recs)),
+    }

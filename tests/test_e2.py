@@ -1,0 +1,198 @@
+"""E2 (Algorithms 1 and 2), rebalancing, autoscaling and the baselines, with every expected
+choice computed by hand from a cost model where PREFILLTIME(n) = n ms and
+DECODETIME(n) = n ms (so a request's history load is its missed tokens + 32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from preble_backend.radix_cache import CacheEvent
+from preble_backend.sampling import SamplingParams
+from scheduler.cost_model import CostModel
+from scheduler.e2 import E2
+from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
+
+UNIT = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
+                 attention_ms_per_context_token=0, decode_step_ms=1)  # fmt: skip
+AVG_DECODE = 32  # E2's default decode length before any request finished
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def e2(n=2, capacity=10_000, **kw) -> tuple[E2, Clock]:
+    clock = Clock()
+    return E2(n, cost_model=UNIT, capacity_tokens=capacity, clock=clock, **kw), clock
+
+
+_ids = iter(range(10**6))
+
+
+def req(tokens) -> RoutingRequest:
+    return RoutingRequest(f"r{next(_ids)}", list(tokens), SamplingParams())
+
+
+def route(policy, tokens, n=2):
+    r = req(tokens)
+    return r, policy.select(r, [InstanceLoad() for _ in range(n)])
+
+
+X = list(range(1000, 1040))  # a 40-token shared prefix
+
+
+def test_explore_on_an_empty_cluster_ties_to_the_first_instance():
+    policy, _ = e2()
+    _, d = route(policy, range(100))
+    assert (d.instance, d.branch) == (0, "explore")  # L = M = 0, P = 100 on both
+
+
+def stored(tokens) -> FinishInfo:
+    """A finish report whose engine cached the whole prompt."""
+    return FinishInfo([CacheEvent("stored", tuple(tokens), 0)], {}, 0.1, AVG_DECODE)
+
+
+def test_exploit_when_more_is_cached_than_missed():
+    policy, _ = e2()
+    r, _ = route(policy, range(100))
+    policy.on_finish(0, r, stored(range(100)))
+    _, d = route(policy, list(range(90)) + [7] * 10)  # 90 cached > 10 missed
+    assert (d.instance, d.branch) == (0, "exploit")
+    _, d = route(policy, list(range(40)) + [8] * 60)  # 40 cached < 60 missed
+    assert d.branch == "explore"
+
+
+def test_explore_picks_the_lowest_l_plus_m_plus_p():
+    policy, clock = e2()
+    route(policy, range(100))  # instance 0: L = 100 + 32
+    m = policy.tree.match(list(range(500, 550)))
+    assert policy.load_cost(0, m, 50, clock()) == 132 + 0 + 50
+    assert policy.load_cost(1, m, 50, clock()) == 0 + 0 + 50
+    _, d = route(policy, range(500, 550))
+    assert (d.instance, d.branch) == (1, "explore")
+
+
+def test_memory_cost_charges_what_a_virtual_eviction_removes():
+    # Capacity 120 tokens. Instance 0 holds A (100 tokens) used by two requests; instance 1
+    # holds E (100 tokens) used by one. A new 50-token request needs 30 tokens freed on
+    # either, which evicts the whole 100-token node.
+    policy, clock = e2(capacity=120)
+    a, e = list(range(100)), list(range(200, 300))
+    route(policy, a)  # explore -> 0
+    route(policy, e)  # explore -> 1 (L0 = 132)
+    route(policy, a)  # exploit -> 0; missed 0 on 0, so L0 = 132 + 0 + 32 = 164
+    d_tokens = list(range(400, 450))
+    m = policy.tree.match(d_tokens)
+    assert policy.load_cost(0, m, 50, clock()) == 164 + 100 * 2 + 50
+    assert policy.load_cost(1, m, 50, clock()) == 132 + 100 * 1 + 50
+    _, d = route(policy, d_tokens)
+    assert (d.instance, d.branch) == (1, "explore")
+
+
+def test_rebalance_moves_exploit_traffic_only_when_the_gap_outweighs_recompute():
+    policy, _ = e2(th_bal=1.5)
+    route(policy, X + [1] * 10)  # explore -> 0: L0 = 50 + 32 = 82
+    _, d = route(policy, range(20))  # explore -> 1 (cost 102 vs 20): L1 = 20 + 32 = 52
+    assert d.instance == 1
+    # Exploit X on 0: 82 > 1.5 * 52 = 78, but the gap 30 is below recomputing 40 tokens.
+    _, d = route(policy, X + [2] * 5)
+    assert (d.instance, d.branch) == (0, "exploit")
+    # Now L0 = 82 + (5 + 32) = 119: 119 > 78 and the gap 67 > 40, so go to instance 1.
+    _, d = route(policy, X + [3] * 5)
+    assert (d.instance, d.branch) == (1, "rebalance")
+
+
+def test_decode_heavy_instance_takes_the_prefill_heavy_request():
+    policy, _ = e2(th_bal=100)  # rebalancing out of the way
+    prefix = list(range(100))
+    route(policy, range(5000, 5010))  # explore -> 0: L0 = 10 + 32 = 42
+    r1, d = route(policy, prefix + [1])  # explore: 42 + 101 on 0 vs 101 on 1 -> 1
+    assert d.instance == 1
+    route(policy, prefix + [2])  # exploit -> 1, cached fraction 100/101
+    route(policy, prefix + [3])  # exploit -> 1
+    policy.on_finish(1, r1, stored(prefix + [1]))
+    # L1 = (101 + 32) + 2 * (1 + 32) = 199, so cost alone picks 0 (242 vs 399) for a new
+    # 200-token prompt; but instance 1's in-flight work is 99% cached: it takes the prefill.
+    _, d = route(policy, range(6000, 6200))
+    assert (d.instance, d.branch) == (1, "explore_decode_balance")
+
+
+def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
+    policy, clock = e2(window_s=10.0, autoscale_min_samples=4)
+    prefix = list(range(100))
+    r0, _ = route(policy, prefix)  # explore -> 0 (no key portion yet)
+    policy.on_finish(0, r0, stored(prefix))
+    times = [0.5, 1.0, 1.5, 2.0, 6.0, 7.0, 8.0, 9.0]  # four answers at ttft 1 s, then four at 3 s
+    for k, t in enumerate(times):
+        clock.t = t
+        r, d = route(policy, prefix + [k])
+        assert d.instance == 0
+        events = [CacheEvent("stored", tuple(prefix + [k]), 0)]
+        policy.on_finish(0, r, FinishInfo(events, {}, 1.0 if k < 4 else 3.0, AVG_DECODE))
+    key = policy.tree.match(prefix + [99]).key_portion()
+    assert key.replicas == {1}
+    _, d = route(policy, prefix + [99])  # holders {0} + replica {1}: instance 1 is idle
+    assert (d.instance, d.branch) == (1, "exploit")
+
+
+def test_key_portion_is_the_deepest_node_longer_than_its_predecessors():
+    policy, _ = e2()
+    a = list(range(100))  # system prompt
+    b = list(range(100, 250))  # 150 tokens: longer than the 100 before it
+    c = list(range(300, 500))  # 200 tokens: shorter than the 250 before it
+    route(policy, a + b + c + [1])
+    route(policy, a + b + [9])  # splits the path at a+b
+    route(policy, a + [8])  # splits at a
+    key = policy.tree.match(a + b + c + [2]).key_portion()
+    assert key.key == b
+
+
+def test_engine_events_replace_pending_marks():
+    policy, _ = e2()
+    tokens = list(range(64))
+    r, d = route(policy, tokens)
+    # The engine stored only the first 48 tokens (three full pages of 16).
+    policy.on_finish(d.instance, r, FinishInfo([CacheEvent("stored", tuple(tokens[:48]), 0)], {}, None, 4))
+    match = policy.tree.match(tokens)
+    assert match.cached_on(d.instance) == 48 and match.cached_on(1) == 0
+    policy.on_finish(d.instance, r, FinishInfo([CacheEvent("evicted", tuple(tokens[:48]), 32)]))
+    assert policy.tree.match(tokens).cached_on(d.instance) == 32
+    assert policy.tree.cached_sequences(d.instance) == {tuple(tokens[:32])}
+
+
+def test_prefix_hash_sends_equal_leading_tokens_to_one_instance():
+    policy = make_policy("prefix_hash", 4, prefix_tokens=8)
+    loads = [InstanceLoad() for _ in range(4)]
+    first = {policy.select(req(list(range(8)) + [k]), loads).instance for k in range(20)}
+    assert len(first) == 1
+    spread = {policy.select(req([k] * 9), loads).instance for k in range(64)}
+    assert spread == {0, 1, 2, 3}
+
+
+def test_cache_aware_branches():
+    policy = make_policy("cache_aware", 2)
+    idle = [InstanceLoad(), InstanceLoad()]
+    assert policy.select(req(range(100)), idle).branch == "cache_miss"  # match rate 0
+    d = policy.select(req(list(range(40)) + [5] * 60), [InstanceLoad(3), InstanceLoad(0)])
+    assert (d.instance, d.branch) == (0, "cache_hit")  # 40% > 30% on instance 0
+    d = policy.select(req(range(100)), [InstanceLoad(100), InstanceLoad(10)])
+    assert (d.instance, d.branch) == (1, "balance")  # 100 - 10 > 64 and 100 > 1.5 * 10
+
+
+def test_kv_cost_counts_blocks_to_prefill_plus_active_blocks():
+    policy = make_policy("kv_cost", 2, block_size=16)
+    loads = [InstanceLoad(), InstanceLoad()]
+    r, d = route(policy, range(64))  # 4 blocks on either: tie -> 0; instance 0 now 4 active
+    assert d.instance == 0
+    policy.on_finish(0, r, FinishInfo([CacheEvent("stored", tuple(range(64)), 0)]))  # 0 active
+    # Same prompt + 32 tokens: 6 blocks. Instance 0: 6 - 4 overlap + 0 = 2; instance 1: 6.
+    assert policy.select(req(list(range(64)) + [1] * 32), loads).instance == 0
+
+
+def test_unknown_e2_option_value_is_named():
+    with pytest.raises(ValueError, match="load_signal='now' is invalid"):
+        E2(2, cost_model=UNIT, load_signal="now")
