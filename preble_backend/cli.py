@@ -97,8 +97,10 @@ def serve(args: argparse.Namespace) -> int:
 def repo(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     remotes = [r for r in (args.remote or "").split(",") if r]
-    root = write_repository(args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines,
-                            policy=args.policy, remote_engines=remotes)  # fmt: skip
+    root = write_repository(
+        args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, policy=args.policy,
+        cost_model=args.cost_model, remote_engines=remotes,
+    )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
     return 0
 
@@ -118,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default="tiny", help="local HF model directory ('tiny': embedded model)")
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=int, default=2, help="CPU engines when no --gpus")
-    p.add_argument("--policy", default="round_robin")
+    p.add_argument("--policy", default="e2")
+    p.add_argument("--cost-model", default="tiny_cpu", help="shipped fit name or JSON from preble profile")
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func=repo)
     p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")

@@ -242,6 +242,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         s = self.scheduler.stats
         return {
+            "device": str(self.runner.device),
             "page_size": self.pool.page_size,
             "kv_pages_total": self.pool.num_pages,
             "kv_pages_used": self.pool.num_used,

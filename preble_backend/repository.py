@@ -65,7 +65,8 @@ ENGINE_PARAMETER_NOTES = {
 ROUTER_PARAMETER_NOTES = {
     "model_path": "tokenizer directory (the engines' model); 'tiny' = the embedded model",
     "engines": "comma-separated engine model names in this server and grpc://host:port/model remotes",
-    "policy": "global scheduling policy",
+    "policy": "e2 | round_robin | least_load | prefix_hash | cache_aware | kv_cost",
+    "cost_model": "E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
     "max_inflight": "requests the router forwards at once (worker threads)",
 }
 
@@ -92,8 +93,16 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
     )
 
 
-def router_config_pbtxt(model_path: str, engines: list[str], policy: str = "round_robin") -> str:
-    values = {"model_path": model_path, "engines": ",".join(engines), "policy": policy, "max_inflight": 1024}
+def router_config_pbtxt(
+    model_path: str, engines: list[str], policy: str = "e2", cost_model: str = "tiny_cpu"
+) -> str:
+    values = {
+        "model_path": model_path,
+        "engines": ",".join(engines),
+        "policy": policy,
+        "cost_model": cost_model,
+        "max_inflight": 1024,
+    }
     return (
         'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
@@ -113,7 +122,8 @@ def write_repository(
     model_path: str = "tiny",
     gpus: list[int] | None = None,
     cpu_engines: int = 2,
-    policy: str = "round_robin",
+    policy: str = "e2",
+    cost_model: str = "tiny_cpu",
     remote_engines: list[str] | None = None,
     with_router: bool = True,
     **engine_overrides,
@@ -128,5 +138,7 @@ def write_repository(
         )
     if with_router:
         engines = names + list(remote_engines or [])
-        _write_model(root, "preble", router_config_pbtxt(model_path, engines, policy), ROUTER_MODEL_PY)
+        _write_model(
+            root, "preble", router_config_pbtxt(model_path, engines, policy, cost_model), ROUTER_MODEL_PY
+        )
     return root

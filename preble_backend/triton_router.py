@@ -19,7 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from preble_backend.detokenizer import IncrementalDetokenizer
-from preble_backend.engine_client import EngineClient, EngineError, make_engine_clients
+from preble_backend.engine_client import EngineClient, EngineError, LocalEngine, make_engine_clients
 from preble_backend.protocol import BadRequest, GenerateRequest, decode_report, parse_generate
 from preble_backend.triton_common import (
     Metrics,
@@ -30,6 +30,8 @@ from preble_backend.triton_common import (
     send_error,
     string_tensor,
 )
+from scheduler.cost_model import CostModel
+from scheduler.nvml_load import LoadView
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
 
 INPUTS = (
@@ -41,8 +43,8 @@ INPUTS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
 )
-DEFAULTS = {"model_path": "tiny", "engines": "preble_engine_0,preble_engine_1", "policy": "round_robin",
-            "max_inflight": "1024"}  # fmt: skip
+DEFAULTS = {"model_path": "tiny", "engines": "preble_engine_0,preble_engine_1", "policy": "e2",
+            "cost_model": "tiny_cpu", "max_inflight": "1024"}  # fmt: skip
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 
@@ -59,7 +61,10 @@ class TritonPythonModel:
         model_path = resolve_model_path(params["model_path"], args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engines: list[EngineClient] = make_engine_clients(params["engines"])
-        self.policy = make_policy(params["policy"], len(self.engines))
+        cost = CostModel.load(params["cost_model"]) if params["policy"] == "e2" else None
+        self.policy = make_policy(params["policy"], len(self.engines), cost_model=cost)
+        self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
+        self.load_view.start()
         try:
             workers = int(params["max_inflight"])
             assert workers >= 1
@@ -93,11 +98,14 @@ class TritonPythonModel:
             engine = self.engines[decision.instance]
             labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
             self.metrics.count("preble_router_decisions_total", "routing decisions", 1, labels)
+            finished = False
             try:
-                self._forward(req, routing, decision.instance, sender)
+                finished = self._forward(req, routing, decision.instance, sender)
             finally:
                 with self.lock:
                     self.loads[decision.instance].in_flight -= 1
+                    if not finished:  # the engine refused or failed it: forget the placement
+                        self.policy.on_finish(decision.instance, routing, FinishInfo())
             self.metrics.observe("preble_router_request_latency_seconds", "request latency at the router",
                                  time.monotonic() - arrival, LATENCY_BUCKETS)  # fmt: skip
         except (BadRequest, ValueError, EngineError) as exc:
@@ -106,11 +114,12 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"preble router: {traceback.format_exc()}")
             send_error(sender, f"internal error: {exc}")
 
-    def _forward(self, req: GenerateRequest, routing: RoutingRequest, instance: int, sender) -> None:
+    def _forward(self, req: GenerateRequest, routing: RoutingRequest, instance: int, sender) -> bool:
+        """Stream the engine's answer back; True once its final response was handled."""
         engine = self.engines[instance]
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         num_output = sent_tokens = 0
-        cancelled = False
+        cancelled = finished = False
         start, ttft = time.monotonic(), None
         for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json):
             if ttft is None and resp.token_ids:
@@ -121,9 +130,12 @@ class TritonPythonModel:
             num_output += len(resp.token_ids)
             delta = detok.add(resp.token_ids, final=resp.final)
             if resp.final:
+                finished = True
                 events, load = decode_report(resp.report) if resp.report else ([], {})
+                self._learn_gpu(instance, engine, load)
                 with self.lock:
-                    self.loads[instance].reported = load
+                    self.load_view.report(instance, load)
+                    self.loads[instance].reported = self.load_view.snapshot(instance)
                     self.policy.on_finish(instance, routing, FinishInfo(events, load, ttft, num_output))
             if cancelled:
                 continue
@@ -135,6 +147,7 @@ class TritonPythonModel:
                 self._send(sender, req, routing, engine, text, num_output, resp)
         if cancelled:
             send_error(sender, "request was cancelled", pb_utils.TritonError.CANCELLED)
+        return finished
 
     def _send(
         self, sender, req: GenerateRequest, routing: RoutingRequest, engine, text, n_tokens, resp
@@ -157,5 +170,17 @@ class TritonPythonModel:
             flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
+    def _learn_gpu(self, instance: int, engine: EngineClient, load: dict) -> None:
+        """A local engine on ``cuda:N`` gets its GPU sampled through NVML."""
+        device = str(load.get("device", ""))
+        if (
+            isinstance(engine, LocalEngine)
+            and device.startswith("cuda")
+            and self.load_view.gpus[instance] is None
+        ):
+            self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
+            self.load_view.start()
+
     def finalize(self) -> None:
+        self.load_view.stop()
         self.pool.shutdown(wait=True, cancel_futures=False)
