@@ -70,14 +70,33 @@ class E2(Policy):
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
 
-    def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
+    def _load_and_prefill(
+        self, instance: int, match: Match, prompt_len: int, now: float
+    ) -> tuple[float, int]:
         missed = prompt_len - match.cached_on(instance)
         load = self.history[instance].load(self.cost, now, self.load_signal)
-        memory = memory_cost(self.tree, instance, match, missed, self.capacity[instance], self.cost, now)
-        return load + memory + self.cost.prefill_time(missed)
+        return load + self.cost.prefill_time(missed), missed
+
+    def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
+        """L + M + P of sending this request to ``instance`` (milliseconds)."""
+        partial, missed = self._load_and_prefill(instance, match, prompt_len, now)
+        return partial + memory_cost(
+            self.tree, instance, match, missed, self.capacity[instance], self.cost, now
+        )
 
     def _cheapest(self, candidates, match: Match, prompt_len: int, now: float) -> int:
-        return min(sorted(candidates), key=lambda i: self.load_cost(i, match, prompt_len, now))
+        """Lowest L + M + P, ties to the lowest index. M (a virtual eviction walk) is the
+        costly term and never negative, so instances are costed in order of L + P and the
+        search stops once L + P alone cannot beat the best total (same answer, less work)."""
+        bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
+        best, best_cost = None, float("inf")
+        for partial, missed, i in bounds:
+            if partial > best_cost or (partial == best_cost and i > best):
+                continue
+            total = partial + memory_cost(self.tree, i, match, missed, self.capacity[i], self.cost, now)
+            if total < best_cost or (total == best_cost and i < best):
+                best, best_cost = i, total
+        return best
 
     # ---- Algorithm 1 ----------------------------------------------------------------------
 
