@@ -105,6 +105,60 @@ def repo(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_cmd(args: argparse.Namespace) -> int:
+    from scheduler.profile import profile
+
+    model = profile(args.model_path or str(tiny_model_path()), device=args.device)
+    model.save(args.output)
+    print(f"wrote {args.output}: {model}")
+    return 0
+
+
+def workload_cmd(args: argparse.Namespace) -> int:
+    import json
+
+    from client.workloads import Materializer, generate, poisson_arrivals, summarize, summary_table
+
+    reqs = poisson_arrivals(
+        generate(args.workload, args.num_requests, args.seed, args.scale), args.rps, args.seed
+    )
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(tiny_model_path()) if args.tokenizer == "tiny" else args.tokenizer
+        )
+    words = Materializer(tokenizer=tokenizer)
+    if args.action == "generate":
+        with open(args.output, "w") as out:
+            for r in reqs:
+                row = {"arrival": r.arrival, "text_input": words.text(r), "max_tokens": r.output_len}
+                out.write(json.dumps({**row, "group": r.group}) + "\n")
+        print(f"wrote {len(reqs)} requests to {args.output}")
+        return 0
+    if tokenizer is not None:
+        prompts = [tokenizer(words.text(r), add_special_tokens=False).input_ids for r in reqs]
+    else:
+        prompts = [words.token_ids(r) for r in reqs]
+    print(summary_table(args.workload, summarize(prompts, [r.output_len for r in reqs])))
+    return 0
+
+
+def simulate_cmd(args: argparse.Namespace) -> int:
+    from scheduler.cost_model import CostModel
+    from scheduler.simulator import SimConfig
+    from scheduler.sweep import ALL_POLICIES, sweep, write
+
+    cost = CostModel.load(args.cost_model)
+    cfg = SimConfig(num_instances=args.instances, capacity_tokens=args.capacity_tokens)
+    policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
+    records = sweep(args.workload, args.instances, args.requests, cost, cfg, policies, seed=args.seed)
+    write(records, args.output, f"{args.workload}_{args.instances}")
+    print(f"wrote {args.output}/{args.workload}_{args.instances}.json and .png")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="preble", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +178,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-model", default="tiny_cpu", help="shipped fit name or JSON from preble profile")
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func=repo)
+    p = sub.add_parser("profile", help="measure an engine and fit E2's cost model (JSON)")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--output", default="cost_model.json")
+    p.set_defaults(func=profile_cmd)
+    p = sub.add_parser("workload", help="generate a trace (JSONL) or print its statistics beside Table 1")
+    p.add_argument("action", choices=("generate", "summarize"))
+    p.add_argument("--workload", default="toolbench")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--rps", type=float, default=10.0, help="Poisson arrival rate")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply the paper's prompt lengths")
+    p.add_argument("--tokenizer", default=None, help="count tokens with this tokenizer ('tiny' for ours)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="trace.jsonl")
+    p.set_defaults(func=workload_cmd)
+    p = sub.add_parser("simulate", help="RPS sweep of the policies in the discrete-event simulator")
+    p.add_argument("--workload", default="toolbench")
+    p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--policies", default="all", help="comma-separated, or all")
+    p.add_argument("--cost-model", default="mistral7b_a6000")
+    p.add_argument("--capacity-tokens", type=int, default=240_000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="sim")
+    p.set_defaults(func=simulate_cmd)
     p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")
     p.add_argument("--model-path", default=None, help="local HF model directory (default: tiny model)")
     p.add_argument("--max-tokens", type=int, default=32)

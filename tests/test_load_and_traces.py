@@ -1,0 +1,78 @@
+"""The NVML load view with an injected source, Azure trace replay, mixes, and the
+``preble workload`` / ``preble simulate`` commands."""
+
+from __future__ import annotations
+
+import json
+
+from client.workloads import azure_trace, generate, mix, poisson_arrivals
+from preble_backend.cli import main
+from scheduler.nvml_load import GpuSample, LoadView
+
+
+def test_load_view_merges_gpu_samples_with_engine_reports():
+    calls = []
+
+    def source(gpu: int) -> GpuSample:
+        calls.append(gpu)
+        return GpuSample(utilization=0.25 * (gpu + 1), memory_used=gpu * 10, memory_total=100)
+
+    view = LoadView([0, None, 2], source=source, interval_s=0.01)
+    view.report(1, {"waiting": 3})
+    view.sample_once()
+    assert calls == [0, 2]  # the remote instance (no local GPU) is not sampled
+    assert view.snapshot(0) == {"gpu_utilization": 0.25, "gpu_memory_fraction": 0.0}
+    assert view.snapshot(1) == {"waiting": 3}
+    assert view.snapshot(2)["gpu_memory_fraction"] == 0.2
+    view.start()  # the background thread keeps sampling until stopped
+    view.stop()
+
+
+def test_load_view_without_gpus_never_samples():
+    view = LoadView([None, None], source=lambda gpu: (_ for _ in ()).throw(AssertionError("sampled")))
+    view.start()
+    view.sample_once()
+    view.stop()
+    assert view.snapshot(0) == {}
+
+
+def test_azure_trace_replay_keeps_timestamps_and_lengths(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:50.9951690,396,109\n"
+        "2023-11-16 18:15:51.0000000,1000,0\n"
+    )
+    reqs = azure_trace(path, shared_fraction=0.5)
+    assert [r.prompt_len for r in reqs] == [374, 396, 1000]
+    assert [r.output_len for r in reqs] == [44, 109, 1]
+    assert reqs[0].arrival == 0.0 and abs(reqs[1].arrival - 4.314579) < 1e-3
+    assert reqs[0].segments[0].length == 187  # the synthesized shared prefix
+
+
+def test_mix_and_poisson_arrivals():
+    a, b = generate("toolbench", 30, seed=1), generate("videoqa", 10, seed=1)
+    mixed = poisson_arrivals(mix([(a, 3.0), (b, 1.0)], seed=2), rps=5.0, seed=2)
+    assert len(mixed) == 40 and sorted(id(r) for r in mixed) == sorted(id(r) for r in a + b)
+    gaps = [y.arrival - x.arrival for x, y in zip(mixed, mixed[1:])]
+    assert all(g > 0 for g in gaps) and 0.1 < sum(gaps) / len(gaps) < 0.4  # mean 1/5 s
+
+
+def test_workload_and_simulate_commands(tmp_path, capsys):
+    assert main(["workload", "summarize", "--workload", "videoqa", "--num-requests", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "| prompt_len |" in out and "(9865, 5976)" in out
+    trace = tmp_path / "t.jsonl"
+    assert main(["workload", "generate", "--workload", "loogle", "--num-requests", "5", "--scale", "0.01",
+                 "--output", str(trace)]) == 0  # fmt: skip
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == 5 and all(r["text_input"] and r["max_tokens"] >= 1 for r in rows)
+    assert main(["simulate", "--workload", "toolbench", "--instances", "2", "--requests", "60",
+                 "--policies", "e2,round_robin", "--output", str(tmp_path / "sim")]) == 0  # fmt: skip
+    records = json.loads((tmp_path / "sim" / "toolbench_2.json").read_text())
+    assert {r["policy"] for r in records} == {"e2", "round_robin"}
+    for key in ("avg_latency_s", "p99_latency_s", "avg_ttft_s", "p99_ttft_s", "avg_tpot_s", "throughput_rps",
+                "cache_hit_ratio", "num_requests", "rps", "instances", "workload"):  # fmt: skip
+        assert key in records[0]
+    assert (tmp_path / "sim" / "toolbench_2.png").stat().st_size > 10_000
