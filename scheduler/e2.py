@@ -45,7 +45,7 @@ class E2(Policy):
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
         prune_every: int = 1000,
-        load_signal: str = "history",
+        load_signal: str = "in_flight",
         rebalance_signal: str = "history",
         **options,
     ) -> None:
@@ -119,6 +119,8 @@ class E2(Policy):
         return decision
 
     def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
+        if self.th_bal == float("inf"):
+            return None  # rebalancing off
         loads = [h.load(self.cost, now, self.rebalance_signal) for h in self.history]
         heavy = max(range(self.num_instances), key=lambda i: loads[i])
         light = min(range(self.num_instances), key=lambda i: loads[i])

@@ -57,7 +57,7 @@ def _at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[Si
 
 
 def find_stress_rps(
-    requests, base_rps, cfg, cost, start_rps: float, factor: float = 5.0, max_steps: int = 14
+    requests, base_rps, cfg, cost, start_rps: float, factor: float = 5.0, max_steps: int = 24
 ):
     """(light rps, light RR p99, stress rps, stress RR p99)."""
     light = run(_at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]

@@ -107,7 +107,7 @@ def test_rebalance_moves_exploit_traffic_only_when_the_gap_outweighs_recompute()
 
 
 def test_decode_heavy_instance_takes_the_prefill_heavy_request():
-    policy, _ = e2(th_bal=100)  # rebalancing out of the way
+    policy, _ = e2(th_bal=float("inf"))  # rebalancing off
     prefix = list(range(100))
     route(policy, range(5000, 5010))  # explore -> 0: L0 = 10 + 32 = 42
     r1, d = route(policy, prefix + [1])  # explore: 42 + 101 on 0 vs 101 on 1 -> 1
@@ -122,7 +122,7 @@ def test_decode_heavy_instance_takes_the_prefill_heavy_request():
 
 
 def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
-    policy, clock = e2(window_s=10.0, autoscale_min_samples=4)
+    policy, clock = e2(window_s=10.0, autoscale_min_samples=4, th_bal=float("inf"))  # no rebalancing
     prefix = list(range(100))
     r0, _ = route(policy, prefix)  # explore -> 0 (no key portion yet)
     policy.on_finish(0, r0, stored(prefix))
@@ -135,7 +135,12 @@ def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
         policy.on_finish(0, r, FinishInfo(events, {}, 1.0 if k < 4 else 3.0, AVG_DECODE))
     key = policy.tree.match(prefix + [99]).key_portion()
     assert key.replicas == {1}
-    _, d = route(policy, prefix + [99])  # holders {0} + replica {1}: instance 1 is idle
+    # Candidates are now holder 0 and replica 1. Each request in flight on 0 costs it
+    # 1 + 32; instance 1 must prefill all 101 tokens: after four, 4 * 33 + 1 > 101.
+    for k in range(4):
+        _, d = route(policy, prefix + [100 + k])
+        assert (d.instance, d.branch) == (0, "exploit")
+    _, d = route(policy, prefix + [99])
     assert (d.instance, d.branch) == (1, "exploit")
 
 
