@@ -109,19 +109,17 @@ class PrebleClient:
     ) -> StreamResult:
         """Send raw tensors to a decoupled model over a gRPC stream; gather its responses."""
         import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
+
+        from preble_backend.engine_client import grpc_inputs
 
         client = grpcclient.InferenceServerClient(self.grpc_url)
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         out = StreamResult()
         try:
-            tensors = []
-            for name, value in inputs.items():
-                t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-                t.set_data_from_numpy(value)
-                tensors.append(t)
-            client.async_stream_infer(model or self.model, tensors, enable_empty_final_response=True)
+            client.async_stream_infer(
+                model or self.model, grpc_inputs(inputs), enable_empty_final_response=True
+            )
             while True:
                 result, error = results.get(timeout=timeout)
                 if error is not None:

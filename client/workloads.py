@@ -116,53 +116,64 @@ def embodied_agent(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRe
     return out
 
 
+def _grouped(n: int, rng: random.Random, group) -> list[WorkloadRequest]:
+    """Requests made a group at a time (``group(k)``: the k-th shared item's requests),
+    shuffled so that a group's requests spread over the trace."""
+    out: list[WorkloadRequest] = []
+    k = 0
+    while len(out) < n:
+        out.extend(group(k))
+        k += 1
+    rng.shuffle(out)
+    return out[:n]
+
+
 def programming(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
     """A shared code demonstration, a problem, and several parallel samples per problem."""
     rng = random.Random(seed)
-    out, problem = [], 0
-    while len(out) < n:
+
+    def problem(k: int) -> list[WorkloadRequest]:
         length = _lognormal(rng, 2950 * scale, 1650 * scale, 50 * scale, 16000 * scale)
-        for _ in range(rng.randint(1, 12)):
-            segs = [Segment("pg-demo", int(900 * scale)), Segment(f"pg-problem-{seed}-{problem}", length)]
-            out.append(WorkloadRequest(segs, _lognormal(rng, 190, 343, 1, 2048), f"problem-{problem}"))
-        problem += 1
-    rng.shuffle(out)
-    return out[:n]
+        segs = [Segment("pg-demo", int(900 * scale)), Segment(f"pg-problem-{seed}-{k}", length)]
+        return [
+            WorkloadRequest(segs, _lognormal(rng, 190, 343, 1, 2048), f"problem-{k}")
+            for _ in range(rng.randint(1, 12))
+        ]
+
+    return _grouped(n, rng, problem)
 
 
 def videoqa(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
     """A tokenized video and a multiple-choice question; ~8.6 questions per video."""
     rng = random.Random(seed)
-    out, video = [], 0
-    while len(out) < n:
-        length = _normal(rng, 9800 * scale, 6000 * scale, 500 * scale)
-        for _ in range(1 if rng.random() < 0.1 else _normal(rng, 9.5, 2, 2)):
-            segs = [
-                Segment(f"vq-video-{seed}-{video}", length),
-                Segment(f"vq-q-{seed}-{len(out)}", _normal(rng, 25, 8, 5)),
-            ]
-            out.append(WorkloadRequest(segs, _normal(rng, 4, 1.5, 1), f"video-{video}"))
-        video += 1
-    rng.shuffle(out)
-    return out[:n]
+
+    def video(k: int) -> list[WorkloadRequest]:
+        frames = Segment(f"vq-video-{seed}-{k}", _normal(rng, 9800 * scale, 6000 * scale, 500 * scale))
+        count = 1 if rng.random() < 0.1 else _normal(rng, 9.5, 2, 2)
+        return [
+            WorkloadRequest([frames, Segment(f"vq-q-{seed}-{k}-{q}", _normal(rng, 25, 8, 5))],
+                            _normal(rng, 4, 1.5, 1), f"video-{k}")
+            for q in range(count)
+        ]  # fmt: skip
+
+    return _grouped(n, rng, video)
 
 
 def loogle(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
     """A 13-token system prompt, a long document, a question; ~18 questions per document."""
     rng = random.Random(seed)
-    out, doc = [], 0
-    while len(out) < n:
-        length = _normal(rng, 23400 * scale, 6100 * scale, 1000 * scale)
-        for _ in range(1 if rng.random() < 0.3 else _normal(rng, 20, 8.6, 2)):
-            segs = [
-                Segment("lg-system", 13),
-                Segment(f"lg-doc-{seed}-{doc}", length),
-                Segment(f"lg-q-{seed}-{len(out)}", _normal(rng, 40, 15, 5)),
-            ]
-            out.append(WorkloadRequest(segs, _normal(rng, 16, 9.9, 1), f"doc-{doc}"))
-        doc += 1
-    rng.shuffle(out)
-    return out[:n]
+
+    def document(k: int) -> list[WorkloadRequest]:
+        doc = Segment(f"lg-doc-{seed}-{k}", _normal(rng, 23400 * scale, 6100 * scale, 1000 * scale))
+        count = 1 if rng.random() < 0.3 else _normal(rng, 20, 8.6, 2)
+        system = Segment("lg-system", 13)
+        return [
+            WorkloadRequest([system, doc, Segment(f"lg-q-{seed}-{k}-{q}", _normal(rng, 40, 15, 5))],
+                            _normal(rng, 16, 9.9, 1), f"doc-{k}")
+            for q in range(count)
+        ]  # fmt: skip
+
+    return _grouped(n, rng, document)
 
 
 WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {

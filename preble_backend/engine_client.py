@@ -29,6 +29,19 @@ class EngineResponse:
     report: str | None = None
 
 
+def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
+    """numpy tensors as tritonclient gRPC inputs."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    tensors = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    return tensors
+
+
 def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
     """Decode one engine response; an empty one (a bare final flag) gives None."""
     if all(v is None for v in outputs.values()):
@@ -119,20 +132,14 @@ class RemoteEngine(EngineClient):
 
     def _call(self, inputs):
         import tritonclient.grpc as grpcclient
-        from tritonclient.utils import np_to_triton_dtype
 
         client = grpcclient.InferenceServerClient(self.url)
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         try:
-            tensors = []
-            for name, value in inputs.items():
-                t = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-                t.set_data_from_numpy(value)
-                tensors.append(t)
             client.async_stream_infer(
                 self.model,
-                tensors,
+                grpc_inputs(inputs),
                 outputs=[grpcclient.InferRequestedOutput(n) for n in ENGINE_OUTPUTS],
                 enable_empty_final_response=True,
             )
