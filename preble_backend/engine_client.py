@@ -109,17 +109,21 @@ class LocalEngine(EngineClient):
             requested_output_names=list(ENGINE_OUTPUTS),
             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
         )
+        error = None
+        # Read the decoupled iterator to its end even after an error: leaving it half-read
+        # (a final, possibly empty, response still pending) is not safe in 2.51's stub.
         for response in request.exec(decoupled=True):
             if response.has_error():
-                raise EngineError(response.error().message())
-            yield {
-                name: (
-                    t.as_numpy()
-                    if (t := pb_utils.get_output_tensor_by_name(response, name)) is not None
-                    else None
-                )
-                for name in ENGINE_OUTPUTS
-            }
+                error = error or response.error().message()
+            elif error is None:
+                yield {name: _output(pb_utils, response, name) for name in ENGINE_OUTPUTS}
+        if error is not None:
+            raise EngineError(error)
+
+
+def _output(pb_utils, response, name: str):
+    tensor = pb_utils.get_output_tensor_by_name(response, name)
+    return tensor.as_numpy() if tensor is not None else None
 
 
 class RemoteEngine(EngineClient):
