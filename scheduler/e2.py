@@ -88,6 +88,8 @@ class E2(Policy):
         """Lowest L + M + P, ties to the lowest index. M (a virtual eviction walk) is the
         costly term and never negative, so instances are costed in order of L + P and the
         search stops once L + P alone cannot beat the best total (same answer, less work)."""
+        if len(candidates) == 1:
+            return next(iter(candidates))  # nothing to compare
         bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
         best, best_cost = None, float("inf")
         for partial, missed, i in bounds:

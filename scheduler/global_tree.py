@@ -263,7 +263,7 @@ class GlobalPrefixTree:
 def _common(key: list[int], tokens: list[int], pos: int) -> int:
     """Length of the common prefix of ``key`` and ``tokens[pos:]``."""
     n = min(len(key), len(tokens) - pos)
-    if key[:n] == tokens[pos : pos + n]:
+    if (key if n == len(key) else key[:n]) == tokens[pos : pos + n]:
         return n
     lo, hi = 0, n  # binary search on slice equality: C-speed comparisons
     while lo < hi:
