@@ -66,6 +66,7 @@ class E2(Policy):
         self.load_signal = load_signal
         self.rebalance_signal = rebalance_signal
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
+        self._loads: list[InstanceLoad] = []  # the router's view during the current select
         self._decisions = 0
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
@@ -84,26 +85,33 @@ class E2(Policy):
             self.tree, instance, match, missed, self.capacity[instance], self.cost, now
         )
 
+    def _busy(self, instance: int) -> float:
+        """The live GPU utilization NVML reported for the instance (0 without NVML)."""
+        return float(self._loads[instance].reported.get("gpu_utilization", 0.0)) if self._loads else 0.0
+
     def _cheapest(self, candidates, match: Match, prompt_len: int, now: float) -> int:
-        """Lowest L + M + P, ties to the lowest index. M (a virtual eviction walk) is the
-        costly term and never negative, so instances are costed in order of L + P and the
-        search stops once L + P alone cannot beat the best total (same answer, less work)."""
+        """Lowest L + M + P; equal costs go to the less busy GPU, then the lower index.
+        M (a virtual eviction walk) is the costly term and never negative, so instances are
+        costed in order of L + P and the search stops once L + P alone cannot beat the best
+        total (same answer, less work)."""
         if len(candidates) == 1:
             return next(iter(candidates))  # nothing to compare
         bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
-        best, best_cost = None, float("inf")
+        best, best_key = None, (float("inf"),)
         for partial, missed, i in bounds:
-            if partial > best_cost or (partial == best_cost and i > best):
-                continue
+            if partial > best_key[0]:
+                break
             total = partial + memory_cost(self.tree, i, match, missed, self.capacity[i], self.cost, now)
-            if total < best_cost or (total == best_cost and i < best):
-                best, best_cost = i, total
+            key = (total, self._busy(i), i)
+            if key < best_key:
+                best, best_key = i, key
         return best
 
     # ---- Algorithm 1 ----------------------------------------------------------------------
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         now = self.clock()
+        self._loads = loads
         self._refresh_capacity(loads)
         tokens = request.input_ids
         match = self.tree.match(tokens)
@@ -125,7 +133,7 @@ class E2(Policy):
             return None  # rebalancing off
         loads = [h.load(self.cost, now, self.rebalance_signal) for h in self.history]
         heavy = max(range(self.num_instances), key=lambda i: loads[i])
-        light = min(range(self.num_instances), key=lambda i: loads[i])
+        light = min(range(self.num_instances), key=lambda i: (loads[i], self._busy(i), i))
         if choice != heavy or heavy == light or loads[heavy] <= self.th_bal * loads[light]:
             return None
         if not self.history[choice].in_flight:

@@ -201,3 +201,16 @@ def test_kv_cost_counts_blocks_to_prefill_plus_active_blocks():
 def test_unknown_e2_option_value_is_named():
     with pytest.raises(ValueError, match="load_signal='now' is invalid"):
         E2(2, cost_model=UNIT, load_signal="now")
+
+
+def test_equal_costs_go_to_the_less_busy_gpu():
+    policy, _ = e2()
+    busy = [InstanceLoad(reported={"gpu_utilization": 0.9}), InstanceLoad(reported={"gpu_utilization": 0.1})]
+    d = policy.select(req(range(100)), busy)
+    assert (d.instance, d.branch) == (1, "explore")  # L, M, P equal; NVML says 1 is idler
+
+
+def test_capacity_comes_from_engine_reports():
+    policy, _ = e2(capacity=10**6)
+    policy.select(req(range(10)), [InstanceLoad(reported={"kv_pages_total": 64, "page_size": 16})] * 2)
+    assert policy.capacity == [1024, 1024]
