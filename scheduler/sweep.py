@@ -142,3 +142,23 @@ def write(records: list[dict], out_dir: str | Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(records, indent=1))
     plot(records, out / f"{name}.png")
+
+
+def ratio_table(records: list[dict]) -> str:
+    """Markdown: at the stress rate, E2's latency and each baseline's as a multiple of E2's
+    (above 1.00x: E2 is faster)."""
+    rows = ["| workload | instances | rps | E2 avg / p99 (s) | " + " | ".join(BASELINES) + " |",
+            "|---|---|---|---|" + "---|" * len(BASELINES)]  # fmt: skip
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in records:
+        if r.get("stress"):
+            groups.setdefault((r["workload"], r["instances"], r["rps"]), {})[r["policy"]] = r
+    for (workload, instances, rps), by in sorted(groups.items()):
+        e2_avg, e2_p99 = by["e2"]["avg_latency_s"], by["e2"]["p99_latency_s"]
+        cells = [
+            f"{by[b]['avg_latency_s'] / e2_avg:.2f}x / {by[b]['p99_latency_s'] / e2_p99:.2f}x"
+            for b in BASELINES
+        ]
+        head = f"| {workload} | {instances} | {rps:.2f} | {e2_avg:.2f} / {e2_p99:.2f} | "
+        rows.append(head + " | ".join(cells) + " |")
+    return "\n".join(rows)
