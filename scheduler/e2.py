@@ -39,7 +39,7 @@ class E2(Policy):
         cost_model: CostModel | str = "tiny_cpu",
         capacity_tokens: int | list[int] = 32768,
         window_s: float = 180.0,
-        th_bal: float = 1.5,
+        th_bal: float = 3.0,
         decode_ratio_threshold: float = 0.9,
         min_decode_units: int = 2,
         default_decode_len: float = 32.0,
