@@ -19,7 +19,7 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -49,7 +49,6 @@ class TritonServer:
     ports: ServerPorts
     log_path: Path
     workdir: Path
-    env: dict[str, str] = field(repr=False, default_factory=dict)
 
     def is_ready(self) -> bool:
         try:
@@ -180,4 +179,4 @@ def start_server(
     env = server_environment(wheel)
     with open(log, "ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return TritonServer(process, ports, log, workdir, env)
+    return TritonServer(process, ports, log, workdir)

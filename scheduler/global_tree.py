@@ -1,7 +1,8 @@
 """The global prefix tree (paper §4.2): one radix tree of token sequences for the cluster.
 
 Per node: its tokens, the instances caching it, per-instance request timestamps in the
-sliding window W, and per-instance last use (for the virtual LRU eviction of load cost).
+sliding window W; per instance, the nodes it holds in least-recently-used order (for the
+virtual LRU eviction of load cost).
 An instance *has* a node when its engine reported the tokens stored (``cached``) or when
 requests routed there, still in flight, cover the node (``pending``): the router must
 exploit a prefix it just placed before the engine's report arrives. When a request
@@ -26,7 +27,6 @@ class GlobalNode:
     cached: set[int] = field(default_factory=set)
     pending: dict[int, int] = field(default_factory=dict)
     hits: dict[int, deque] = field(default_factory=dict)  # instance -> request times
-    last_use: float = 0.0
     replicas: set[int] = field(default_factory=set)  # autoscaled copies (see e2.py)
     ttft: deque = field(default_factory=deque)  # (time, ttft) of requests keyed here (e2.py)
 
@@ -135,7 +135,6 @@ class GlobalPrefixTree:
             cached=set(node.cached),
             pending=dict(node.pending),
             hits={i: deque(ts) for i, ts in node.hits.items()},
-            last_use=node.last_use,
             replicas=set(node.replicas),
         )
         node.parent.children[upper.key[0]] = upper
@@ -158,7 +157,6 @@ class GlobalPrefixTree:
                 self.held_tokens[instance] += len(node.key)
             node.pending[instance] = node.pending.get(instance, 0) + 1
             node.hits.setdefault(instance, deque()).append(now)
-            node.last_use = now
             lru[id(node)] = node
             lru.move_to_end(id(node))
         return path[-1] if path else self.root
