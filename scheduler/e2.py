@@ -67,6 +67,7 @@ class E2(Policy):
         self.rebalance_signal = rebalance_signal
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
         self._loads: list[InstanceLoad] = []  # the router's view during the current select
+        self._next = 0  # where round-robin tie-breaking starts
         self._decisions = 0
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
@@ -90,7 +91,8 @@ class E2(Policy):
         return float(self._loads[instance].reported.get("gpu_utilization", 0.0)) if self._loads else 0.0
 
     def _cheapest(self, candidates, match: Match, prompt_len: int, now: float) -> int:
-        """Lowest L + M + P; equal costs go to the less busy GPU, then the lower index.
+        """Lowest L + M + P; equal costs go to the less busy GPU (NVML), then round-robin,
+        so an idle cluster spreads work (and cache) instead of piling it on instance 0.
         M (a virtual eviction walk) is the costly term and never negative, so instances are
         costed in order of L + P and the search stops once L + P alone cannot beat the best
         total (same answer, less work)."""
@@ -102,9 +104,10 @@ class E2(Policy):
             if partial > best_key[0]:
                 break
             total = partial + memory_cost(self.tree, i, match, missed, self.capacity[i], self.cost, now)
-            key = (total, self._busy(i), i)
+            key = (total, self._busy(i), (i - self._next) % self.num_instances)
             if key < best_key:
                 best, best_key = i, key
+        self._next = (best + 1) % self.num_instances
         return best
 
     # ---- Algorithm 1 ----------------------------------------------------------------------

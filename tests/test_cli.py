@@ -46,8 +46,9 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_mode
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "stopped" in out
-    with socket.socket() as s:  # the server is gone: its port is free again
-        s.bind(("127.0.0.1", ports.http))
+    with socket.socket() as s:  # nothing listens on the port any more (TIME_WAIT may linger)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", ports.http))
 
 
 def test_serve_fails_with_one_line_when_a_port_is_taken(tmp_path):
