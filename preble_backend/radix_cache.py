@@ -217,7 +217,8 @@ class RadixCache:
     def drain_events(self) -> list[CacheEvent]:
         """Events since the last drain, safe to call from another thread. A stored event
         that only extends the previous one (chunked prefill stores a prompt page run by
-        page run) is merged into it, so a long prompt is reported once, not per chunk."""
+        page run) is merged into it, so a long prompt is reported once, not per chunk; so
+        is an eviction that continues the previous one down the same path."""
         out: list[CacheEvent] = []
         for _ in range(len(self.events)):
             event = self.events.popleft()
@@ -229,6 +230,13 @@ class RadixCache:
                 and event.tokens[: event.start] == last.tokens
             ):
                 out[-1] = CacheEvent("stored", event.tokens, last.start)
+            elif (
+                last is not None
+                and event.kind == last.kind == "evicted"
+                and len(event.tokens) == last.start
+                and last.tokens[: last.start] == event.tokens
+            ):  # a leaf's tail evicted piece by piece: one span
+                out[-1] = CacheEvent("evicted", last.tokens, event.start)
             else:
                 out.append(event)
         return out

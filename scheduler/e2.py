@@ -44,7 +44,7 @@ class E2(Policy):
         min_decode_units: int = 2,
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
-        prune_every: int = 1000,
+        prune_every: int = 200,
         load_signal: str = "in_flight",
         rebalance_signal: str = "history",
         **options,

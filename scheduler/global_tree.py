@@ -230,8 +230,9 @@ class GlobalPrefixTree:
     # ---- forgetting -----------------------------------------------------------------------
 
     def prune(self, now: float) -> int:
-        """Remove nodes that no instance holds and nobody used within the window; merge a
-        node with its only child when both have the same holders and users."""
+        """Remove nodes that no instance holds and nobody used within the window, and merge
+        a node with its only child when both carry the same state (evictions of a long
+        prompt's tail, page run by page run, would otherwise leave it in fragments)."""
         removed, stack = 0, [self.root]
         order = []
         while stack:
@@ -239,15 +240,38 @@ class GlobalPrefixTree:
             order.append(node)
             stack.extend(node.children.values())
         for node in reversed(order):  # children before parents
-            if node is self.root or node.children:
+            if node is self.root:
                 continue
-            if node.holders() or any(self.requests_in_window(node, i, now) for i in list(node.hits)):
-                continue
-            del node.parent.children[node.key[0]]
-            for lru in self.lru:
-                lru.pop(id(node), None)
-            removed += 1
+            if not node.children:
+                if node.holders() or any(self.requests_in_window(node, i, now) for i in list(node.hits)):
+                    continue
+                del node.parent.children[node.key[0]]
+                for lru in self.lru:
+                    lru.pop(id(node), None)
+                removed += 1
+            elif len(node.children) == 1:
+                child = next(iter(node.children.values()))
+                if self._same_state(node, child, now):
+                    self._merge(node, child)
+                    removed += 1
         return removed
+
+    def _same_state(self, a: GlobalNode, b: GlobalNode, now: float) -> bool:
+        if a.cached != b.cached or a.pending != b.pending or a.replicas != b.replicas:
+            return False
+        instances = set(a.hits) | set(b.hits)
+        return all(
+            self.requests_in_window(a, i, now) == self.requests_in_window(b, i, now) for i in instances
+        )
+
+    def _merge(self, node: GlobalNode, child: GlobalNode) -> None:
+        """Fold ``child`` into ``node`` (its only child, same state)."""
+        node.key = node.key + child.key
+        node.children = child.children
+        for grandchild in node.children.values():
+            grandchild.parent = node
+        for lru in self.lru:
+            lru.pop(id(child), None)
 
     def num_nodes(self) -> int:
         count, stack = 0, list(self.root.children.values())
