@@ -214,3 +214,18 @@ def test_capacity_comes_from_engine_reports():
     policy, _ = e2(capacity=10**6)
     policy.select(req(range(10)), [InstanceLoad(reported={"kv_pages_total": 64, "page_size": 16})] * 2)
     assert policy.capacity == [1024, 1024]
+
+
+def test_prune_merges_the_fragments_tail_evictions_leave():
+    from scheduler.global_tree import GlobalPrefixTree
+
+    tree = GlobalPrefixTree(1)
+    tokens = tuple(range(64))
+    tree.apply_events(0, [CacheEvent("stored", tokens, 0)])
+    for start in (48, 32, 16):  # the engine evicts the tail page by page...
+        tree.apply_events(0, [CacheEvent("evicted", tokens[: start + 16], start)])
+    tree.apply_events(0, [CacheEvent("stored", tokens, 16)])  # ...then stores it again
+    assert tree.num_nodes() == 4
+    tree.prune(now=0.0)
+    assert tree.num_nodes() == 1 and tree.cached_sequences(0) == {tokens}
+    assert tree.match(list(tokens)).cached_on(0) == 64
