@@ -21,8 +21,8 @@ from preble_backend.kv_pool import KVPool
 class AttentionBatch:
     q_lens: list[int]
     prefix_lens: list[int]
-    page_tables: list[list[int]]
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
+    context_slots: list[torch.Tensor]  # per request: flat KV slots of its whole context
 
     @property
     def seq_lens(self) -> list[int]:
@@ -57,9 +57,8 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         group = q.shape[1] // k.shape[1]
         start = 0
-        for q_len, prefix, pages in zip(batch.q_lens, batch.prefix_lens, batch.page_tables):
+        for q_len, prefix, slots in zip(batch.q_lens, batch.prefix_lens, batch.context_slots):
             seq_len = prefix + q_len
-            slots = pool.slots(pages, seq_len)
             keys = k_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)
             values = v_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)
             queries = q[start : start + q_len].transpose(0, 1)

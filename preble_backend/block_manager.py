@@ -26,7 +26,7 @@ class BlockManager:
         always left to compute, since sampling needs its logits."""
         if self.cache is None:
             return 0
-        pages, node = self.cache.match_prefix(req.all_ids[: req.num_tokens - 1])
+        pages, node = self.cache.match_prefix(req.tokens(0, req.num_tokens - 1))
         self.cache.lock(node)
         req.cache_node = node
         req.page_table = list(pages)
@@ -55,7 +55,7 @@ class BlockManager:
         full = req.num_computed // self.page_size
         if full <= req.num_tree_pages:
             return
-        tokens = req.all_ids[: full * self.page_size]
+        tokens = req.tokens(0, full * self.page_size)
         canonical, node = self.cache.insert(tokens, req.page_table[:full])
         duplicates = [
             mine

@@ -59,7 +59,7 @@ class LocalScheduler:
 
     def add(self, req: Request, front: bool = False) -> None:
         cache = self.blocks.cache
-        cached = cache.cached_len(req.all_ids) if cache is not None else 0
+        cached = cache.cached_len(req.tokens(0, req.num_tokens)) if cache is not None else 0
         req.status = Status.WAITING
         self.waiting.push(req, self.waiting.group_for(cached, req.num_tokens), front=front)
 

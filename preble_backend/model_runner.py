@@ -49,8 +49,7 @@ class ModelRunner:
         offset = 0
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = req.num_computed
-            all_ids = req.all_ids
-            ids.extend(all_ids[start : start + n])
+            ids.extend(req.tokens(start, start + n))
             pos = range(start, start + n)
             positions.extend(pos)
             slots.extend(req.page_table[p // ps] * ps + p % ps for p in pos)
@@ -62,8 +61,11 @@ class ModelRunner:
         attn = AttentionBatch(
             q_lens=list(batch.num_new_tokens),
             prefix_lens=[r.num_computed for r in batch.requests],
-            page_tables=[r.page_table for r in batch.requests],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            context_slots=[
+                pool.slots(r.page_table, r.num_computed + n)
+                for r, n in zip(batch.requests, batch.num_new_tokens)
+            ],
         )
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -52,9 +52,15 @@ class Request:
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     num_preemptions: int = 0
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """Tokens ``[start, stop)`` of prompt + output, without building the whole sequence
+        (the model runner asks for one decode token of a long prompt every iteration)."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        if start >= p:
+            return self.output_ids[start - p : stop - p]
+        return self.prompt_ids[start:] + self.output_ids[: stop - p]
 
     @property
     def num_tokens(self) -> int:

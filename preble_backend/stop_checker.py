@@ -52,7 +52,10 @@ class StopChecker:
         return None
 
     def _hits_stop_string(self, req: Request) -> bool:
-        text = self.require_tokenizer().decode(req.output_ids, skip_special_tokens=True)
+        """Decode only the tail a new occurrence can lie in (every token carries at least
+        one byte, a character at most four), not the whole output every token."""
+        window = 4 * max(len(s) for s in req.params.stop) + 4
+        text = self.require_tokenizer().decode(req.output_ids[-window:], skip_special_tokens=True)
         return any(s in text for s in req.params.stop)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,7 +128,8 @@ class SimInstance:
 
 
 def _output_token(request_id: str, i: int) -> int:
-    return 1_000_000 + (hash((request_id, i)) & 0xFFFFF)
+    """Pseudo-random but stable across runs (``hash`` of a str is salted per process)."""
+    return 1_000_000 + (zlib.crc32(f"{request_id}/{i}".encode()) & 0xFFFFF)
 
 
 @dataclass

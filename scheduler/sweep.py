@@ -8,7 +8,6 @@ same requests and arrival times, and returns DESIGN §4.4 records.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
@@ -52,8 +51,7 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
 
 
 def _at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
-    scaled = copy.copy(requests)
-    return [SimRequest(r.request_id, r.arrival * base_rps / rps, r.input_ids, r.output_len) for r in scaled]
+    return [SimRequest(r.request_id, r.arrival * base_rps / rps, r.input_ids, r.output_len) for r in requests]
 
 
 def find_stress_rps(
