@@ -10,6 +10,10 @@ import pytest
 import torch
 
 torch.set_num_threads(2)
+# Without a GPU the Triton kernels run in Triton's interpreter; it is chosen when a kernel
+# is decorated, so this must precede every import of ``kernels``.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,56 @@
+"""The online-softmax step every attention kernel here shares: one block of paged keys
+and values folded into a running (max, sum, accumulator) state.
+
+Scores are kept in log2 units (``sm_scale * log2(e)`` applied once) so ``exp2`` does the
+exponentials; ``finish`` converts the state's LSE back to natural log for callers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def attend_block(
+    acc, m_i, l_i, q, q_pos, pos, kv_ok,
+    KCache, VCache, page_row, kv_head, stride_ct, stride_ch, sm_scale_log2, d, d_ok,
+    PAGE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Fold the keys at context positions ``pos`` (valid where ``kv_ok``) into the state of
+    the query rows ``q``; with CAUSAL, a key after a row's position ``q_pos`` is masked."""
+    page = tl.load(page_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
+    slot = page * PAGE + pos % PAGE
+    offs = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
+    kv_mask = kv_ok[:, None] & d_ok[None, :]
+    k = tl.load(KCache + offs, mask=kv_mask, other=0.0)
+    v = tl.load(VCache + offs, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale_log2
+    keep = kv_ok[None, :]
+    if CAUSAL:
+        keep = keep & (pos[None, :] <= q_pos[:, None])
+    qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def finish(acc, m_i, l_i):
+    """Normalized output and natural-log LSE; a row with no keys gives 0 and -inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    return out, lse

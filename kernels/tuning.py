@@ -1,0 +1,57 @@
+"""Block sizes per GPU generation, in one explicit table (as SGLang keeps them).
+
+Keys are CUDA compute capabilities; ``interpreter`` is for ``TRITON_INTERPRET=1`` on the CPU,
+where small tiles keep the tests fast. A head dimension above 128 halves the KV block so
+the K and V tiles still fit in shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Blocks:
+    extend_m: int  # query rows (token x head-in-group) per extend tile
+    extend_n: int  # KV positions per extend step
+    decode_n: int  # KV positions per decode step
+    num_warps: int
+    num_stages: int
+    sm_count: int  # used to pick the decode split count
+
+
+TABLE: dict[str, Blocks] = {
+    "sm90": Blocks(extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=132),
+    "sm89": Blocks(extend_m=64, extend_n=64, decode_n=64, num_warps=4, num_stages=2, sm_count=128),
+    "sm80": Blocks(extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=108),
+    "default": Blocks(extend_m=64, extend_n=32, decode_n=32, num_warps=4, num_stages=2, sm_count=80),
+    "interpreter": Blocks(extend_m=16, extend_n=16, decode_n=16, num_warps=1, num_stages=1, sm_count=4),
+}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def blocks_for(device: torch.device, head_dim: int) -> Blocks:
+    if interpreting() or device.type != "cuda":
+        return TABLE["interpreter"]
+    major, minor = torch.cuda.get_device_capability(device)
+    key = f"sm{major}{minor}"
+    if key not in TABLE:
+        key = "sm90" if major >= 9 else "sm80" if major == 8 else "default"
+    blocks = TABLE[key]
+    if head_dim > 128:
+        blocks = replace(blocks, extend_n=blocks.extend_n // 2, decode_n=blocks.decode_n // 2, num_stages=2)
+    # The real SM count beats the table's guess (an H100 PCIe has 114, not 132).
+    return replace(blocks, sm_count=torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def upcast_loads(dtype: torch.dtype) -> bool:
+    """Convert every loaded tile to fp32: always under the interpreter (it computes bf16
+    wrongly and silently), and for fp32 data; on a GPU, fp16/bf16 tiles stay narrow so
+    ``tl.dot`` runs on tensor cores with fp32 accumulation."""
+    return interpreting() or dtype == torch.float32
