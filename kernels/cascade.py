@@ -41,8 +41,12 @@ class CascadePlan:
     num_splits: int
 
 
-def plan_cascade(q_lens, prefix_lens, groups, num_kv_heads, group_size, head_dim, device) -> CascadePlan:
-    blocks = blocks_for(torch.device(device), head_dim)
+def plan_cascade(q, k_cache, q_lens, prefix_lens, groups) -> CascadePlan:
+    """Work items for the suffixes and for each group's prefix, split along the prefix
+    until the launch fills twice the GPU's SMs (no piece under four KV blocks)."""
+    num_kv_heads, device = k_cache.shape[1], q.device
+    group_size = q.shape[1] // num_kv_heads
+    blocks = blocks_for(device, q.shape[2])
     kv_starts = [0] * len(q_lens)
     for members, shared in groups:
         for b in members:
@@ -83,32 +87,36 @@ def plan_cascade(q_lens, prefix_lens, groups, num_kv_heads, group_size, head_dim
 
 
 def cascade_attention_planned(q, k_cache, v_cache, page_table, page_size, plan: CascadePlan, sm_scale=None):
-    """Returns (out [T, H, D] in q's dtype, lse [T, H] fp32)."""
+    """Returns (out [T, H, D] in q's dtype, lse [T, H] fp32). Without groups this is plain
+    extend (or split-KV decode) attention; with groups the suffix output stays fp32 until
+    the merge."""
     num_rows, num_heads, head_dim = q.shape
+    rows = plan.shared_rows
+    grouped = rows.numel() > 0
+    out_dtype = torch.float32 if grouped else q.dtype
     if plan.decode_only:
         out, lse = decode_attention(
-            q, k_cache, v_cache, page_table, plan.seq_lens, page_size,
-            kv_starts=plan.kv_starts, max_kv_len=plan.max_seq_len, sm_scale=sm_scale, return_lse=True,
+            q, k_cache, v_cache, page_table, plan.seq_lens, page_size, kv_starts=plan.kv_starts,
+            max_kv_len=plan.max_seq_len, sm_scale=sm_scale, return_lse=True, out_dtype=out_dtype,
         )  # fmt: skip
-        out = out.float()
     else:
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=q.device)
         extend_attention_items(
             q, k_cache, v_cache, page_table, page_size, plan.suffix_items, plan.max_q_len, out, lse, sm_scale
         )
-    rows = plan.shared_rows
-    if rows.numel():
-        pieces = torch.zeros(
-            (rows.numel(), num_heads, plan.num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        pieces_lse = torch.full(pieces.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        extend_attention_items(
-            q[rows], k_cache, v_cache, page_table, page_size, plan.shared_items, plan.max_group_rows,
-            pieces, pieces_lse, sm_scale,
-        )  # fmt: skip
-        shared_out, shared_lse = merge_states(pieces, pieces_lse)
-        out[rows], lse[rows] = merge_state(out[rows], lse[rows], shared_out, shared_lse)
+    if not grouped:
+        return out, lse
+    shape = (rows.numel(), num_heads, plan.num_splits, head_dim)
+    pieces = torch.empty(shape, dtype=torch.float32, device=q.device)
+    # Groups with fewer pieces than the widest leave slots unwritten: mark those empty.
+    pieces_lse = torch.full(pieces.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    extend_attention_items(
+        q[rows], k_cache, v_cache, page_table, page_size, plan.shared_items, plan.max_group_rows,
+        pieces, pieces_lse, sm_scale,
+    )  # fmt: skip
+    shared_out, shared_lse = merge_states(pieces, pieces_lse)
+    out[rows], lse[rows] = merge_state(out[rows], lse[rows], shared_out, shared_lse)
     return out.to(q.dtype), lse
 
 

@@ -76,7 +76,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, blocks: Bl
 
 def decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, page_size,
-    *, kv_starts=None, max_kv_len=None, num_splits=None, sm_scale=None, return_lse=False,
+    *, kv_starts=None, max_kv_len=None, num_splits=None, sm_scale=None, return_lse=False, out_dtype=None,
 ):  # fmt: skip
     """``q`` [B, H, D], each request's query at position ``seq_len - 1`` (its K/V already
     written); attends context ``[kv_start, seq_len)``. Returns ``out`` [B, H, D] (and
@@ -105,5 +105,5 @@ def decode_attention(
             UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
             num_warps=4, num_stages=blocks.num_stages,
         )  # fmt: skip
-    out, lse = merge_states(mid, mid_lse, out_dtype=q.dtype)
+    out, lse = merge_states(mid, mid_lse, out_dtype=out_dtype or q.dtype)
     return (out, lse) if return_lse else out

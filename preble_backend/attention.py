@@ -2,18 +2,21 @@
 
 A request in the batch contributes ``q_len`` new tokens that follow ``prefix_len`` tokens
 already in the KV pool; its new tokens attend to that prefix (no mask) and to themselves
-(causal). A decode is simply a chunk of length one. The torch backend below is the
-reference and the CPU path; the Triton-language kernels (``kernels/``) plug in here.
+(causal). A decode is simply a chunk of length one. Backends: ``torch`` (the kernels'
+torch reference, the CPU default), ``triton`` (``kernels/``, with cascade attention over
+prefixes the radix cache shares) and ``flashinfer`` (when installed, GPU only).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from kernels.reference import extend_attention_ref, kv_write_ref
+from preble_backend.config import ATTENTION_BACKENDS
 from preble_backend.kv_pool import KVPool
 
 
@@ -22,7 +25,11 @@ class AttentionBatch:
     q_lens: list[int]
     prefix_lens: list[int]
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
-    context_slots: list[torch.Tensor]  # per request: flat KV slots of its whole context
+    page_table: torch.Tensor  # [B, max_pages] int32: each request's pages, padded with 0
+    page_size: int
+    # Requests that hold the same radix-cache pages: (request indices, shared tokens).
+    shared_prefixes: list[tuple[list[int], int]]
+    plan: Any = None  # the backend's per-forward plan, built by layer 0 and reused
 
     @property
     def seq_lens(self) -> list[int]:
@@ -31,6 +38,9 @@ class AttentionBatch:
 
 class AttentionBackend(ABC):
     name: str
+    # Fill ``shared_prefixes`` with groups sharing at least this many tokens (None: don't
+    # group; it costs host time that only a cascade-capable backend recovers).
+    min_shared_tokens: int | None = None
 
     @abstractmethod
     def forward(
@@ -46,34 +56,59 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """Gather each request's pages and run SDPA with a prefix-offset causal mask."""
+    """The kernels' torch reference, request by request."""
 
     name = "torch"
 
     def forward(self, layer, q, k, v, batch, pool):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
-        k_cache[batch.slot_mapping] = k
-        v_cache[batch.slot_mapping] = v
-        out = torch.empty_like(q)
-        group = q.shape[1] // k.shape[1]
-        start = 0
-        for q_len, prefix, slots in zip(batch.q_lens, batch.prefix_lens, batch.context_slots):
-            seq_len = prefix + q_len
-            keys = k_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)
-            values = v_cache[slots].transpose(0, 1).repeat_interleave(group, dim=0)
-            queries = q[start : start + q_len].transpose(0, 1)
-            q_pos = torch.arange(prefix, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
-            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
-            out[start : start + q_len] = attn.transpose(0, 1)
-            start += q_len
+        kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
+        out, _ = extend_attention_ref(
+            q, k_cache, v_cache, batch.page_table, batch.q_lens, batch.prefix_lens, batch.page_size
+        )
         return out
 
 
-def make_attention_backend(name: str) -> AttentionBackend:
+def shared_prefix_groups(
+    tree_pages: list[list[int]], page_size: int, min_shared_tokens: int
+) -> list[tuple[list[int], int]]:
+    """Group requests whose cached pages begin with the same page: the radix cache hands
+    every request matching a prefix the very same pages, so equal page ids are a shared
+    prefix. A group's shared length is its members' longest common run of pages."""
+    by_first: dict[int, list[int]] = {}
+    for b, pages in enumerate(tree_pages):
+        if len(pages) * page_size >= min_shared_tokens:
+            by_first.setdefault(pages[0], []).append(b)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        first = tree_pages[members[0]]
+        common = min(len(tree_pages[b]) for b in members)
+        for b in members[1:]:
+            other = tree_pages[b]
+            if other[:common] != first[:common]:
+                lo, hi = 1, common  # first[:lo] matches; find the longest matching run
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    lo, hi = (mid, hi) if other[:mid] == first[:mid] else (lo, mid - 1)
+                common = lo
+        if common * page_size >= min_shared_tokens:
+            groups.append((members, common * page_size))
+    return groups
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
+    if name == "triton":
+        from preble_backend.attention_triton import TritonAttention
+
+        return TritonAttention(device)
+    if name == "flashinfer":
+        from preble_backend.attention_flashinfer import FlashInferAttention
+
+        return FlashInferAttention(device)
     raise ValueError(
-        f"attention_backend {name!r} is not available; accepted: 'torch' "
-        "('triton' and 'flashinfer' arrive with the kernels)"
+        f"attention_backend {name!r} is not available; accepted: {', '.join(ATTENTION_BACKENDS)}"
     )

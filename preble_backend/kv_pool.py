@@ -61,12 +61,6 @@ class KVPool:
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
-    def slots(self, pages: list[int] | torch.Tensor, length: int) -> torch.Tensor:
-        """Flat token-slot indices of the first ``length`` tokens stored in ``pages``."""
-        pages_t = torch.as_tensor(pages, dtype=torch.long, device=self.k_cache.device)
-        offsets = torch.arange(self.page_size, device=pages_t.device)
-        return (pages_t[:, None] * self.page_size + offsets).reshape(-1)[:length]
-
     @staticmethod
     def pages_for(num_tokens: int, page_size: int) -> int:
         return -(-num_tokens // page_size)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from preble_backend.attention import AttentionBatch, make_attention_backend
+from preble_backend.attention import AttentionBatch, make_attention_backend, shared_prefix_groups
 from preble_backend.kv_pool import KVPool
 from preble_backend.llama import LlamaForCausalLM
 from preble_backend.local_scheduler import ScheduledBatch
@@ -29,7 +29,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaForCausalLM.from_pretrained(model_path, self.dtype, self.device)
         self.cfg = self.model.cfg
-        self.backend = make_attention_backend(attention_backend)
+        self.backend = make_attention_backend(attention_backend, self.device)
 
     def make_pool(self, num_pages: int, page_size: int) -> KVPool:
         cfg = self.cfg
@@ -58,14 +58,22 @@ class ModelRunner:
                 logit_rows.append(offset - 1)
                 sampling.append(i)
         dev = self.device
+        reqs = batch.requests
+        width = max(len(r.page_table) for r in reqs)
+        table = torch.zeros((len(reqs), width), dtype=torch.int32)
+        for b, r in enumerate(reqs):
+            table[b, : len(r.page_table)] = torch.tensor(r.page_table, dtype=torch.int32)
+        groups = []
+        if self.backend.min_shared_tokens is not None and len(reqs) > 1:
+            tree_pages = [r.page_table[: r.num_tree_pages] for r in reqs]
+            groups = shared_prefix_groups(tree_pages, ps, self.backend.min_shared_tokens)
         attn = AttentionBatch(
             q_lens=list(batch.num_new_tokens),
-            prefix_lens=[r.num_computed for r in batch.requests],
+            prefix_lens=[r.num_computed for r in reqs],
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            context_slots=[
-                pool.slots(r.page_table, r.num_computed + n)
-                for r, n in zip(batch.requests, batch.num_new_tokens)
-            ],
+            page_table=table.to(dev),
+            page_size=ps,
+            shared_prefixes=groups,
         )
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -183,3 +183,31 @@ def test_kv_write_scatters_and_skips_padding(dtype):
     kv_write(kc, vc, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
     assert torch.equal(kc.cpu(), k_ref) and torch.equal(vc.cpu(), v_ref)
     assert (k_ref[[1, 2, 4, 5]] == 9).all()  # untouched slots stay as they were
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="real sizes in bf16 need a CUDA GPU")
+@pytest.mark.parametrize("kind", ["extend", "decode", "cascade"])
+def test_real_sizes_bf16_on_gpu(kind):
+    """Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), 4k contexts."""
+    page_size = 16
+    if kind == "extend":
+        q_lens, prefix_lens, groups = [512, 1, 2048, 77], [3000, 4095, 0, 1200], []
+    else:
+        q_lens = [1] * 16 if kind == "decode" else [1] * 12 + [64] * 4
+        prefix_lens = [4096 + 37 * i for i in range(16)]
+        groups = [] if kind == "decode" else [(list(range(16)), 4096)]
+    q, k, v, table = paged_batch(q_lens, prefix_lens, 32, 8, 128, page_size, seed=7)
+    if groups:
+        table[:, : 4096 // page_size] = table[0, : 4096 // page_size]
+    (ql, kl, vl), (q64, k64, v64) = cast(torch.bfloat16, q, k, v)
+    gpu_table = table.to(DEVICE)
+    if kind == "decode":
+        lens = torch.tensor([p + 1 for p in prefix_lens], device=DEVICE)
+        out = decode_attention(ql, kl, vl, gpu_table, lens, page_size)
+    elif kind == "extend":
+        out = extend_attention(ql, kl, vl, gpu_table, q_lens, prefix_lens, page_size)
+    else:
+        out = cascade_attention(ql, kl, vl, gpu_table, q_lens, prefix_lens, page_size, groups)
+    expect, _ = ref.extend_attention_ref(q64, k64, v64, table, q_lens, prefix_lens, page_size)
+    assert rel_err(out.cpu(), expect) < TOL[torch.bfloat16]

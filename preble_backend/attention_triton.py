@@ -1,0 +1,41 @@
+"""The ``triton`` attention backend: the kernels of ``kernels/`` on a CUDA device (or in
+Triton's interpreter on the CPU, for tests).
+
+Per forward, layer 0 builds one plan (work items, sequence lengths, cascade groups) that
+every later layer reuses. Requests sharing at least ``CASCADE_MIN_SHARED_TOKENS`` of
+radix-cache pages are attended as a cascade: their shared prefix once for the group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cascade import cascade_attention_planned, plan_cascade
+from kernels.kv_write import kv_write
+from kernels.tuning import interpreting
+from preble_backend.attention import AttentionBackend
+
+# Below this the shared pass costs more than reading the prefix once per request.
+CASCADE_MIN_SHARED_TOKENS = 256
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+    min_shared_tokens = CASCADE_MIN_SHARED_TOKENS
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                "attention_backend 'triton' needs a CUDA device (on the CPU only Triton's interpreter "
+                "runs it: start with TRITON_INTERPRET=1, for tests)"
+            )
+        self.cascade_forwards = 0  # forwards that attended a shared prefix once per group
+
+    def forward(self, layer, q, k, v, batch, pool):
+        k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
+        kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
+        if batch.plan is None:
+            batch.plan = plan_cascade(q, k_cache, batch.q_lens, batch.prefix_lens, batch.shared_prefixes)
+            self.cascade_forwards += bool(batch.shared_prefixes)
+        out, _ = cascade_attention_planned(q, k_cache, v_cache, batch.page_table, batch.page_size, batch.plan)
+        return out

@@ -1,0 +1,100 @@
+"""The engine's ``triton`` attention backend (Triton's interpreter on CPU) against the
+``torch`` backend: the same forwards give the same logits, cascade included, and the
+groups come from pages the radix cache shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from preble_backend.attention import shared_prefix_groups
+from conftest import random_prompts
+
+SHARED = 300  # above CASCADE_MIN_SHARED_TOKENS, not a multiple of the page size
+
+
+@pytest.fixture(scope="module")
+def one_layer_model(tmp_path_factory) -> str:
+    """One decoder layer, GQA 4:1, head_dim 64."""
+    from transformers import LlamaConfig
+
+    from conftest import _write_random_checkpoint
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=512, intermediate_size=512, num_hidden_layers=1,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=1, bos_token_id=0,
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    return _write_random_checkpoint(tmp_path_factory.mktemp("one-layer"), cfg, seed=21)
+
+
+def record_logits(engine) -> list[torch.Tensor]:
+    seen, forward = [], engine.runner.forward
+
+    def recording(batch, pool):
+        logits, rows = forward(batch, pool)
+        seen.append(logits.clone())
+        return logits, rows
+
+    engine.runner.forward = recording
+    return seen
+
+
+def test_triton_backend_equals_torch_backend(make_engine, one_layer_model):
+    shared = random_prompts([SHARED], 512, seed=1)[0]
+    suffixes = random_prompts([9, 1, 23, 40], 512, seed=2)
+    loner = random_prompts([37], 512, seed=3)[0]
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = make_engine(one_layer_model, attention_backend=backend, page_size=16, chunk_size=128)
+        logits = record_logits(engine)
+        warm = engine.generate([shared + [5]], params)  # puts the shared prefix in the radix cache
+        batch = engine.generate([shared + s for s in suffixes] + [loner], params)
+        results[backend] = (warm, batch, logits, getattr(engine.runner.backend, "cascade_forwards", None))
+    assert results["triton"][:2] == results["torch"][:2]
+    torch_logits, triton_logits = results["torch"][2], results["triton"][2]
+    assert len(torch_logits) == len(triton_logits) > 10
+    for a, b in zip(torch_logits, triton_logits):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    # The second batch ran prefill chunks and decodes as cascades over the cached prefix.
+    assert results["triton"][3] >= 6
+
+
+def test_shared_prefix_groups_follow_cached_pages():
+    # Requests 0, 1, 3 share pages 4, 9, 2 (and 0 and 3 also 7); 2 starts elsewhere and
+    # 4 holds one page, too few tokens to be considered at 32.
+    tree_pages = [[4, 9, 2, 7], [4, 9, 2], [5, 6, 8], [4, 9, 2, 7, 1], [11]]
+    assert shared_prefix_groups(tree_pages, 16, 32) == [([0, 1, 3], 48)]
+    # At 64 tokens request 1 (48 cached) drops out and 0 and 3 share all four pages.
+    assert shared_prefix_groups(tree_pages, 16, 64) == [([0, 3], 64)]
+    diverging = [[4, 9, 2, 7], [4, 9, 3, 7], [4, 9, 2, 7]]
+    assert shared_prefix_groups(diverging, 16, 16) == [([0, 1, 2], 32)]
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(one_layer_model, monkeypatch):
+    from preble_backend.attention_triton import TritonAttention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        TritonAttention(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU backends need CUDA")
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    shared = random_prompts([SHARED], 512, seed=1)[0]
+    prompts = [shared + s for s in random_prompts([9, 1, 23, 40], 512, seed=2)]
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    logits = {}
+    for name in ("torch", backend):
+        engine = make_engine(one_layer_model, attention_backend=name, device="cuda", dtype="float32")
+        logits[name] = record_logits(engine)
+        engine.generate([shared + [5]], params)
+        engine.generate(prompts, params)
+    for a, b in zip(logits["torch"], logits[backend]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
