@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_prompts
 
 from preble_backend.attention import shared_prefix_groups
-from conftest import random_prompts
 
 SHARED = 300  # above CASCADE_MIN_SHARED_TOKENS, not a multiple of the page size
 
@@ -16,9 +16,8 @@ SHARED = 300  # above CASCADE_MIN_SHARED_TOKENS, not a multiple of the page size
 @pytest.fixture(scope="module")
 def one_layer_model(tmp_path_factory) -> str:
     """One decoder layer, GQA 4:1, head_dim 64."""
-    from transformers import LlamaConfig
-
     from conftest import _write_random_checkpoint
+    from transformers import LlamaConfig
 
     cfg = LlamaConfig(
         vocab_size=512, hidden_size=512, intermediate_size=512, num_hidden_layers=1,
