@@ -135,8 +135,6 @@ def cascade_attention(
 ):
     """Attention of a ragged batch (new K/V already written) with each group's shared
     prefix attended once; equal to ``extend_attention`` on the same batch."""
-    plan = plan_cascade(
-        q_lens, prefix_lens, groups, k_cache.shape[1], q.shape[1] // k_cache.shape[1], q.shape[2], q.device
-    )
+    plan = plan_cascade(q, k_cache, q_lens, prefix_lens, groups)
     out, lse = cascade_attention_planned(q, k_cache, v_cache, page_table, page_size, plan, sm_scale)
     return (out, lse) if return_lse else out

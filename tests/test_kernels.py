@@ -211,3 +211,17 @@ def test_real_sizes_bf16_on_gpu(kind):
         out = cascade_attention(ql, kl, vl, gpu_table, q_lens, prefix_lens, page_size, groups)
     expect, _ = ref.extend_attention_ref(q64, k64, v64, table, q_lens, prefix_lens, page_size)
     assert rel_err(out.cpu(), expect) < TOL[torch.bfloat16]
+
+
+def test_benchmark_script_runs_and_keeps_the_document(tmp_path):
+    """The GPU benchmark's code paths on tiny shapes (timings meaningless); its table goes
+    between the markers and the text around them survives."""
+    from kernels.benchmark import END, START, main
+
+    doc = tmp_path / "KERNELS.md"
+    doc.write_text(f"# Kernels\n\nprose before\n\n{START}\nold table\n{END}\n\nprose after\n")
+    assert main(["--smoke", "--out", str(doc)]) == 0
+    text = doc.read_text()
+    assert "prose before" in text and "prose after" in text and "old table" not in text
+    for kernel in ("| decode |", "| extend |", "| cascade decode |", "| merge_state |", "| kv_write |"):
+        assert kernel in text
