@@ -99,6 +99,9 @@ def shared_prefix_groups(
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` is the torch reference on the CPU and the Triton kernels on CUDA."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttention()
     if name == "triton":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_CPU_KV_TOKENS = 32768
 
@@ -26,7 +26,7 @@ class EngineConfig:
     priority_groups: int = 10  # P
     priority_quota: int = 10  # k: group g admits (g + 1) * k per round
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # torch on CPU, triton (kernels/) on CUDA
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, accepted: str) -> None:

@@ -60,7 +60,7 @@ ENGINE_PARAMETER_NOTES = {
     "priority_groups": "P of the priority wait queue",
     "priority_quota": "k: group g admits (g + 1) * k requests per round",
     "enable_prefix_caching": "radix prefix cache on/off",
-    "attention_backend": "torch | triton | flashinfer",
+    "attention_backend": "auto (torch on CPU, triton on GPU) | torch | triton | flashinfer",
 }
 ROUTER_PARAMETER_NOTES = {
     "model_path": "tokenizer directory (the engines' model); 'tiny' = the embedded model",

@@ -97,3 +97,13 @@ def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend)
         engine.generate(prompts, params)
     for a, b in zip(logits["torch"], logits[backend]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+def test_auto_backend_is_torch_on_cpu_and_unknown_names_are_refused():
+    from preble_backend.attention import TorchAttention, make_attention_backend
+
+    assert isinstance(make_attention_backend("auto", torch.device("cpu")), TorchAttention)
+    with pytest.raises(ValueError, match="accepted: auto, torch, triton, flashinfer"):
+        make_attention_backend("cuda_magic", torch.device("cpu"))
+    with pytest.raises(ValueError, match="'flashinfer' needs a CUDA device"):
+        make_attention_backend("flashinfer", torch.device("cpu"))
