@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def context_slots(page_row: torch.Tensor, start: int, stop: int, page_size: int) -> torch.Tensor:
@@ -28,16 +29,24 @@ def kv_write_ref(k_cache, v_cache, k, v, slot_mapping) -> None:
     v_cache[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
 
 
-def attend_ref(queries, q_pos, k_cache, v_cache, page_row, kv_start, kv_end, page_size, scale):
+def attend_ref(queries, q_pos, k_cache, v_cache, page_row, kv_start, kv_end, page_size, scale, with_lse=True):
     """Queries [n, H, D] at positions ``q_pos`` [n] over context positions
-    ``[kv_start, kv_end)`` of one page row, causal (a key after its query is masked)."""
+    ``[kv_start, kv_end)`` of one page row, causal (a key after its query is masked).
+    Without ``with_lse`` (the engine's CPU path) SDPA computes the same output faster;
+    every query must then see at least one key."""
     group = queries.shape[1] // k_cache.shape[1]
     slots = context_slots(page_row, kv_start, kv_end, page_size)
     keys = k_cache[slots].to(queries.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
     values = v_cache[slots].to(queries.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = queries.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, n, keys]
     k_pos = torch.arange(kv_start, kv_end, device=queries.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], -math.inf)
+    visible = k_pos[None, :] <= q_pos[:, None]  # [n, keys]
+    if not with_lse:
+        out = F.scaled_dot_product_attention(
+            queries.transpose(0, 1), keys, values, attn_mask=visible, scale=scale
+        )
+        return out.transpose(0, 1), None
+    scores = queries.transpose(0, 1) @ keys.transpose(1, 2) * scale  # [H, n, keys]
+    scores = scores.masked_fill(~visible[None], -math.inf)
     lse = torch.logsumexp(scores, dim=-1)  # [H, n]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     return (probs @ values).transpose(0, 1), lse.transpose(0, 1)
@@ -48,20 +57,30 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def extend_attention_ref(
-    q, k_cache, v_cache, page_table, q_lens, prefix_lens, page_size, kv_starts=None, sm_scale=None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    q_lens,
+    prefix_lens,
+    page_size,
+    kv_starts=None,
+    sm_scale=None,
+    with_lse=True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each request's ``q_len`` queries sit at positions ``prefix_len + i``; they attend to
     positions ``[kv_start, prefix_len)`` without a mask and to ``[prefix_len, prefix_len + i]``."""
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=_lse_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=_lse_dtype(q.dtype), device=q.device) if with_lse else None
     starts = kv_starts if kv_starts is not None else [0] * len(q_lens)
     t0 = 0
     for b, (q_len, prefix, kv_start) in enumerate(zip(q_lens, prefix_lens, starts)):
         q_len, prefix = int(q_len), int(prefix)
+        rows = slice(t0, t0 + q_len)
         q_pos = torch.arange(prefix, prefix + q_len, device=q.device)
         o, s = attend_ref(
-            q[t0 : t0 + q_len],
+            q[rows],
             q_pos,
             k_cache,
             v_cache,
@@ -70,8 +89,11 @@ def extend_attention_ref(
             prefix + q_len,
             page_size,
             scale,
+            with_lse,
         )
-        out[t0 : t0 + q_len], lse[t0 : t0 + q_len] = o, s.to(lse.dtype)
+        out[rows] = o
+        if with_lse:
+            lse[rows] = s.to(lse.dtype)
         t0 += q_len
     return out, lse
 

@@ -56,7 +56,7 @@ class AttentionBackend(ABC):
 
 
 class TorchAttention(AttentionBackend):
-    """The kernels' torch reference, request by request."""
+    """The kernels' torch reference (its SDPA path: no LSE needed), request by request."""
 
     name = "torch"
 
@@ -64,7 +64,14 @@ class TorchAttention(AttentionBackend):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
         out, _ = extend_attention_ref(
-            q, k_cache, v_cache, batch.page_table, batch.q_lens, batch.prefix_lens, batch.page_size
+            q,
+            k_cache,
+            v_cache,
+            batch.page_table,
+            batch.q_lens,
+            batch.prefix_lens,
+            batch.page_size,
+            with_lse=False,
         )
         return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -88,6 +89,12 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        # The server led its own process group: end what it left behind (Python backend
+        # stubs outlive a server that crashed or was killed).
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         shutil.rmtree(self.workdir, ignore_errors=True)
         return self.process.returncode
 

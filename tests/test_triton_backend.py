@@ -55,8 +55,10 @@ def test_triton_backend_equals_torch_backend(make_engine, one_layer_model):
     assert results["triton"][:2] == results["torch"][:2]
     torch_logits, triton_logits = results["torch"][2], results["triton"][2]
     assert len(torch_logits) == len(triton_logits) > 10
-    for a, b in zip(torch_logits, triton_logits):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    for a, b in zip(torch_logits, triton_logits):  # fp32 on both sides: relative error < 1e-5
+        assert a.shape == b.shape
+        if a.numel():  # a forward of prefill chunks only samples nothing
+            assert (a - b).abs().max() / a.abs().max() < 1e-5, (a - b).abs().max()
     # The second batch ran prefill chunks and decodes as cascades over the cached prefix.
     assert results["triton"][3] >= 6
 
