@@ -92,35 +92,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-class FlashInfer:
-    """FlashInfer's paged decode/prefill on our page tables (NHD view of the same pool)."""
-
-    def __init__(self, device):
-        import flashinfer
-
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-
-    def prepare(self, q, k, table, q_lens, seq_lens, page_size):
-        pages = [-(-n // page_size) for n in seq_lens]
-        dev = q.device
-        indices = torch.cat([table[b, :n] for b, n in enumerate(pages)])
-        indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        last = torch.tensor(
-            [n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32, device=dev
-        )
-        heads = (q.shape[1], k.shape[1], q.shape[2], page_size)
-        if all(n == 1 for n in q_lens):
-            self.decode.plan(indptr, indices, last, *heads, q_data_type=q.dtype, kv_data_type=k.dtype)
-            return self.decode
-        qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        self.prefill.plan(
-            qo, indptr, indices, last, *heads, causal=True, q_data_type=q.dtype, kv_data_type=k.dtype
-        )
-        return self.prefill
-
-
 def run(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> tuple[list[str], list[list[str]]]:
     notes, rows = [], []
     n = shapes.copy_elems
@@ -134,11 +105,14 @@ def run(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> tuple[list[
         f"copy bandwidth {copy_gbs:,.0f} GB/s (read + write); {dtype} matmul {mm_tflops:,.0f} TFLOP/s"
     )
     del src, dst, a, b
-    try:
-        fi = FlashInfer(device) if device.type == "cuda" else None
-    except ImportError:
-        fi = None
-        notes.append("FlashInfer not installed: its columns are empty")
+    fi = None
+    if device.type == "cuda":
+        from preble_backend.attention_flashinfer import FlashInferAttention
+
+        try:
+            fi = FlashInferAttention(device)
+        except ValueError as err:
+            notes.append(f"FlashInfer unavailable ({err}): its columns are empty")
     num_heads, num_kv_heads, head_dim = shapes.heads
     ps, kv_bytes = (
         shapes.page_size,
@@ -148,7 +122,7 @@ def run(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> tuple[list[
     def compare(q, k, v, table, q_lens, seq_lens, ours_ms, ours_out):
         if fi is None:
             return ["", "", ""]
-        wrapper = fi.prepare(q, k, table, q_lens, seq_lens, ps)
+        wrapper = fi.plan(q, k, table, q_lens, seq_lens, ps)
         paged_kv = (k.view(-1, ps, *k.shape[1:]), v.view(-1, ps, *v.shape[1:]))
         theirs = wrapper.run(q, paged_kv)
         fi_ms = bench_ms(device, wrapper.run, q, paged_kv)

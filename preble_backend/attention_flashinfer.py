@@ -30,23 +30,22 @@ class FlashInferAttention(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
 
-    def _plan(self, q, k, batch):
-        ps = batch.page_size
-        seq_lens = batch.seq_lens
-        num_pages = [-(-n // ps) for n in seq_lens]
-        indices = torch.cat([batch.page_table[b, :n] for b, n in enumerate(num_pages)])
-        indptr = torch.tensor([0, *torch.tensor(num_pages).cumsum(0).tolist()], dtype=torch.int32)
-        last = torch.tensor([n - (p - 1) * ps for n, p in zip(seq_lens, num_pages)], dtype=torch.int32)
+    def plan(self, q, k, page_table, q_lens, seq_lens, page_size):
+        """Plan one batch (page CSR and last-page lengths from our page table); returns
+        the wrapper to ``run``. The benchmark calls this too, on the same tables."""
+        num_pages = [-(-n // page_size) for n in seq_lens]
         dev = q.device
-        common = dict(q_data_type=q.dtype, kv_data_type=k.dtype)
-        heads = (q.shape[1], k.shape[1], q.shape[2], ps)
-        if all(n == 1 for n in batch.q_lens):
-            self._decode.plan(indptr.to(dev), indices.to(dev), last.to(dev), *heads, **common)
-            return self._decode
-        qo_indptr = torch.tensor([0, *torch.tensor(batch.q_lens).cumsum(0).tolist()], dtype=torch.int32)
-        self._prefill.plan(
-            qo_indptr.to(dev), indptr.to(dev), indices.to(dev), last.to(dev), *heads, causal=True, **common
+        indices = torch.cat([page_table[b, :n] for b, n in enumerate(num_pages)])
+        indptr = _offsets(num_pages, dev)
+        last = torch.tensor(
+            [n - (p - 1) * page_size for n, p in zip(seq_lens, num_pages)], dtype=torch.int32, device=dev
         )
+        common = dict(q_data_type=q.dtype, kv_data_type=k.dtype)
+        heads = (q.shape[1], k.shape[1], q.shape[2], page_size)
+        if all(n == 1 for n in q_lens):
+            self._decode.plan(indptr, indices, last, *heads, **common)
+            return self._decode
+        self._prefill.plan(_offsets(q_lens, dev), indptr, indices, last, *heads, causal=True, **common)
         return self._prefill
 
     def forward(self, layer, q, k, v, batch, pool):
@@ -54,6 +53,14 @@ class FlashInferAttention(AttentionBackend):
         k_cache[batch.slot_mapping] = k
         v_cache[batch.slot_mapping] = v
         if batch.plan is None:
-            batch.plan = self._plan(q, k, batch)
+            batch.plan = self.plan(q, k, batch.page_table, batch.q_lens, batch.seq_lens, batch.page_size)
         shape = (-1, batch.page_size, k.shape[1], k.shape[2])  # NHD pages, a view of the pool
         return batch.plan.run(q.contiguous(), (k_cache.view(shape), v_cache.view(shape)))
+
+
+def _offsets(lengths: list[int], device) -> torch.Tensor:
+    """CSR offsets: [0, l0, l0 + l1, ...] as int32."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32, device=device)

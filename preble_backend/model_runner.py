@@ -60,9 +60,9 @@ class ModelRunner:
         dev = self.device
         reqs = batch.requests
         width = max(len(r.page_table) for r in reqs)
-        table = torch.zeros((len(reqs), width), dtype=torch.int32)
-        for b, r in enumerate(reqs):
-            table[b, : len(r.page_table)] = torch.tensor(r.page_table, dtype=torch.int32)
+        table = torch.tensor(
+            [r.page_table + [0] * (width - len(r.page_table)) for r in reqs], dtype=torch.int32
+        )
         groups = []
         if self.backend.min_shared_tokens is not None and len(reqs) > 1:
             tree_pages = [r.page_table[: r.num_tree_pages] for r in reqs]
