@@ -299,20 +299,21 @@ def _stable_seed(text: str) -> int:
 
 def summarize(prompts: list[list[int]], output_lens: list[int]) -> dict[str, tuple[float, float]]:
     """Table 1's statistics over the prefix tree of all prompts (an infinite cache)."""
+    from preble_backend.block_hash import chain_hashes
     from scheduler.global_tree import GlobalPrefixTree
 
-    tree = GlobalPrefixTree(1, window_s=math.inf)
-    ends = [tree.route(p, 0, 0.0) for p in prompts]
+    tree = GlobalPrefixTree(1, window_s=math.inf, page_size=1)  # token-exact, as Table 1
+    ends = [tree.route(chain_hashes(p, 1), 0, 0.0) for p in prompts]
     shared, key_pct, key_share = [], [], []
     for prompt, end in zip(prompts, ends):
         path = end.path() if end is not tree.root else []
-        shared.append(100 * sum(len(n.key) for n in path if n.pending.get(0, 0) >= 2) / len(prompt))
+        shared.append(100 * sum(len(n.hashes) for n in path if n.pending.get(0, 0) >= 2) / len(prompt))
         key, before = None, 0
         for node in path:
-            if len(node.key) > before:
+            if len(node.hashes) > before:
                 key = node
-            before += len(node.key)
-        key_pct.append(100 * len(key.key) / len(prompt) if key else 0.0)
+            before += len(node.hashes)
+        key_pct.append(100 * len(key.hashes) / len(prompt) if key else 0.0)
         key_share.append(key.pending.get(0, 0) if key else 0)
     columns = ([len(p) for p in prompts], output_lens, shared, key_pct, key_share)
     return {name: (float(np.mean(c)), float(np.std(c))) for name, c in zip(STAT_NAMES, columns)}

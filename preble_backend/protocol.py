@@ -145,12 +145,12 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
 def encode_report(events: list[CacheEvent], stats: dict) -> str:
     """Cache events since the last report plus a load snapshot, as compact JSON."""
     return json.dumps(
-        {"events": [[e.kind, e.start, list(e.tokens)] for e in events], "load": stats},
+        {"events": [[e.kind, e.start, e.hashes] for e in events], "load": stats},
         separators=(",", ":"),
     )
 
 
 def decode_report(text: str) -> tuple[list[CacheEvent], dict]:
     data = json.loads(text)
-    events = [CacheEvent(kind, tuple(tokens), start) for kind, start, tokens in data.get("events", [])]
+    events = [CacheEvent(kind, tuple(hashes), start) for kind, start, hashes in data.get("events", [])]
     return events, data.get("load", {})

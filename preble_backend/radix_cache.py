@@ -22,13 +22,30 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from preble_backend.block_hash import chain_hashes
+
 _clock = itertools.count(1)
 
 
 @dataclass(frozen=True)
 class CacheEvent:
-    """``tokens[start:]`` was stored in, or evicted from, the cache; ``tokens[:start]`` is
-    the prefix that stays cached above it (the path from the root)."""
+    """Pages ``start`` onwards of a path from the root were stored in, or evicted from, the
+    cache; the pages before ``start`` stay cached above them. The path is named by its page
+    chain hashes (``block_hash``), the currency the global scheduler matches prompts in."""
+
+    kind: Literal["stored", "evicted"]
+    hashes: tuple[int, ...]  # chain hash of every page of the path, root first
+    start: int  # first page of the span
+
+    @classmethod
+    def of(cls, kind: Literal["stored", "evicted"], tokens, start: int, page_size: int) -> CacheEvent:
+        """The event for ``tokens[start:]`` (``start`` in tokens, page-aligned)."""
+        return cls(kind, tuple(chain_hashes(tokens, page_size)), start // page_size)
+
+
+@dataclass(frozen=True)
+class _Change:
+    """A raw event, in tokens: ``tokens[start:]`` stored or evicted."""
 
     kind: Literal["stored", "evicted"]
     tokens: tuple[int, ...]
@@ -56,7 +73,7 @@ class RadixCache:
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
-        self.events: deque[CacheEvent] = deque()  # appends and pops are thread-safe
+        self.events: deque[_Change] = deque()  # appends and pops are thread-safe
         self.num_pages = 0  # pages held by the tree
         self.num_locked_pages = 0  # of those, pages on a path some request references
         self.leaves: set[TreeNode] = set()  # eviction candidates when unreferenced
@@ -147,7 +164,7 @@ class RadixCache:
                 self.leaves.add(leaf)
                 self.num_pages += len(leaf.pages)
                 canonical.extend(leaf.pages)
-                self.events.append(CacheEvent("stored", tuple(tokens), pos))
+                self.events.append(_Change("stored", tuple(tokens), pos))
                 return canonical, leaf
             n = self._common_pages(child, tokens, pos)
             if n < len(child.pages):
@@ -198,7 +215,7 @@ class RadixCache:
         cut = keep * self.page_size
         path = leaf.path_tokens()
         start = len(path) - len(leaf.key) + cut
-        self.events.append(CacheEvent("evicted", tuple(path), start))
+        self.events.append(_Change("evicted", tuple(path), start))
         dropped = leaf.pages[keep:]
         self.num_pages -= len(dropped)
         if keep == 0:
@@ -218,8 +235,9 @@ class RadixCache:
         """Events since the last drain, safe to call from another thread. A stored event
         that only extends the previous one (chunked prefill stores a prompt page run by
         page run) is merged into it, so a long prompt is reported once, not per chunk; so
-        is an eviction that continues the previous one down the same path."""
-        out: list[CacheEvent] = []
+        is an eviction that continues the previous one down the same path. Paths are named
+        by their chain hashes, computed here once per event."""
+        out: list[_Change] = []
         for _ in range(len(self.events)):
             event = self.events.popleft()
             last = out[-1] if out else None
@@ -229,14 +247,14 @@ class RadixCache:
                 and event.start == len(last.tokens)
                 and event.tokens[: event.start] == last.tokens
             ):
-                out[-1] = CacheEvent("stored", event.tokens, last.start)
+                out[-1] = _Change("stored", event.tokens, last.start)
             elif (
                 last is not None
                 and event.kind == last.kind == "evicted"
                 and len(event.tokens) == last.start
                 and last.tokens[: last.start] == event.tokens
             ):  # a leaf's tail evicted piece by piece: one span
-                out[-1] = CacheEvent("evicted", last.tokens, event.start)
+                out[-1] = _Change("evicted", last.tokens, event.start)
             else:
                 out.append(event)
-        return out
+        return [CacheEvent.of(c.kind, c.tokens, c.start, self.page_size) for c in out]

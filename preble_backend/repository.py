@@ -68,6 +68,7 @@ ROUTER_PARAMETER_NOTES = {
     "policy": "e2 | round_robin | least_load | prefix_hash | cache_aware | kv_cost",
     "cost_model": "E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
     "max_inflight": "requests the router forwards at once (worker threads)",
+    "page_size": "the engines' KV page size: prompts are matched per page (must equal theirs)",
 }
 
 
@@ -94,7 +95,7 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
 
 
 def router_config_pbtxt(
-    model_path: str, engines: list[str], policy: str = "e2", cost_model: str = "tiny_cpu"
+    model_path: str, engines: list[str], policy: str = "e2", cost_model: str = "tiny_cpu", page_size: int = 16
 ) -> str:
     values = {
         "model_path": model_path,
@@ -102,6 +103,7 @@ def router_config_pbtxt(
         "policy": policy,
         "cost_model": cost_model,
         "max_inflight": 1024,
+        "page_size": page_size,
     }
     return (
         'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
@@ -138,7 +140,7 @@ def write_repository(
         )
     if with_router:
         engines = names + list(remote_engines or [])
-        _write_model(
-            root, "preble", router_config_pbtxt(model_path, engines, policy, cost_model), ROUTER_MODEL_PY
-        )
+        page_size = engine_overrides.get("page_size", EngineConfig.page_size)
+        config = router_config_pbtxt(model_path, engines, policy, cost_model, page_size)
+        _write_model(root, "preble", config, ROUTER_MODEL_PY)
     return root

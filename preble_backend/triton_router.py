@@ -44,7 +44,7 @@ INPUTS = (
     "return_num_output_tokens",
 )
 DEFAULTS = {"model_path": "tiny", "engines": "preble_engine_0,preble_engine_1", "policy": "e2",
-            "cost_model": "tiny_cpu", "max_inflight": "1024"}  # fmt: skip
+            "cost_model": "tiny_cpu", "max_inflight": "1024", "page_size": "16"}  # fmt: skip
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
 
 
@@ -62,16 +62,13 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.engines: list[EngineClient] = make_engine_clients(params["engines"])
         cost = CostModel.load(params["cost_model"]) if params["policy"] == "e2" else None
-        self.policy = make_policy(params["policy"], len(self.engines), cost_model=cost)
+        self.page_size = _positive_int(params, "page_size")
+        self.policy = make_policy(
+            params["policy"], len(self.engines), cost_model=cost, page_size=self.page_size
+        )
         self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
         self.load_view.start()
-        try:
-            workers = int(params["max_inflight"])
-            assert workers >= 1
-        except (ValueError, AssertionError):
-            raise ValueError(
-                f"max_inflight={params['max_inflight']!r} is invalid: expected an integer >= 1"
-            ) from None
+        workers = _positive_int(params, "max_inflight")
         self.loads = [InstanceLoad() for _ in self.engines]
         self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preble-route")
@@ -92,6 +89,7 @@ class TritonPythonModel:
             if not ids:
                 raise BadRequest("input 'text_input' encodes to no tokens")
             routing = RoutingRequest(uuid.uuid4().hex, ids, req.params)
+            routing.chain(self.page_size)  # hashed once, outside the policy's lock
             with self.lock:
                 decision = self.policy.select(routing, self.loads)
                 self.loads[decision.instance].in_flight += 1
@@ -184,3 +182,12 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self.load_view.stop()
         self.pool.shutdown(wait=True, cancel_futures=False)
+
+
+def _positive_int(params: dict[str, str], key: str) -> int:
+    try:
+        value = int(params[key])
+        assert value >= 1
+    except (ValueError, AssertionError):
+        raise ValueError(f"{key}={params[key]!r} is invalid: expected an integer >= 1") from None
+    return value

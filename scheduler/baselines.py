@@ -56,6 +56,7 @@ class CacheAware(Policy):
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         max_tree_tokens: int = 1 << 22,
+        page_size: int = 16,
         **options,
     ) -> None:
         super().__init__(num_instances, **options)
@@ -63,7 +64,8 @@ class CacheAware(Policy):
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
         self.max_tree_tokens = max_tree_tokens
-        self.trees = [GlobalPrefixTree(1, window_s=float("inf")) for _ in range(num_instances)]
+        self.page_size = page_size
+        self.trees = [GlobalPrefixTree(1, float("inf"), page_size) for _ in range(num_instances)]
 
     def select(self, request, loads: list[InstanceLoad]):
         pending = [load.in_flight for load in loads]
@@ -71,14 +73,15 @@ class CacheAware(Policy):
         if max(pending) - min(pending) > self.balance_abs and max(pending) > self.balance_rel * min(pending):
             choice, branch = least, "balance"
         else:
-            matched = [tree.match(request.input_ids).matched for tree in self.trees]
+            chain = request.chain(self.page_size)
+            matched = [tree.match(chain).matched for tree in self.trees]
             best = max(range(self.num_instances), key=lambda i: (matched[i], -pending[i]))
             if matched[best] / len(request.input_ids) > self.cache_threshold:
                 choice, branch = best, "cache_hit"
             else:
                 choice, branch = least, "cache_miss"
         tree = self.trees[choice]
-        tree.route(request.input_ids, 0, self.clock())
+        tree.route(request.chain(self.page_size), 0, self.clock())
         self._evict(tree)
         return Decision(choice, branch)
 
@@ -86,30 +89,26 @@ class CacheAware(Policy):
         """Drop least recently routed leaves past the size cap (SGLang's tree eviction)."""
         lru = tree.lru[0]
         while tree.held_tokens[0] > self.max_tree_tokens and lru:
-            for node in list(lru.values()):
-                if not node.children:
-                    lru.pop(id(node))
-                    del node.parent.children[node.key[0]]
-                    tree.held_tokens[0] -= len(node.key)
-                    break
+            leaf = next(node for node in lru if not node.children)
+            del lru[leaf], leaf.parent.children[leaf.hashes[0]]
+            tree.held_tokens[0] -= len(leaf.hashes) * tree.page_size
 
 
 class KVCost(Policy):
     name = "kv_cost"
 
-    def __init__(self, num_instances: int, overlap_weight: float = 1.0, block_size: int = 16, **options):
+    def __init__(self, num_instances: int, overlap_weight: float = 1.0, page_size: int = 16, **options):
         super().__init__(num_instances, **options)
         self.overlap_weight = overlap_weight
-        self.block_size = block_size
-        self.tree = GlobalPrefixTree(num_instances)  # fed by KV events only
+        self.block_size = page_size  # Dynamo's KV block is the engine's page
+        self.tree = GlobalPrefixTree(num_instances, page_size=page_size)  # fed by KV events only
         self.active_blocks = [0] * num_instances
         self._blocks: dict[str, int] = {}
         self._next = 0
 
     def select(self, request, loads):
-        tokens = request.input_ids
-        match = self.tree.match(tokens)
-        blocks = -(-len(tokens) // self.block_size)
+        match = self.tree.match(request.chain(self.block_size))
+        blocks = -(-len(request.input_ids) // self.block_size)
         costs = []
         for i in range(self.num_instances):
             overlap = match.cached_on(i) // self.block_size

@@ -21,13 +21,42 @@ Per request:
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalNode, GlobalPrefixTree, Match
-from scheduler.load_cost import InstanceHistory, Routed, memory_cost
+from scheduler.load_cost import InstanceHistory, Routed, VirtualEviction
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
 
 log = logging.getLogger("preble.e2")
+
+
+class TTFTHistory:
+    """A key portion's times to first token within the window, split at its midpoint into
+    two FIFOs with running sums, so each completion costs O(1)."""
+
+    def __init__(self) -> None:
+        self.older: deque[tuple[float, float]] = deque()
+        self.recent: deque[tuple[float, float]] = deque()
+        self.older_sum = self.recent_sum = 0.0
+
+    def add(self, now: float, ttft: float, window_s: float) -> None:
+        self.recent.append((now, ttft))
+        self.recent_sum += ttft
+        half, horizon = now - window_s / 2, now - window_s
+        while self.recent and self.recent[0][0] < half:
+            sample = self.recent.popleft()
+            self.recent_sum -= sample[1]
+            self.older.append(sample)
+            self.older_sum += sample[1]
+        while self.older and self.older[0][0] < horizon:
+            self.older_sum -= self.older.popleft()[1]
+
+    def doubled(self, min_samples: int) -> bool:
+        """Whether the recent half's mean is at least twice the older half's."""
+        if len(self.older) < min_samples or len(self.recent) < min_samples:
+            return False
+        return self.recent_sum / len(self.recent) >= 2 * self.older_sum / len(self.older)
 
 
 class E2(Policy):
@@ -45,6 +74,7 @@ class E2(Policy):
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
         prune_every: int = 200,
+        page_size: int = 16,
         load_signal: str = "in_flight",
         rebalance_signal: str = "history",
         **options,
@@ -53,8 +83,12 @@ class E2(Policy):
         self.cost = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
         caps = capacity_tokens if isinstance(capacity_tokens, list) else [capacity_tokens] * num_instances
         self.capacity = list(caps)
-        self.tree = GlobalPrefixTree(num_instances, window_s)
-        self.history = [InstanceHistory(window_s, default_decode_len) for _ in range(num_instances)]
+        self.page_size = page_size  # the engines' KV page size: prompts are hashed per page
+        self.tree = GlobalPrefixTree(num_instances, window_s, page_size)
+        self.evictions = [VirtualEviction(self.tree, i, self.cost) for i in range(num_instances)]
+        self.history = [
+            InstanceHistory(window_s, default_decode_len, self.cost) for _ in range(num_instances)
+        ]
         self.th_bal = th_bal
         self.decode_ratio_threshold = decode_ratio_threshold
         self.min_decode_units = min_decode_units
@@ -69,6 +103,7 @@ class E2(Policy):
         self._loads: list[InstanceLoad] = []  # the router's view during the current select
         self._next = 0  # where round-robin tie-breaking starts
         self._decisions = 0
+        self._page_size_warned = False
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
 
@@ -76,15 +111,17 @@ class E2(Policy):
         self, instance: int, match: Match, prompt_len: int, now: float
     ) -> tuple[float, int]:
         missed = prompt_len - match.cached_on(instance)
-        load = self.history[instance].load(self.cost, now, self.load_signal)
+        load = self.history[instance].load(now, self.load_signal)
         return load + self.cost.prefill_time(missed), missed
 
     def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
         """L + M + P of sending this request to ``instance`` (milliseconds)."""
         partial, missed = self._load_and_prefill(instance, match, prompt_len, now)
-        return partial + memory_cost(
-            self.tree, instance, match, missed, self.capacity[instance], self.cost, now
-        )
+        return partial + self._memory_cost(instance, match, missed, now)
+
+    def _memory_cost(self, instance: int, match: Match, missed: int, now: float) -> float:
+        need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
+        return self.evictions[instance](need, match, now)
 
     def _busy(self, instance: int) -> float:
         """The live GPU utilization NVML reported for the instance (0 without NVML)."""
@@ -103,7 +140,7 @@ class E2(Policy):
         for partial, missed, i in bounds:
             if partial > best_key[0]:
                 break
-            total = partial + memory_cost(self.tree, i, match, missed, self.capacity[i], self.cost, now)
+            total = partial + self._memory_cost(i, match, missed, now)
             key = (total, self._busy(i), (i - self._next) % self.num_instances)
             if key < best_key:
                 best, best_key = i, key
@@ -115,18 +152,17 @@ class E2(Policy):
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         now = self.clock()
         self._loads = loads
-        self._refresh_capacity(loads)
-        tokens = request.input_ids
-        match = self.tree.match(tokens)
+        prompt_len = len(request.input_ids)
+        match = self.tree.match(request.chain(self.page_size))
         cached = match.matched
         key = match.key_portion()
-        if cached > len(tokens) - cached and key is not None:
+        if cached > prompt_len - cached and key is not None:
             candidates = key.holders() | self._replicas(match)
-            choice = self._cheapest(candidates, match, len(tokens), now)
+            choice = self._cheapest(candidates, match, prompt_len, now)
             decision = self._rebalance(choice, match, now) or Decision(choice, "exploit")
         else:
             decision = self._decode_balance() or Decision(
-                self._cheapest(range(self.num_instances), match, len(tokens), now), "explore"
+                self._cheapest(range(self.num_instances), match, prompt_len, now), "explore"
             )
         self._record(request, decision.instance, match, key, now)
         return decision
@@ -134,10 +170,16 @@ class E2(Policy):
     def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
         if self.th_bal == float("inf"):
             return None  # rebalancing off
-        loads = [h.load(self.cost, now, self.rebalance_signal) for h in self.history]
-        heavy = max(range(self.num_instances), key=lambda i: loads[i])
+        signal, history = self.rebalance_signal, self.history
+        mine = history[choice].load(now, signal)
+        for i, h in enumerate(history):  # is the choice the heaviest (first of equals)?
+            load = h.load(now, signal)
+            if load > mine or (load == mine and i < choice):
+                return None
+        loads = [h.load(now, signal) for h in history]
+        heavy = choice
         light = min(range(self.num_instances), key=lambda i: (loads[i], self._busy(i), i))
-        if choice != heavy or heavy == light or loads[heavy] <= self.th_bal * loads[light]:
+        if heavy == light or loads[heavy] <= self.th_bal * loads[light]:
             return None
         if not self.history[choice].in_flight:
             return None  # nothing queues there now: reusing its cache costs nothing extra
@@ -161,7 +203,7 @@ class E2(Policy):
         self.history[instance].add(
             request.request_id, Routed(now, self.cost.prefill_time(missed), cached / prompt_len)
         )
-        end = self.tree.route(request.input_ids, instance, now)
+        end = self.tree.route(request.chain(self.page_size), instance, now)
         self._routed[request.request_id] = (end, self._node_ending_at(end, match, key))
         self._decisions += 1
         if self._decisions % self.prune_every == 0:
@@ -180,21 +222,29 @@ class E2(Policy):
                 break
         pos = 0
         for node in end.path():
-            pos += len(node.key)
+            pos += len(node.hashes)
             if pos == depth:
                 return node
         return None
 
-    def _refresh_capacity(self, loads: list[InstanceLoad]) -> None:
-        for i, load in enumerate(loads):
-            pages, size = load.reported.get("kv_pages_total"), load.reported.get("page_size")
-            if pages and size:
-                self.capacity[i] = int(pages) * int(size)
+    def _learn_capacity(self, instance: int, report: dict) -> None:
+        """The KV capacity an engine reports replaces the configured one."""
+        pages, size = report.get("kv_pages_total"), report.get("page_size")
+        if pages and size:
+            self.capacity[instance] = int(pages) * int(size)
+            if int(size) != self.page_size and not self._page_size_warned:
+                self._page_size_warned = True
+                log.error(
+                    "instance %d reports KV pages of %s tokens but E2 hashes prompts per %d: "
+                    "no prefix will match; set the router's page_size to the engines'",
+                    instance, size, self.page_size,
+                )  # fmt: skip
 
     # ---- feedback: engine reports, completions, autoscaling ---------------------------------
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()
+        self._learn_capacity(instance, info.load)
         self.tree.apply_events(instance, info.events)
         routed = self._routed.pop(request.request_id, None)
         if routed is None:
@@ -206,24 +256,22 @@ class E2(Policy):
             self._autoscale(key, info.ttft_s, now)
 
     def _autoscale(self, key: GlobalNode, ttft: float, now: float) -> None:
-        samples = key.ttft
-        samples.append((now, ttft))
-        horizon = now - self.tree.window_s
-        while samples and samples[0][0] < horizon:
-            samples.popleft()
-        half = now - self.tree.window_s / 2
-        older = [t for ts, t in samples if ts < half]
-        recent = [t for ts, t in samples if ts >= half]
-        if len(older) < self.autoscale_min_samples or len(recent) < self.autoscale_min_samples:
-            return
-        if sum(recent) / len(recent) < 2 * sum(older) / len(older):
+        if key.ttft is None:
+            key.ttft = TTFTHistory()
+        history: TTFTHistory = key.ttft
+        history.add(now, ttft, self.tree.window_s)
+        if not history.doubled(self.autoscale_min_samples):
             return
         lacking = [i for i in range(self.num_instances) if not key.held_by(i) and i not in key.replicas]
         if lacking:
-            replica = min(lacking, key=lambda i: self.history[i].load(self.cost, now, self.load_signal))
+            replica = min(lacking, key=lambda i: self.history[i].load(now, self.load_signal))
             key.replicas.add(replica)
-            samples.clear()  # measure afresh with the replica serving
-            log.info("autoscale: key portion of %d tokens replicated on instance %d", len(key.key), replica)
+            key.ttft = None  # measure afresh with the replica serving
+            log.info(
+                "autoscale: key portion of %d tokens replicated on instance %d",
+                len(key.hashes) * self.page_size,
+                replica,
+            )
 
     def _replicas(self, match: Match) -> set[int]:
         out: set[int] = set()

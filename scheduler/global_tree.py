@@ -1,40 +1,55 @@
-"""The global prefix tree (paper §4.2): one radix tree of token sequences for the cluster.
+"""The global prefix tree (paper §4.2): one radix tree of the cluster's prompts.
 
-Per node: its tokens, the instances caching it, per-instance request timestamps in the
-sliding window W; per instance, the nodes it holds in least-recently-used order (for the
-virtual LRU eviction of load cost).
-An instance *has* a node when its engine reported the tokens stored (``cached``) or when
+Keys are page chain hashes (``preble_backend/block_hash.py``), one per full KV page, so the
+tree has the engines' own granularity (they share whole pages only) and a prompt is a
+list of a few hundred numbers instead of thousands of tokens. A node is a run of pages;
+since each chain hash names its whole prefix, one comparison of a node's last hash tells
+whether the whole node matches, and a partial match is a binary search.
+
+Per node: the instances caching it, per-instance request timestamps in the sliding window
+W; per instance, the nodes it holds in least-recently-used order (for the virtual LRU
+eviction of load cost).
+An instance *has* a node when its engine reported the pages stored (``cached``) or when
 requests routed there, still in flight, cover the node (``pending``): the router must
 exploit a prefix it just placed before the engine's report arrives. When a request
 finishes, its pending marks go and the engine's events say exactly what stayed cached, so
 the tree mirrors the engines' radix caches. A node no instance has and no request used
 within W is removed.
+
+Each instance has a version number that changes whenever its part of the tree does, so
+derived views (the virtual eviction order of ``load_cost``) are rebuilt only when stale.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from preble_backend.radix_cache import CacheEvent
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class GlobalNode:
-    key: list[int]
+    hashes: list[int]  # chain hash of each page, root side first
     parent: GlobalNode | None = None
-    children: dict[int, GlobalNode] = field(default_factory=dict)
-    cached: set[int] = field(default_factory=set)
-    pending: dict[int, int] = field(default_factory=dict)
+    children: dict[int, GlobalNode] = field(default_factory=dict)  # by first chain hash
+    cached: dict[int, int] = field(default_factory=dict)  # instance -> leading pages it caches (> 0)
+    pending: dict[int, int] = field(default_factory=dict)  # instance -> requests in flight (> 0)
     hits: dict[int, deque] = field(default_factory=dict)  # instance -> request times
     replicas: set[int] = field(default_factory=set)  # autoscaled copies (see e2.py)
-    ttft: deque = field(default_factory=deque)  # (time, ttft) of requests keyed here (e2.py)
+    ttft: object = None  # the key portion's time-to-first-token history (e2.py)
 
     def held_by(self, instance: int) -> bool:
-        return instance in self.cached or self.pending.get(instance, 0) > 0
+        return instance in self.cached or instance in self.pending
+
+    def held_pages(self, instance: int) -> int:
+        """Pages the instance has: all of them for a request in flight, else those cached."""
+        return len(self.hashes) if instance in self.pending else self.cached.get(instance, 0)
 
     def holders(self) -> set[int]:
-        return self.cached | {i for i, n in self.pending.items() if n > 0}
+        return self.cached.keys() | self.pending.keys()
 
     def path(self) -> list[GlobalNode]:
         nodes, node = [], self
@@ -46,24 +61,26 @@ class GlobalNode:
 
 @dataclass
 class Match:
-    """A prompt matched against the tree: the nodes it runs through and how many of each
-    node's tokens it matches (only the last may be partial)."""
+    """A prompt matched against the tree: the nodes it runs through and how many pages of
+    each it matches (only the last may be partial). Counts are reported in tokens."""
 
     nodes: list[GlobalNode]
     lengths: list[int]
+    page_size: int
 
     @property
     def matched(self) -> int:
-        return sum(self.lengths)
+        return sum(self.lengths) * self.page_size
 
     def cached_on(self, instance: int) -> int:
         """Prompt tokens the instance holds: the matched path up to its first gap."""
-        total = 0
+        pages = 0
         for node, n in zip(self.nodes, self.lengths):
-            if not node.held_by(instance):
+            held = node.held_pages(instance)
+            pages += min(n, held)
+            if held < n:
                 break
-            total += n
-        return total
+        return pages * self.page_size
 
     def key_portion(self) -> GlobalNode | None:
         """The paper's key portion (§3): the deepest node on the path holding more tokens
@@ -77,187 +94,250 @@ class Match:
 
 
 class GlobalPrefixTree:
-    def __init__(self, num_instances: int, window_s: float = 180.0) -> None:
-        self.root = GlobalNode(key=[])
+    def __init__(self, num_instances: int, window_s: float = 180.0, page_size: int = 16) -> None:
+        self.root = GlobalNode(hashes=[])
         self.num_instances = num_instances
         self.window_s = window_s
+        self.page_size = page_size
         self.cached_tokens = [0] * num_instances  # confirmed by engine events
         self.held_tokens = [0] * num_instances  # confirmed or pending
         # Per instance, nodes it holds in least-recently-used order (oldest first).
-        self.lru: list[OrderedDict[int, GlobalNode]] = [OrderedDict() for _ in range(num_instances)]
+        self.lru: list[OrderedDict[GlobalNode, None]] = [OrderedDict() for _ in range(num_instances)]
+        self.versions = [0] * num_instances  # bumped when an instance's part changes
+        self.shape = 0  # bumped when nodes split, merge or go
+        # Nodes nobody holds, by when their last request leaves the window: what prune checks.
+        self._unheld: list[tuple[float, int, GlobalNode]] = []
+        self._seq = itertools.count()
+
+    def version(self, instance: int) -> tuple[int, int]:
+        return self.shape, self.versions[instance]
 
     # ---- matching -------------------------------------------------------------------------
 
-    def match(self, tokens: list[int]) -> Match:
+    def match(self, chain: list[int]) -> Match:
         """Read-only walk over nodes some instance holds."""
-        nodes, lengths, node, pos = [], [], self.root, 0
-        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
-            if not child.holders():
+        nodes, lengths, node, pos, n = [], [], self.root, 0, len(chain)
+        while pos < n and (child := node.children.get(chain[pos])) is not None:
+            if not child.cached and not child.pending:
                 break
-            n = _common(child.key, tokens, pos)
+            m = _common(child.hashes, chain, pos)
             nodes.append(child)
-            lengths.append(n)
-            pos += n
-            if n < len(child.key):
+            lengths.append(m)
+            pos += m
+            if m < len(child.hashes):
                 break
             node = child
-        return Match(nodes, lengths)
+        return Match(nodes, lengths, self.page_size)
 
-    def _walk_insert(self, tokens: list[int], cut: int = 0) -> list[GlobalNode]:
-        """The path of nodes spelling exactly ``tokens`` (splitting and adding as needed),
-        with a node boundary at ``cut`` as well."""
-        path, node, pos = [], self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
+    def _walk(self, chain, create: bool, split_end: bool) -> list[GlobalNode] | None:
+        """The nodes along ``chain``, splitting one where the chain branches off inside it
+        (adding the branch with ``create``; without, None when the chain is not all there).
+        With ``split_end`` a node the chain ends inside is split there too; otherwise it
+        is returned whole, extending past the chain."""
+        path, node, pos, n = [], self.root, 0, len(chain)
+        while pos < n:
+            child = node.children.get(chain[pos])
             if child is None:
-                end = cut if pos < cut < len(tokens) else len(tokens)
-                child = GlobalNode(key=list(tokens[pos:end]), parent=node)
-                node.children[tokens[pos]] = child
+                if not create:
+                    return None
+                child = GlobalNode(list(chain[pos:]), parent=node)
+                node.children[chain[pos]] = child
                 path.append(child)
-                pos, node = end, child
-                continue
-            n = _common(child.key, tokens, pos)
-            if pos < cut < pos + n:
-                n = cut - pos
-            if n < len(child.key):
-                child = self._split(child, n)
+                break
+            m = _common(child.hashes, chain, pos)
+            if m < len(child.hashes):
+                if pos + m < n and not create:
+                    return None
+                if pos + m < n or split_end:
+                    child = self._split(child, m)
             path.append(child)
-            pos += n
+            pos += m
             node = child
         return path
 
-    def _split(self, node: GlobalNode, n: int) -> GlobalNode:
-        """Cut ``node`` after ``n`` tokens; the new upper half inherits everything (both
-        halves were used and held by the same requests and instances)."""
+    def _split(self, node: GlobalNode, m: int) -> GlobalNode:
+        """Cut ``node`` after ``m`` pages; the new upper half inherits its requests, and each
+        instance's cached pages divide between the halves."""
         upper = GlobalNode(
-            key=node.key[:n],
+            hashes=node.hashes[:m],
             parent=node.parent,
-            cached=set(node.cached),
+            cached={i: min(e, m) for i, e in node.cached.items()},
             pending=dict(node.pending),
             hits={i: deque(ts) for i, ts in node.hits.items()},
             replicas=set(node.replicas),
         )
-        node.parent.children[upper.key[0]] = upper
-        node.key, node.parent = node.key[n:], upper
-        upper.children[node.key[0]] = node
-        for lru in self.lru:
-            if id(node) in lru:  # an ancestor is never older than its descendants
-                lru[id(upper)] = upper
+        node.parent.children[upper.hashes[0]] = upper
+        node.hashes, node.parent = node.hashes[m:], upper
+        node.cached = {i: e - m for i, e in node.cached.items() if e > m}
+        upper.children[node.hashes[0]] = node
+        for i, lru in enumerate(self.lru):
+            if node in lru:  # an ancestor is never older than its descendants
+                lru[upper] = None
+                if not node.held_by(i):
+                    del lru[node]
+        self._note_unheld(node)
+        self.shape += 1
         return upper
 
     # ---- routing bookkeeping ----------------------------------------------------------------
 
-    def route(self, tokens: list[int], instance: int, now: float) -> GlobalNode:
-        """Record that a request with ``tokens`` goes to ``instance``; return its end node
-        (hand it back to ``finish``)."""
-        path = self._walk_insert(tokens)
-        lru = self.lru[instance]
+    def route(self, chain: list[int], instance: int, now: float) -> GlobalNode:
+        """Record that a request whose prompt has ``chain`` goes to ``instance``; return its
+        end node (hand it back to ``finish``)."""
+        path = self._walk(chain, create=True, split_end=True)
+        lru, size = self.lru[instance], self.page_size
         for node in reversed(path):  # the root side ends up most recent
-            if not node.held_by(instance):
-                self.held_tokens[instance] += len(node.key)
-            node.pending[instance] = node.pending.get(instance, 0) + 1
-            node.hits.setdefault(instance, deque()).append(now)
-            lru[id(node)] = node
-            lru.move_to_end(id(node))
+            pending = node.pending.get(instance, 0)
+            if not pending:
+                self.held_tokens[instance] += (len(node.hashes) - node.cached.get(instance, 0)) * size
+            node.pending[instance] = pending + 1
+            times = node.hits.get(instance)
+            if times is None:
+                times = node.hits[instance] = deque()
+            times.append(now)
+            lru[node] = None
+            lru.move_to_end(node)
+        self.versions[instance] += 1
         return path[-1] if path else self.root
 
     def finish(self, end: GlobalNode, instance: int) -> None:
-        node = end
+        node, lru = end, self.lru[instance]
         while node.parent is not None:
-            left = node.pending.get(instance, 0) - 1
+            left = node.pending[instance] - 1
             if left > 0:
                 node.pending[instance] = left
             else:
-                node.pending.pop(instance, None)
-                if instance not in node.cached:
-                    self.lru[instance].pop(id(node), None)
-                    self.held_tokens[instance] -= len(node.key)
+                del node.pending[instance]
+                cached = node.cached.get(instance, 0)
+                self.held_tokens[instance] -= (len(node.hashes) - cached) * self.page_size
+                if not cached:
+                    lru.pop(node, None)
+                    self._note_unheld(node)
             node = node.parent
+        self.versions[instance] += 1
 
     def requests_in_window(self, node: GlobalNode, instance: int, now: float) -> int:
         times = node.hits.get(instance)
         if not times:
             return 0
-        while times and times[0] < now - self.window_s:
+        horizon = now - self.window_s
+        while times and times[0] < horizon:
             times.popleft()
         return len(times)
 
     # ---- mirroring the engines ------------------------------------------------------------
 
     def apply_events(self, instance: int, events: list[CacheEvent]) -> None:
-        """Mirror an engine's cache. The engine shares whole pages and this tree single
-        tokens, so one node here can lie under several engine branches: an eviction
-        unmarks a node only when no child of it is still cached (deepest first)."""
+        """Mirror an engine's cache. An engine evicts the tails of its leaves page run by
+        page run; here that shortens the instance's cached extent of a node instead of
+        splitting it. The tree merges every engine's branches, so a node can have children
+        another branch of this engine still caches: an eviction stops at such a node."""
+        size, lru = self.page_size, self.lru[instance]
         for event in events:
-            tokens, pos = list(event.tokens), 0
-            span = []
-            for node in self._walk_insert(tokens, cut=event.start):
-                if pos >= event.start:
-                    span.append(node)
-                pos += len(node.key)
-            if event.kind == "stored":
-                for node in span:
-                    if instance not in node.cached:
-                        if not node.held_by(instance):
-                            self.held_tokens[instance] += len(node.key)
-                        node.cached.add(instance)
-                        self.cached_tokens[instance] += len(node.key)
-                        self.lru[instance].setdefault(id(node), node)
-                continue
-            for node in reversed(span):
+            stored, n = event.kind == "stored", len(event.hashes)
+            path = self._walk(event.hashes, create=stored, split_end=False)
+            if not path:
+                continue  # an eviction of a path this tree never saw stored
+            starts, pos = [], 0
+            for node in path:
+                starts.append(pos)
+                pos += len(node.hashes)
+            for node, begin in zip(path, starts) if stored else ():
+                old, new = node.cached.get(instance, 0), min(len(node.hashes), n - begin)
+                if begin + len(node.hashes) <= event.start or new <= old:
+                    continue
+                node.cached[instance] = new
+                self.cached_tokens[instance] += (new - old) * size
+                if instance not in node.pending:
+                    self.held_tokens[instance] += (new - old) * size
+                    lru[node] = None
+            for node, begin in zip(reversed(path), reversed(starts)) if not stored else ():
+                if begin + len(node.hashes) <= event.start:
+                    break
                 if any(instance in child.cached for child in node.children.values()):
                     break
-                if instance in node.cached:
-                    node.cached.discard(instance)
-                    self.cached_tokens[instance] -= len(node.key)
-                    if not node.held_by(instance):
-                        self.lru[instance].pop(id(node), None)
-                        self.held_tokens[instance] -= len(node.key)
+                old, keep = node.cached.get(instance, 0), max(0, event.start - begin)
+                if keep >= old:
+                    continue
+                self.cached_tokens[instance] -= (old - keep) * size
+                if keep:
+                    node.cached[instance] = keep
+                else:
+                    del node.cached[instance]
+                if instance not in node.pending:
+                    self.held_tokens[instance] -= (old - keep) * size
+                    if not keep:
+                        lru.pop(node, None)
+                        self._note_unheld(node)
+        self.versions[instance] += 1
 
     def cached_sequences(self, instance: int) -> set[tuple[int, ...]]:
-        """Maximal cached token sequences of one instance (comparable with an engine's)."""
+        """Maximal cached paths of one instance, as chain hashes (comparable with an
+        engine's radix cache)."""
         out, stack = set(), [(self.root, ())]
         while stack:
             node, prefix = stack.pop()
             for child in node.children.values():
-                if instance in child.cached:
-                    seq = prefix + tuple(child.key)
-                    if not any(instance in c.cached for c in child.children.values()):
-                        out.add(seq)
-                    stack.append((child, seq))
+                extent = child.cached.get(instance, 0)
+                if not extent:
+                    continue
+                seq = prefix + tuple(child.hashes[:extent])
+                if extent < len(child.hashes):
+                    out.add(seq)
+                    continue
+                if not any(instance in c.cached for c in child.children.values()):
+                    out.add(seq)
+                stack.append((child, seq))
         return out
 
     # ---- forgetting -----------------------------------------------------------------------
 
+    def _note_unheld(self, node: GlobalNode) -> None:
+        if node.cached or node.pending:
+            return
+        last = max((times[-1] for times in node.hits.values() if times), default=float("-inf"))
+        heapq.heappush(self._unheld, (last + self.window_s, next(self._seq), node))
+
     def prune(self, now: float) -> int:
         """Remove nodes that no instance holds and nobody used within the window, and merge
-        a node with its only child when both carry the same state (evictions of a long
-        prompt's tail, page run by page run, would otherwise leave it in fragments)."""
-        removed, stack = 0, [self.root]
-        order = []
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        for node in reversed(order):  # children before parents
-            if node is self.root:
-                continue
-            if not node.children:
-                if node.holders() or any(self.requests_in_window(node, i, now) for i in list(node.hits)):
-                    continue
-                del node.parent.children[node.key[0]]
-                for lru in self.lru:
-                    lru.pop(id(node), None)
+        a node left with one child into it when both carry the same state. Only nodes that
+        lost their last holder are looked at, once their last request left the window, so
+        the cost follows what changed, not the size of the tree."""
+        removed = 0
+        while self._unheld and self._unheld[0][0] <= now:
+            _, _, node = heapq.heappop(self._unheld)
+            while (
+                node.parent is not None
+                and node.parent.children.get(node.hashes[0]) is node  # still in the tree
+                and not node.children
+                and not node.cached
+                and not node.pending
+            ):
+                if any(self.requests_in_window(node, i, now) for i in list(node.hits)):
+                    self._note_unheld(node)  # used since: look again when that leaves the window
+                    break
+                parent = node.parent
+                del parent.children[node.hashes[0]]
+                node.parent = None
                 removed += 1
-            elif len(node.children) == 1:
-                child = next(iter(node.children.values()))
-                if self._same_state(node, child, now):
-                    self._merge(node, child)
-                    removed += 1
+                if parent is self.root:
+                    break
+                if len(parent.children) == 1:
+                    child = next(iter(parent.children.values()))
+                    if self._same_state(parent, child, now):
+                        self._merge(parent, child)
+                        removed += 1
+                node = parent
+        if removed:
+            self.shape += 1
         return removed
 
     def _same_state(self, a: GlobalNode, b: GlobalNode, now: float) -> bool:
-        if a.cached != b.cached or a.pending != b.pending or a.replicas != b.replicas:
+        """Whether child ``b`` can fold into ``a``: the same requests, and every instance's
+        cached pages still one run from the start of ``a``."""
+        if a.pending != b.pending or a.replicas != b.replicas:
+            return False
+        if any(i not in a.cached or a.cached[i] < len(a.hashes) for i in b.cached):
             return False
         instances = set(a.hits) | set(b.hits)
         return all(
@@ -266,12 +346,16 @@ class GlobalPrefixTree:
 
     def _merge(self, node: GlobalNode, child: GlobalNode) -> None:
         """Fold ``child`` into ``node`` (its only child, same state)."""
-        node.key = node.key + child.key
+        del node.children[child.hashes[0]]
+        node.hashes = node.hashes + child.hashes
+        for i, extent in child.cached.items():
+            node.cached[i] += extent
         node.children = child.children
         for grandchild in node.children.values():
             grandchild.parent = node
+        child.parent = None
         for lru in self.lru:
-            lru.pop(id(child), None)
+            lru.pop(child, None)
 
     def num_nodes(self) -> int:
         count, stack = 0, list(self.root.children.values())
@@ -282,15 +366,17 @@ class GlobalPrefixTree:
         return count
 
 
-def _common(key: list[int], tokens: list[int], pos: int) -> int:
-    """Length of the common prefix of ``key`` and ``tokens[pos:]``."""
-    n = min(len(key), len(tokens) - pos)
-    if (key if n == len(key) else key[:n]) == tokens[pos : pos + n]:
+def _common(hashes: list[int], chain, pos: int) -> int:
+    """How many of a node's pages ``chain[pos:]`` matches, given that its first does. A
+    chain hash names its whole prefix, so the pages match up to some point and never
+    after it: check the last page, else binary search."""
+    n = min(len(hashes), len(chain) - pos)
+    if chain[pos + n - 1] == hashes[n - 1]:
         return n
-    lo, hi = 0, n  # binary search on slice equality: C-speed comparisons
+    lo, hi = 1, n - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if key[:mid] == tokens[pos : pos + mid]:
+        if chain[pos + mid - 1] == hashes[mid - 1]:
             lo = mid
         else:
             hi = mid - 1

@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
 from scheduler.cost_model import CostModel
-from scheduler.global_tree import GlobalPrefixTree, Match
+from scheduler.global_tree import GlobalNode, GlobalPrefixTree, Match
 
 
 @dataclass
@@ -29,16 +30,21 @@ class Routed:
 
 
 class InstanceHistory:
-    """One instance's requests within the window, and their decode lengths."""
+    """One instance's requests within the window, its requests in flight, and their decode
+    lengths; every sum is kept running, so reading a load is O(1)."""
 
-    def __init__(self, window_s: float, default_decode_len: float) -> None:
+    def __init__(self, window_s: float, default_decode_len: float, cost: CostModel) -> None:
         self.window_s = window_s
         self.default_decode_len = default_decode_len
+        self.cost = cost
+        self.decode_ms = cost.decode_time(default_decode_len)  # DECODETIME(average decode length)
         self.routed: deque[Routed] = deque()
         self.prefill_ms = 0.0
         self.decoded: deque[tuple[float, int]] = deque()
         self.decoded_sum = 0
         self.in_flight: dict[str, Routed] = {}
+        self.in_flight_prefill_ms = 0.0
+        self.in_flight_cached = 0.0  # Σ cached fraction
 
     def expire(self, now: float) -> None:
         horizon = now - self.window_s
@@ -46,63 +52,123 @@ class InstanceHistory:
             self.prefill_ms -= self.routed.popleft().prefill_ms
         while self.decoded and self.decoded[0][0] < horizon:
             self.decoded_sum -= self.decoded.popleft()[1]
+        self.decode_ms = self.cost.decode_time(self.avg_decode_len())
 
     def add(self, request_id: str, entry: Routed) -> None:
         self.routed.append(entry)
         self.prefill_ms += entry.prefill_ms
         self.in_flight[request_id] = entry
+        self.in_flight_prefill_ms += entry.prefill_ms
+        self.in_flight_cached += entry.cached_fraction
 
     def finish(self, request_id: str, now: float, output_tokens: int) -> None:
-        self.in_flight.pop(request_id, None)
+        entry = self.in_flight.pop(request_id, None)
+        if entry is not None:
+            self.in_flight_prefill_ms -= entry.prefill_ms
+            self.in_flight_cached -= entry.cached_fraction
+        if not self.in_flight:  # no rounding drift survives an idle moment
+            self.in_flight_prefill_ms = self.in_flight_cached = 0.0
         self.decoded.append((now, output_tokens))
         self.decoded_sum += output_tokens
+        self.decode_ms = self.cost.decode_time(self.avg_decode_len())
 
     def avg_decode_len(self) -> float:
         return self.decoded_sum / len(self.decoded) if self.decoded else self.default_decode_len
 
-    def load(self, cost: CostModel, now: float, signal: str = "history") -> float:
+    def load(self, now: float, signal: str = "history") -> float:
         """L of Algorithm 2, in milliseconds: over the requests routed within the window
         (``history``, as Algorithm 2 reads), or over those still in flight (``in_flight``,
         the current load the paper's realization keeps up to date on every assignment and
         completion)."""
-        self.expire(now)
-        decode = cost.decode_time(self.avg_decode_len())
+        horizon = now - self.window_s
+        if (self.routed and self.routed[0].time < horizon) or (self.decoded and self.decoded[0][0] < horizon):
+            self.expire(now)
         if signal == "in_flight":
-            return sum(r.prefill_ms for r in self.in_flight.values()) + len(self.in_flight) * decode
-        return max(0.0, self.prefill_ms) + len(self.routed) * decode
+            return self.in_flight_prefill_ms + len(self.in_flight) * self.decode_ms
+        return max(0.0, self.prefill_ms) + len(self.routed) * self.decode_ms
 
     def decode_ratio(self) -> float:
         """How decode-heavy the in-flight requests are: the mean cached fraction of their
         prompts (a fully cached prompt is a pure decoding unit, §4.2)."""
         if not self.in_flight:
             return 0.0
-        return sum(r.cached_fraction for r in self.in_flight.values()) / len(self.in_flight)
+        return self.in_flight_cached / len(self.in_flight)
 
 
-def memory_cost(
-    tree: GlobalPrefixTree,
-    instance: int,
-    match: Match,
-    missed: int,
-    capacity: int,
-    cost: CostModel,
-    now: float,
-) -> float:
-    """M of Algorithm 2: recompute cost of what a virtual LRU eviction would remove."""
-    need = tree.held_tokens[instance] + missed - capacity
-    if need <= 0:
-        return 0.0
-    keep = {id(n) for n in match.nodes}
-    gone: set[int] = set()
-    freed, total = 0, 0.0
-    for node in tree.lru[instance].values():  # oldest first; ancestors come after descendants
-        if freed >= need:
-            break
-        if id(node) in keep or any(c.held_by(instance) and id(c) not in gone for c in node.children.values()):
-            continue
-        gone.add(id(node))
-        freed += len(node.key)
-        users = tree.requests_in_window(node, instance, now)
+class VirtualEviction:
+    """M of Algorithm 2 for one instance: the recompute cost of what an LRU eviction there
+    would remove to make room.
+
+    The eviction order is the engines' (least recently used leaf first; a node becomes a
+    leaf when its last held child goes) and is built lazily, as far as a question needs,
+    with running sums of freed tokens and cost. It is kept until the instance's part of
+    the tree changes or a request counted in it leaves the window, so the many requests
+    costed between two changes share one walk. Nodes the new request reuses (its matched
+    path) are never evicted; they are an ancestor chain, so skipping them leaves the order
+    of the rest unchanged, and their tokens and cost are taken back out of the sums.
+    """
+
+    def __init__(self, tree: GlobalPrefixTree, instance: int, cost: CostModel) -> None:
+        self.tree, self.instance, self.cost = tree, instance, cost
+        self.version: tuple[int, int] | None = None
+
+    def _reset(self, now: float) -> None:
+        self.version = self.tree.version(self.instance)
+        self.now = now
+        self.valid_until = float("inf")
+        self.order: dict[GlobalNode, int] = {}  # node -> its place in the eviction order
+        self.freed: list[int] = []  # tokens freed after evicting order[0..k]
+        self.spent: list[float] = []  # their recompute cost
+        self.parked: set[GlobalNode] = set()  # passed while a held child remained
+        self.lru_walk = iter(self.tree.lru[self.instance])  # unchanged while this view is valid
+        self.exhausted = False
+
+    def _emit(self, node: GlobalNode) -> None:
+        tree, i = self.tree, self.instance
+        tokens = node.held_pages(i) * tree.page_size
+        users = tree.requests_in_window(node, i, self.now)
+        spent = self.cost.prefill_time(tokens) * users if users else 0.0
         if users:
-            total += cost.prefill_time(len(node.key)) * users
-    return total
+            self.valid_until = min(self.valid_until, node.hits[i][0] + tree.window_s)
+        self.order[node] = len(self.freed)
+        self.freed.append((self.freed[-1] if self.freed else 0) + tokens)
+        self.spent.append((self.spent[-1] if self.spent else 0.0) + spent)
+
+    def _has_held_child(self, node: GlobalNode) -> bool:
+        i, order = self.instance, self.order
+        return any((i in c.cached or i in c.pending) and c not in order for c in node.children.values())
+
+    def _extend(self, tokens: int) -> None:
+        """Walk the LRU until ``tokens`` are freed or nothing is left."""
+        while not self.exhausted and (not self.freed or self.freed[-1] < tokens):
+            node = next(self.lru_walk, None)
+            if node is None:
+                self.exhausted = True
+            elif node not in self.order:
+                if self._has_held_child(node):
+                    self.parked.add(node)
+                    continue
+                self._emit(node)
+                parent = node.parent
+                while parent in self.parked and not self._has_held_child(parent):
+                    self.parked.discard(parent)  # older than where the walk is: goes next
+                    self._emit(parent)
+                    parent = parent.parent
+
+    def __call__(self, need: int, match: Match, now: float) -> float:
+        if need <= 0:
+            return 0.0
+        if self.version != self.tree.version(self.instance) or now >= self.valid_until:
+            self._reset(now)
+        extra = 0
+        while True:  # the kept nodes inside the evicted run free nothing: evict further
+            self._extend(need + extra)
+            k = min(bisect_left(self.freed, need + extra), len(self.freed) - 1)
+            kept = [p for node in match.nodes if (p := self.order.get(node)) is not None and p <= k]
+            more = sum(self.freed[p] - (self.freed[p - 1] if p else 0) for p in kept)
+            if more == extra:
+                break
+            extra = more
+        if k < 0:
+            return 0.0
+        return self.spent[k] - sum(self.spent[p] - (self.spent[p - 1] if p else 0.0) for p in kept)

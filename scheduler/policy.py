@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from preble_backend.block_hash import chain_hashes
 from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
 
@@ -22,6 +23,15 @@ class RoutingRequest:
     request_id: str
     input_ids: list[int]
     params: SamplingParams
+    # The prompt's page chain hashes by page size: filled where the request is tokenized
+    # (or on first use), so routing never walks the tokens again.
+    chains: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def chain(self, page_size: int) -> list[int]:
+        chain = self.chains.get(page_size)
+        if chain is None:
+            chain = self.chains[page_size] = chain_hashes(self.input_ids, page_size)
+        return chain
 
 
 @dataclass(frozen=True)

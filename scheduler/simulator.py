@@ -47,6 +47,7 @@ class SimRequest:
     arrival: float
     input_ids: list[int]
     output_len: int
+    chains: dict[int, list[int]] = field(default_factory=dict)  # page chain hashes, once per prompt
 
 
 @dataclass
@@ -161,7 +162,8 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
         now[0], _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
             req = payload
-            route = RoutingRequest(req.request_id, req.input_ids, SamplingParams(max_tokens=req.output_len))
+            params = SamplingParams(max_tokens=req.output_len)
+            route = RoutingRequest(req.request_id, req.input_ids, params, chains=req.chains)
             decision = policy.select(route, loads)
             routing[req.request_id] = route
             loads[decision.instance].in_flight += 1

@@ -38,7 +38,7 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
             clock=clock,
             cost_model=cost,
             capacity_tokens=cfg.capacity_tokens,
-            block_size=cfg.page_size,
+            page_size=cfg.page_size,
             **options,
         ),
         cfg,
@@ -51,7 +51,10 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
 
 
 def _at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
-    return [SimRequest(r.request_id, r.arrival * base_rps / rps, r.input_ids, r.output_len) for r in requests]
+    return [
+        SimRequest(r.request_id, r.arrival * base_rps / rps, r.input_ids, r.output_len, r.chains)
+        for r in requests
+    ]
 
 
 def find_stress_rps(

@@ -1,15 +1,18 @@
 """E2 (Algorithms 1 and 2), rebalancing, autoscaling and the baselines, with every expected
 choice computed by hand from a cost model where PREFILLTIME(n) = n ms and
-DECODETIME(n) = n ms (so a request's history load is its missed tokens + 32)."""
+DECODETIME(n) = n ms (so a request's history load is its missed tokens + 32). Pages are one
+token here, so prefixes match token by token as in the paper."""
 
 from __future__ import annotations
 
 import pytest
 
+from preble_backend.block_hash import chain_hashes
 from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
+from scheduler.global_tree import GlobalPrefixTree
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
 
 UNIT = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
@@ -27,7 +30,7 @@ class Clock:
 
 def e2(n=2, capacity=10_000, **kw) -> tuple[E2, Clock]:
     clock = Clock()
-    return E2(n, cost_model=UNIT, capacity_tokens=capacity, clock=clock, **kw), clock
+    return E2(n, cost_model=UNIT, capacity_tokens=capacity, clock=clock, page_size=1, **kw), clock
 
 
 _ids = iter(range(10**6))
@@ -53,7 +56,7 @@ def test_explore_on_an_empty_cluster_ties_to_the_first_instance():
 
 def stored(tokens) -> FinishInfo:
     """A finish report whose engine cached the whole prompt."""
-    return FinishInfo([CacheEvent("stored", tuple(tokens), 0)], {}, 0.1, AVG_DECODE)
+    return FinishInfo([CacheEvent.of("stored", list(tokens), 0, 1)], {}, 0.1, AVG_DECODE)
 
 
 def test_exploit_when_more_is_cached_than_missed():
@@ -69,7 +72,7 @@ def test_exploit_when_more_is_cached_than_missed():
 def test_explore_picks_the_lowest_l_plus_m_plus_p():
     policy, clock = e2()
     route(policy, range(100))  # instance 0: L = 100 + 32
-    m = policy.tree.match(list(range(500, 550)))
+    m = policy.tree.match(chain_hashes(range(500, 550), 1))
     assert policy.load_cost(0, m, 50, clock()) == 132 + 0 + 50
     assert policy.load_cost(1, m, 50, clock()) == 0 + 0 + 50
     _, d = route(policy, range(500, 550))
@@ -86,7 +89,7 @@ def test_memory_cost_charges_what_a_virtual_eviction_removes():
     route(policy, e)  # explore -> 1 (L0 = 132)
     route(policy, a)  # exploit -> 0; missed 0 on 0, so L0 = 132 + 0 + 32 = 164
     d_tokens = list(range(400, 450))
-    m = policy.tree.match(d_tokens)
+    m = policy.tree.match(chain_hashes(d_tokens, 1))
     assert policy.load_cost(0, m, 50, clock()) == 164 + 100 * 2 + 50
     assert policy.load_cost(1, m, 50, clock()) == 132 + 100 * 1 + 50
     _, d = route(policy, d_tokens)
@@ -131,9 +134,9 @@ def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
         clock.t = t
         r, d = route(policy, prefix + [k])
         assert d.instance == 0
-        events = [CacheEvent("stored", tuple(prefix + [k]), 0)]
+        events = [CacheEvent.of("stored", prefix + [k], 0, 1)]
         policy.on_finish(0, r, FinishInfo(events, {}, 1.0 if k < 4 else 3.0, AVG_DECODE))
-    key = policy.tree.match(prefix + [99]).key_portion()
+    key = policy.tree.match(chain_hashes(prefix + [99], 1)).key_portion()
     assert key.replicas == {1}
     # Candidates are now holder 0 and replica 1. Each request in flight on 0 costs it
     # 1 + 32; instance 1 must prefill all 101 tokens: after four, 4 * 33 + 1 > 101.
@@ -152,8 +155,8 @@ def test_key_portion_is_the_deepest_node_longer_than_its_predecessors():
     route(policy, a + b + c + [1])
     route(policy, a + b + [9])  # splits the path at a+b
     route(policy, a + [8])  # splits at a
-    key = policy.tree.match(a + b + c + [2]).key_portion()
-    assert key.key == b
+    key = policy.tree.match(chain_hashes(a + b + c + [2], 1)).key_portion()
+    assert key.hashes == chain_hashes(a + b, 1)[len(a) :]
 
 
 def test_engine_events_replace_pending_marks():
@@ -161,12 +164,12 @@ def test_engine_events_replace_pending_marks():
     tokens = list(range(64))
     r, d = route(policy, tokens)
     # The engine stored only the first 48 tokens (three full pages of 16).
-    policy.on_finish(d.instance, r, FinishInfo([CacheEvent("stored", tuple(tokens[:48]), 0)], {}, None, 4))
-    match = policy.tree.match(tokens)
+    policy.on_finish(d.instance, r, FinishInfo([CacheEvent.of("stored", tokens[:48], 0, 1)], {}, None, 4))
+    match = policy.tree.match(chain_hashes(tokens, 1))
     assert match.cached_on(d.instance) == 48 and match.cached_on(1) == 0
-    policy.on_finish(d.instance, r, FinishInfo([CacheEvent("evicted", tuple(tokens[:48]), 32)]))
-    assert policy.tree.match(tokens).cached_on(d.instance) == 32
-    assert policy.tree.cached_sequences(d.instance) == {tuple(tokens[:32])}
+    policy.on_finish(d.instance, r, FinishInfo([CacheEvent.of("evicted", tokens[:48], 32, 1)]))
+    assert policy.tree.match(chain_hashes(tokens, 1)).cached_on(d.instance) == 32
+    assert policy.tree.cached_sequences(d.instance) == {tuple(chain_hashes(tokens[:32], 1))}
 
 
 def test_prefix_hash_sends_equal_leading_tokens_to_one_instance():
@@ -179,7 +182,7 @@ def test_prefix_hash_sends_equal_leading_tokens_to_one_instance():
 
 
 def test_cache_aware_branches():
-    policy = make_policy("cache_aware", 2)
+    policy = make_policy("cache_aware", 2, page_size=1)
     idle = [InstanceLoad(), InstanceLoad()]
     assert policy.select(req(range(100)), idle).branch == "cache_miss"  # match rate 0
     d = policy.select(req(list(range(40)) + [5] * 60), [InstanceLoad(3), InstanceLoad(0)])
@@ -189,11 +192,11 @@ def test_cache_aware_branches():
 
 
 def test_kv_cost_counts_blocks_to_prefill_plus_active_blocks():
-    policy = make_policy("kv_cost", 2, block_size=16)
+    policy = make_policy("kv_cost", 2, page_size=16)
     loads = [InstanceLoad(), InstanceLoad()]
     r, d = route(policy, range(64))  # 4 blocks on either: tie -> 0; instance 0 now 4 active
     assert d.instance == 0
-    policy.on_finish(0, r, FinishInfo([CacheEvent("stored", tuple(range(64)), 0)]))  # 0 active
+    policy.on_finish(0, r, FinishInfo([CacheEvent.of("stored", range(64), 0, 16)]))  # 0 active
     # Same prompt + 32 tokens: 6 blocks. Instance 0: 6 - 4 overlap + 0 = 2; instance 1: 6.
     assert policy.select(req(list(range(64)) + [1] * 32), loads).instance == 0
 
@@ -212,20 +215,36 @@ def test_equal_costs_go_to_the_less_busy_gpu():
 
 def test_capacity_comes_from_engine_reports():
     policy, _ = e2(capacity=10**6)
-    policy.select(req(range(10)), [InstanceLoad(reported={"kv_pages_total": 64, "page_size": 16})] * 2)
-    assert policy.capacity == [1024, 1024]
+    r, d = route(policy, range(10))
+    policy.on_finish(d.instance, r, FinishInfo([], {"kv_pages_total": 64, "page_size": 1}))
+    assert policy.capacity[d.instance] == 64 and policy.capacity[1 - d.instance] == 10**6
 
 
-def test_prune_merges_the_fragments_tail_evictions_leave():
-    from scheduler.global_tree import GlobalPrefixTree
-
-    tree = GlobalPrefixTree(1)
-    tokens = tuple(range(64))
-    tree.apply_events(0, [CacheEvent("stored", tokens, 0)])
+def test_tail_evictions_shorten_a_node_without_splitting_it():
+    tree = GlobalPrefixTree(1, page_size=16)
+    tokens = list(range(64))
+    chain = chain_hashes(tokens, 16)
+    tree.apply_events(0, [CacheEvent.of("stored", tokens, 0, 16)])
     for start in (48, 32, 16):  # the engine evicts the tail page by page...
-        tree.apply_events(0, [CacheEvent("evicted", tokens[: start + 16], start)])
-    tree.apply_events(0, [CacheEvent("stored", tokens, 16)])  # ...then stores it again
-    assert tree.num_nodes() == 4
-    tree.prune(now=0.0)
-    assert tree.num_nodes() == 1 and tree.cached_sequences(0) == {tokens}
-    assert tree.match(list(tokens)).cached_on(0) == 64
+        tree.apply_events(0, [CacheEvent.of("evicted", tokens[: start + 16], start, 16)])
+        assert tree.num_nodes() == 1 and tree.match(chain).cached_on(0) == start
+        assert tree.cached_sequences(0) == {tuple(chain[: start // 16])}
+    assert tree.cached_tokens == tree.held_tokens == [16]
+    tree.apply_events(0, [CacheEvent.of("stored", tokens, 16, 16)])  # ...then stores it again
+    assert tree.num_nodes() == 1 and tree.cached_sequences(0) == {tuple(chain)}
+    assert tree.match(chain).cached_on(0) == 64 and tree.cached_tokens == [64]
+
+
+def test_prune_drops_expired_branches_and_merges_what_they_split():
+    tree = GlobalPrefixTree(2, window_s=10.0, page_size=1)
+    a, b, c = list(range(30)), list(range(100, 120)), list(range(200, 210))
+    ends = [tree.route(chain_hashes(a + b, 1), 0, now=0.0), tree.route(chain_hashes(a + c, 1), 1, now=1.0)]
+    assert tree.num_nodes() == 3  # a, b, c
+    tree.apply_events(0, [CacheEvent.of("stored", a + b, 0, 1)])
+    tree.finish(ends[0], 0)
+    tree.finish(ends[1], 1)  # instance 1 never stored anything: a+c is held by nobody
+    assert tree.prune(now=10.5) == 0  # a+c's request is still in the window
+    assert tree.num_nodes() == 3
+    assert tree.prune(now=11.5) == 2  # c goes, and a folds b back in
+    assert tree.num_nodes() == 1 and tree.cached_sequences(0) == {tuple(chain_hashes(a + b, 1))}
+    assert tree.match(chain_hashes(a + c, 1)).cached_on(0) == 30 and tree.held_tokens == [50, 0]

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from preble_backend.block_hash import chain_hashes
 from preble_backend.block_manager import BlockManager
 from preble_backend.radix_cache import RadixCache
 from preble_backend.request import Request
@@ -41,7 +42,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.blocks = BlockManager(self.pool, self.cache)
         self.held: list[Request] = []
         self.content: dict[int, tuple[int, ...]] = {}  # what each page "stores"
-        self.mirror = GlobalPrefixTree(1)  # fed only by the cache's events
+        self.mirror = GlobalPrefixTree(1, page_size=PAGE)  # fed only by the cache's events
         self.next_id = 0
 
     @rule(tokens=token_lists)
@@ -99,7 +100,8 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def events_mirror_the_cache(self):
         self.mirror.apply_events(0, self.cache.drain_events())
-        assert self.mirror.cached_sequences(0) == {tuple(leaf.path_tokens()) for leaf in self.cache.leaves}
+        engine = {tuple(chain_hashes(leaf.path_tokens(), PAGE)) for leaf in self.cache.leaves}
+        assert self.mirror.cached_sequences(0) == engine
 
     @invariant()
     def references(self):
@@ -147,7 +149,7 @@ def test_split_on_partial_match_and_lru_tail_eviction():
     assert len(freed) == 1
     events = cache.drain_events()
     assert [e.kind for e in events] == ["stored", "stored", "evicted"]
-    assert events[-1].tokens == tuple(a) and events[-1].start == 8
+    assert events[-1].hashes == tuple(chain_hashes(a, PAGE)) and events[-1].start == 2  # a's third page
     assert cache.cached_len(a) == 8 and cache.cached_len(b) == 12
 
 

@@ -4,6 +4,7 @@ fed only by their events, mirrors those caches exactly even under heavy eviction
 from __future__ import annotations
 
 from client.workloads import Materializer, generate, poisson_arrivals, summarize
+from preble_backend.block_hash import chain_hashes
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.simulator import SimConfig, SimRequest, metrics, simulate
@@ -41,7 +42,7 @@ def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
     assert len(evicted) > 100  # the caches were far too small for the working set
     tree = built[0].tree
     for inst in result.instances:
-        engine_view = {tuple(leaf.path_tokens()) for leaf in inst.cache.leaves}
+        engine_view = {tuple(chain_hashes(leaf.path_tokens(), 16)) for leaf in inst.cache.leaves}
         assert tree.cached_sequences(inst.index) == engine_view
         assert tree.held_tokens[inst.index] == tree.cached_tokens[inst.index]  # nothing pending
 

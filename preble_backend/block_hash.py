@@ -1,0 +1,51 @@
+"""Page chain hashes: one 64-bit number per full KV page that names the whole prefix up to
+the end of that page.
+
+The global scheduler mirrors the engines' caches and matches prompts against them. Done on
+token lists, every match, event and virtual eviction walks thousands of tokens in Python;
+done on chain hashes, a prompt is a list of a few hundred numbers computed once, where the
+request is tokenized, and the engines report their caches in the same numbers (as NVIDIA
+Dynamo's KV router does with its block hashes). Because each value covers the whole
+prefix, two prompts share their first ``k`` pages exactly when their ``k``-th values are
+equal, so one comparison tells whether a whole radix node matches. A collision can only
+misroute a request (the engine matches tokens exactly), never corrupt an answer.
+
+The hash is polynomial over mixed tokens, so a whole prompt is hashed by a few vectorized
+numpy operations: ``H(t[:n]) = Σ_{j<n} mix(t_j) · B^j  (mod 2^64)``, finalized per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_BASE = np.uint64(0x100000001B3)
+_FINAL = np.uint64(0xBF58476D1CE4E5B9)
+_powers = np.ones(1, dtype=np.uint64)
+
+
+def _base_powers(n: int) -> np.ndarray:
+    global _powers
+    if len(_powers) < n:
+        size = max(n, 2 * len(_powers))
+        _powers = np.ones(size, dtype=np.uint64)
+        np.cumprod(np.full(size - 1, _BASE, dtype=np.uint64), dtype=np.uint64, out=_powers[1:])
+    return _powers[:n]
+
+
+def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> list[int]:
+    """The chain hash of every full page of ``tokens`` (a partial last page has none)."""
+    pages = len(tokens) // page_size
+    if pages == 0:
+        return []
+    n = pages * page_size
+    x = np.asarray(tokens[:n], dtype=np.uint64) * _MIX
+    x ^= x >> np.uint64(31)
+    x *= _base_powers(n)
+    h = np.cumsum(x, dtype=np.uint64)[page_size - 1 :: page_size]
+    h ^= h >> np.uint64(29)
+    h *= _FINAL
+    h ^= h >> np.uint64(32)
+    return h.tolist()
