@@ -86,6 +86,7 @@ def bench(workload: str, instances: int, n: int, rps: float, repeats: int = 3, *
         policy = make(lambda: now[0])
         spent_select = spent_finish = 0.0
         gc.collect()
+        gc.freeze()  # the recorded trace is not the router's heap: keep it out of GC passes
         for kind, now[0], *args in calls:
             if kind == "select":
                 start = time.perf_counter()
@@ -97,6 +98,7 @@ def bench(workload: str, instances: int, n: int, rps: float, repeats: int = 3, *
                 start = time.perf_counter()
                 policy.on_finish(*args)
                 spent_finish += time.perf_counter() - start
+        gc.unfreeze()
         best = min(best, (spent_select + spent_finish, spent_select, spent_finish))
     total, spent_select, spent_finish = best
     selects = [c[-1] for c in calls if c[0] == "select"]

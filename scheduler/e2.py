@@ -135,7 +135,12 @@ class E2(Policy):
         total (same answer, less work)."""
         if len(candidates) == 1:
             return next(iter(candidates))  # nothing to compare
-        bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
+        history, signal, prefill = self.history, self.load_signal, self.cost.prefill_time
+        bounds = []
+        for i in candidates:
+            missed = prompt_len - match.cached_on(i) if match.nodes else prompt_len
+            bounds.append((history[i].load(now, signal) + prefill(missed), missed, i))
+        bounds.sort()
         best, best_key = None, (float("inf"),)
         for partial, missed, i in bounds:
             if partial > best_key[0]:
@@ -157,7 +162,10 @@ class E2(Policy):
         cached = match.matched
         key = match.key_portion()
         if cached > prompt_len - cached and key is not None:
-            candidates = key.holders() | self._replicas(match)
+            candidates = key.holders()
+            for node in match.nodes:  # autoscaled replicas of the path serve it too
+                if node.replicas:
+                    candidates |= node.replicas
             choice = self._cheapest(candidates, match, prompt_len, now)
             decision = self._rebalance(choice, match, now) or Decision(choice, "exploit")
         else:
@@ -168,23 +176,24 @@ class E2(Policy):
         return decision
 
     def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
+        """Cheapest tests first: most exploit decisions fail one of the O(1) ones."""
         if self.th_bal == float("inf"):
             return None  # rebalancing off
         signal, history = self.rebalance_signal, self.history
+        if not history[choice].in_flight:
+            return None  # nothing queues there now: reusing its cache costs nothing extra
         mine = history[choice].load(now, signal)
+        recompute = self.cost.prefill_time(match.cached_on(choice))
+        if mine <= recompute:
+            return None  # no gap to the lightest can exceed the recompute the move costs
         for i, h in enumerate(history):  # is the choice the heaviest (first of equals)?
             load = h.load(now, signal)
             if load > mine or (load == mine and i < choice):
                 return None
         loads = [h.load(now, signal) for h in history]
-        heavy = choice
         light = min(range(self.num_instances), key=lambda i: (loads[i], self._busy(i), i))
-        if heavy == light or loads[heavy] <= self.th_bal * loads[light]:
+        if light == choice or mine <= self.th_bal * loads[light] or mine - loads[light] <= recompute:
             return None
-        if not self.history[choice].in_flight:
-            return None  # nothing queues there now: reusing its cache costs nothing extra
-        if loads[heavy] - loads[light] <= self.cost.prefill_time(match.cached_on(choice)):
-            return None  # moving costs more recompute than the imbalance it fixes
         return Decision(light, "rebalance")
 
     def _decode_balance(self) -> Decision | None:
@@ -203,29 +212,14 @@ class E2(Policy):
         self.history[instance].add(
             request.request_id, Routed(now, self.cost.prefill_time(missed), cached / prompt_len)
         )
+        # Routing splits a node the prompt ends or branches off inside, and a split keeps
+        # the old object for the lower half: the key portion is then its new parent.
+        split_key = key is not None and match.lengths[match.nodes.index(key)] < len(key.hashes)
         end = self.tree.route(request.chain(self.page_size), instance, now)
-        self._routed[request.request_id] = (end, self._node_ending_at(end, match, key))
+        self._routed[request.request_id] = (end, key.parent if split_key else key)
         self._decisions += 1
         if self._decisions % self.prune_every == 0:
             self.tree.prune(now)
-
-    @staticmethod
-    def _node_ending_at(end: GlobalNode, match: Match, key: GlobalNode | None) -> GlobalNode | None:
-        """The key portion's node on the routed path (routing may have split the node the
-        match saw, and a split keeps the old object for the lower half)."""
-        if key is None:
-            return None
-        depth = 0
-        for node, n in zip(match.nodes, match.lengths):
-            depth += n
-            if node is key:
-                break
-        pos = 0
-        for node in end.path():
-            pos += len(node.hashes)
-            if pos == depth:
-                return node
-        return None
 
     def _learn_capacity(self, instance: int, report: dict) -> None:
         """The KV capacity an engine reports replaces the configured one."""
@@ -272,9 +266,3 @@ class E2(Policy):
                 len(key.hashes) * self.page_size,
                 replica,
             )
-
-    def _replicas(self, match: Match) -> set[int]:
-        out: set[int] = set()
-        for node in match.nodes:
-            out |= node.replicas
-        return out

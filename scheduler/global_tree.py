@@ -195,8 +195,10 @@ class GlobalPrefixTree:
             if times is None:
                 times = node.hits[instance] = deque()
             times.append(now)
-            lru[node] = None
-            lru.move_to_end(node)
+            if node in lru:
+                lru.move_to_end(node)
+            else:
+                lru[node] = None
         self.versions[instance] += 1
         return path[-1] if path else self.root
 
@@ -230,46 +232,68 @@ class GlobalPrefixTree:
     def apply_events(self, instance: int, events: list[CacheEvent]) -> None:
         """Mirror an engine's cache. An engine evicts the tails of its leaves page run by
         page run; here that shortens the instance's cached extent of a node instead of
-        splitting it. The tree merges every engine's branches, so a node can have children
-        another branch of this engine still caches: an eviction stops at such a node."""
-        size, lru = self.page_size, self.lru[instance]
+        splitting it."""
         for event in events:
-            stored, n = event.kind == "stored", len(event.hashes)
-            path = self._walk(event.hashes, create=stored, split_end=False)
-            if not path:
-                continue  # an eviction of a path this tree never saw stored
-            starts, pos = [], 0
-            for node in path:
-                starts.append(pos)
-                pos += len(node.hashes)
-            for node, begin in zip(path, starts) if stored else ():
-                old, new = node.cached.get(instance, 0), min(len(node.hashes), n - begin)
-                if begin + len(node.hashes) <= event.start or new <= old:
-                    continue
-                node.cached[instance] = new
-                self.cached_tokens[instance] += (new - old) * size
-                if instance not in node.pending:
-                    self.held_tokens[instance] += (new - old) * size
-                    lru[node] = None
-            for node, begin in zip(reversed(path), reversed(starts)) if not stored else ():
-                if begin + len(node.hashes) <= event.start:
-                    break
-                if any(instance in child.cached for child in node.children.values()):
-                    break
-                old, keep = node.cached.get(instance, 0), max(0, event.start - begin)
-                if keep >= old:
-                    continue
-                self.cached_tokens[instance] -= (old - keep) * size
-                if keep:
-                    node.cached[instance] = keep
-                else:
-                    del node.cached[instance]
-                if instance not in node.pending:
-                    self.held_tokens[instance] -= (old - keep) * size
-                    if not keep:
-                        lru.pop(node, None)
-                        self._note_unheld(node)
+            if event.kind == "stored":
+                self._store(instance, event.hashes, event.start)
+            else:
+                self._evict(instance, event.hashes, event.start)
         self.versions[instance] += 1
+
+    def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
+        """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
+        already were): walk it, adding and splitting where it branches off, and extend the
+        instance's extent of every node the span reaches."""
+        node, pos, n, size = self.root, 0, len(chain), self.page_size
+        while pos < n:
+            child = node.children.get(chain[pos])
+            if child is None:
+                child = node.children[chain[pos]] = GlobalNode(list(chain[pos:]), parent=node)
+            else:
+                m = _common(child.hashes, chain, pos)
+                if m < len(child.hashes) and pos + m < n:
+                    child = self._split(child, m)
+            length = len(child.hashes)
+            if pos + length > start:
+                old, new = child.cached.get(instance, 0), min(length, n - pos)
+                if new > old:
+                    child.cached[instance] = new
+                    self.cached_tokens[instance] += (new - old) * size
+                    if instance not in child.pending:
+                        self.held_tokens[instance] += (new - old) * size
+                        self.lru[instance][child] = None
+            pos += length
+            node = child
+
+    def _evict(self, instance: int, chain: tuple[int, ...], start: int) -> None:
+        """Pages ``start`` onwards of ``chain`` left ``instance``'s cache. The tree merges
+        every engine's branches, so a node can have children another branch of this
+        engine still caches: the eviction stops at such a node (deepest first)."""
+        path = self._walk(chain, create=False, split_end=False)
+        if not path:
+            return  # a path this tree never saw stored
+        size, lru = self.page_size, self.lru[instance]
+        end = sum(len(node.hashes) for node in path)
+        for node in reversed(path):
+            begin = end - len(node.hashes)
+            end = begin
+            if begin + len(node.hashes) <= start:
+                break
+            if any(instance in child.cached for child in node.children.values()):
+                break
+            old, keep = node.cached.get(instance, 0), max(0, start - begin)
+            if keep >= old:
+                continue
+            self.cached_tokens[instance] -= (old - keep) * size
+            if keep:
+                node.cached[instance] = keep
+            else:
+                del node.cached[instance]
+            if instance not in node.pending:
+                self.held_tokens[instance] -= (old - keep) * size
+                if not keep:
+                    lru.pop(node, None)
+                    self._note_unheld(node)
 
     def cached_sequences(self, instance: int) -> set[tuple[int, ...]]:
         """Maximal cached paths of one instance, as chain hashes (comparable with an
