@@ -327,8 +327,8 @@ class GlobalPrefixTree:
         a node left with one child into it when both carry the same state. Only nodes that
         lost their last holder are looked at, once their last request left the window, so
         the cost follows what changed, not the size of the tree."""
-        removed = 0
-        while self._unheld and self._unheld[0][0] <= now:
+        removed, later = 0, []
+        while self._unheld and self._unheld[0][0] < now:  # a request at t counts until t + W
             _, _, node = heapq.heappop(self._unheld)
             while (
                 node.parent is not None
@@ -338,7 +338,7 @@ class GlobalPrefixTree:
                 and not node.pending
             ):
                 if any(self.requests_in_window(node, i, now) for i in list(node.hits)):
-                    self._note_unheld(node)  # used since: look again when that leaves the window
+                    later.append(node)  # used since: look again when that leaves the window
                     break
                 parent = node.parent
                 del parent.children[node.hashes[0]]
@@ -352,6 +352,8 @@ class GlobalPrefixTree:
                         self._merge(parent, child)
                         removed += 1
                 node = parent
+        for node in later:
+            self._note_unheld(node)
         if removed:
             self.shape += 1
         return removed

@@ -20,7 +20,7 @@ from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalNode, GlobalPrefixTree, Match
 
 
-@dataclass
+@dataclass(slots=True)
 class Routed:
     """A request in an instance's history window."""
 
@@ -160,6 +160,7 @@ class VirtualEviction:
             return 0.0
         if self.version != self.tree.version(self.instance) or now >= self.valid_until:
             self._reset(now)
+        self.now = now  # what the walk adds from here is counted as of now
         extra = 0
         while True:  # the kept nodes inside the evicted run free nothing: evict further
             self._extend(need + extra)

@@ -34,7 +34,7 @@ class RoutingRequest:
         return chain
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     instance: int
     branch: str  # which rule of the policy chose it (for metrics and tests)
