@@ -110,7 +110,7 @@ class E2(Policy):
     def _load_and_prefill(
         self, instance: int, match: Match, prompt_len: int, now: float
     ) -> tuple[float, int]:
-        missed = prompt_len - match.cached_on(instance)
+        missed = prompt_len - match.cached_on(instance) if match.nodes else prompt_len
         load = self.history[instance].load(now, self.load_signal)
         return load + self.cost.prefill_time(missed), missed
 
@@ -135,12 +135,7 @@ class E2(Policy):
         total (same answer, less work)."""
         if len(candidates) == 1:
             return next(iter(candidates))  # nothing to compare
-        history, signal, prefill = self.history, self.load_signal, self.cost.prefill_time
-        bounds = []
-        for i in candidates:
-            missed = prompt_len - match.cached_on(i) if match.nodes else prompt_len
-            bounds.append((history[i].load(now, signal) + prefill(missed), missed, i))
-        bounds.sort()
+        bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
         best, best_key = None, (float("inf"),)
         for partial, missed, i in bounds:
             if partial > best_key[0]:
