@@ -242,28 +242,18 @@ class GlobalPrefixTree:
 
     def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
-        already were): walk it, adding and splitting where it branches off, and extend the
-        instance's extent of every node the span reaches."""
-        node, pos, n, size = self.root, 0, len(chain), self.page_size
-        while pos < n:
-            child = node.children.get(chain[pos])
-            if child is None:
-                child = node.children[chain[pos]] = GlobalNode(list(chain[pos:]), parent=node)
-            else:
-                m = _common(child.hashes, chain, pos)
-                if m < len(child.hashes) and pos + m < n:
-                    child = self._split(child, m)
-            length = len(child.hashes)
-            if pos + length > start:
-                old, new = child.cached.get(instance, 0), min(length, n - pos)
-                if new > old:
-                    child.cached[instance] = new
-                    self.cached_tokens[instance] += (new - old) * size
-                    if instance not in child.pending:
-                        self.held_tokens[instance] += (new - old) * size
-                        self.lru[instance][child] = None
-            pos += length
-            node = child
+        already were): extend the instance's extent of every node the span reaches."""
+        begin, n, size = 0, len(chain), self.page_size
+        for node in self._walk(chain, create=True, split_end=False):
+            length = len(node.hashes)
+            old, new = node.cached.get(instance, 0), min(length, n - begin)
+            if begin + length > start and new > old:
+                node.cached[instance] = new
+                self.cached_tokens[instance] += (new - old) * size
+                if instance not in node.pending:
+                    self.held_tokens[instance] += (new - old) * size
+                    self.lru[instance][node] = None
+            begin += length
 
     def _evict(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` left ``instance``'s cache. The tree merges

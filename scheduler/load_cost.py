@@ -136,7 +136,7 @@ class VirtualEviction:
 
     def _has_held_child(self, node: GlobalNode) -> bool:
         i, order = self.instance, self.order
-        return any((i in c.cached or i in c.pending) and c not in order for c in node.children.values())
+        return any(c.held_by(i) and c not in order for c in node.children.values())
 
     def _extend(self, tokens: int) -> None:
         """Walk the LRU until ``tokens`` are freed or nothing is left."""
