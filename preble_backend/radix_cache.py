@@ -232,29 +232,47 @@ class RadixCache:
         return self.evict(self.num_pages)
 
     def drain_events(self) -> list[CacheEvent]:
-        """Events since the last drain, safe to call from another thread. A stored event
-        that only extends the previous one (chunked prefill stores a prompt page run by
-        page run) is merged into it, so a long prompt is reported once, not per chunk; so
-        is an eviction that continues the previous one down the same path. Paths are named
-        by their chain hashes, computed here once per event."""
+        """Events since the last drain, safe to call from another thread, coalesced: an
+        event that continues an earlier one down the same path (chunked prefill stores a
+        prompt chunk by chunk; eviction cuts a leaf's tail piece by piece) is merged into
+        it, even when events of the other kind came between, provided none of those touch
+        the same pages (then the order matters and is kept). A chunked prefill that evicts
+        for each chunk is so reported as one store and one eviction, not one pair per
+        chunk. Paths are named by their chain hashes, computed here once per event."""
         out: list[_Change] = []
         for _ in range(len(self.events)):
             event = self.events.popleft()
-            last = out[-1] if out else None
-            if (
-                last is not None
-                and event.kind == last.kind == "stored"
-                and event.start == len(last.tokens)
-                and event.tokens[: event.start] == last.tokens
-            ):
-                out[-1] = _Change("stored", event.tokens, last.start)
-            elif (
-                last is not None
-                and event.kind == last.kind == "evicted"
-                and len(event.tokens) == last.start
-                and last.tokens[: last.start] == event.tokens
-            ):  # a leaf's tail evicted piece by piece: one span
-                out[-1] = _Change("evicted", last.tokens, event.start)
+            for j in range(len(out) - 1, -1, -1):
+                merged = _continued(out[j], event)
+                if merged is not None:
+                    out[j] = merged
+                    break
+                if out[j].kind != event.kind and self._touches(out[j], event.tokens):
+                    out.append(event)
+                    break
             else:
                 out.append(event)
         return [CacheEvent.of(c.kind, c.tokens, c.start, self.page_size) for c in out]
+
+    def _touches(self, event: _Change, path: tuple[int, ...]) -> bool:
+        """Whether ``event``'s span holds a page of ``path`` (then an event on ``path``
+        cannot move past it). Both are paths from the root, so they share a page of the
+        span exactly when they agree up to the end of its first page on both; the usual
+        case differs inside that page and compares only it."""
+        lo, hi = event.start, min(len(event.tokens), len(path))
+        if lo >= hi:
+            return False
+        end = lo + self.page_size
+        return event.tokens[lo:end] == path[lo:end] and event.tokens[:lo] == path[:lo]
+
+
+def _continued(prior: _Change, event: _Change) -> _Change | None:
+    """``prior`` and ``event`` as one event, if ``event`` continues it down its path."""
+    if prior.kind != event.kind:
+        return None
+    if prior.kind == "stored":  # the next pages of the same path
+        if event.start == len(prior.tokens) and event.tokens[: event.start] == prior.tokens:
+            return _Change("stored", event.tokens, prior.start)
+    elif len(event.tokens) == prior.start and prior.tokens[: prior.start] == event.tokens:
+        return _Change("evicted", prior.tokens, event.start)  # the pages above the cut
+    return None

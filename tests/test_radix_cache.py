@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from preble_backend.block_hash import chain_hashes
 from preble_backend.block_manager import BlockManager
-from preble_backend.radix_cache import RadixCache
+from preble_backend.radix_cache import CacheEvent, RadixCache
 from preble_backend.request import Request
 from scheduler.global_tree import GlobalPrefixTree
 
@@ -34,6 +34,19 @@ token_lists = st.one_of(
 )
 
 
+def chunked_prefill(blocks: BlockManager, req: Request, chunk_pages: int) -> bool:
+    """Compute an admitted request chunk by chunk as the engine does: reserve pages for
+    each chunk (evicting when the pool runs dry), then share its full pages, so stores
+    and evictions interleave. False when the pool cannot hold the next chunk."""
+    while req.num_computed < req.num_tokens:
+        step = min(chunk_pages * blocks.page_size, req.num_tokens - req.num_computed)
+        if not blocks.reserve(req, step):
+            return False
+        req.num_computed += step
+        blocks.share_computed(req)
+    return True
+
+
 class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -45,20 +58,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.mirror = GlobalPrefixTree(1, page_size=PAGE)  # fed only by the cache's events
         self.next_id = 0
 
-    @rule(tokens=token_lists)
-    def admit_and_compute(self, tokens):
+    @rule(tokens=token_lists, chunk=st.integers(1, 3))
+    def admit_and_compute(self, tokens, chunk):
         req = make_request(tokens, self.next_id)
         self.next_id += 1
         cached = self.blocks.admit(req)
         assert cached % PAGE == 0 and cached < len(tokens)
         assert cached == len(req.page_table) * PAGE
-        if not self.blocks.reserve(req, req.num_uncomputed):
+        done = chunked_prefill(self.blocks, req, chunk)
+        for i, page in enumerate(req.page_table):  # what each page now "stores"
+            self.content[page] = tuple(tokens[i * PAGE : (i + 1) * PAGE])
+        if not done:
             self.blocks.release(req)
             return
-        for i in range(cached // PAGE, len(req.page_table)):  # "compute" the new pages
-            self.content[req.page_table[i]] = tuple(tokens[i * PAGE : (i + 1) * PAGE])
-        req.num_computed = req.num_tokens
-        self.blocks.share_computed(req)
         self.held.append(req)
 
     @precondition(lambda self: self.held)
@@ -97,8 +109,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.cache.num_pages == sum(len(n.pages) for n in nodes)
         assert self.cache.num_locked_pages == sum(len(n.pages) for n in nodes if n.lock_ref > 0)
 
-    @invariant()
+    @rule()
     def events_mirror_the_cache(self):
+        """Drained after any number of steps, the coalesced events still rebuild the cache."""
         self.mirror.apply_events(0, self.cache.drain_events())
         engine = {tuple(chain_hashes(leaf.path_tokens(), PAGE)) for leaf in self.cache.leaves}
         assert self.mirror.cached_sequences(0) == engine
@@ -122,6 +135,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert sorted(owned) == list(range(NUM_PAGES))
 
     def teardown(self):
+        self.events_mirror_the_cache()
         for req in self.held:
             self.blocks.release(req)
         self.pool.free(self.cache.reset())
@@ -129,7 +143,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCacheMachine.settings = settings(max_examples=600, stateful_step_count=40, deadline=None)
 
 
 def test_split_on_partial_match_and_lru_tail_eviction():
@@ -171,3 +185,47 @@ def test_match_never_returns_the_whole_prompt_to_admit():
     req = make_request(tokens)
     assert blocks.admit(req) == 4
     blocks.release(req)
+
+
+def drain_into(mirror: GlobalPrefixTree, cache: RadixCache) -> list[CacheEvent]:
+    events = cache.drain_events()
+    mirror.apply_events(0, events)
+    engine = {tuple(chain_hashes(leaf.path_tokens(), PAGE)) for leaf in cache.leaves}
+    assert mirror.cached_sequences(0) == engine
+    return events
+
+
+def test_chunked_prefill_that_evicts_per_chunk_drains_as_one_store_and_one_eviction():
+    pool, cache = tiny_pool(num_pages=8), RadixCache(PAGE)
+    blocks, mirror = BlockManager(pool, cache), GlobalPrefixTree(1, page_size=PAGE)
+    old = make_request(list(range(100, 125)), 0)  # six full pages, then cached
+    blocks.admit(old)
+    assert chunked_prefill(blocks, old, 2)
+    blocks.release(old)
+    drain_into(mirror, cache)
+    new = make_request(list(range(200, 225)), 1)  # each chunk evicts a page of old's tail
+    blocks.admit(new)
+    assert chunked_prefill(blocks, new, 1)
+    blocks.release(new)
+    assert len(cache.events) == 11  # new's six pages stored one by one, old's five evicted
+    events = drain_into(mirror, cache)
+    assert [(e.kind, e.start) for e in events] == [("stored", 0), ("evicted", 1)]
+
+
+def test_an_eviction_between_keeps_a_later_store_of_its_path_in_order():
+    """The store of C continues the first store of A, but the eviction of A's tail came
+    between and C's path runs through it: merging C into A's store would put C's pages in
+    before the eviction that must not remove them."""
+    pool, cache = tiny_pool(), RadixCache(PAGE)
+    blocks, mirror = BlockManager(pool, cache), GlobalPrefixTree(1, page_size=PAGE)
+    a = list(range(1, 9))
+    for rid, tokens in enumerate([a, None, a + [0, 0, 0, 0], a + [0, 0, 0, 1]]):
+        if tokens is None:
+            cache.evict(1)  # A's second page
+            continue
+        req = make_request(tokens, rid)
+        blocks.admit(req)
+        assert chunked_prefill(blocks, req, 1)
+        blocks.release(req)
+    events = drain_into(mirror, cache)
+    assert [e.kind for e in events] == ["stored", "evicted", "stored", "stored"]
