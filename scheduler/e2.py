@@ -210,7 +210,7 @@ class E2(Policy):
         # Routing splits a node the prompt ends or branches off inside, and a split keeps
         # the old object for the lower half: the key portion is then its new parent.
         split_key = key is not None and match.lengths[match.nodes.index(key)] < len(key.hashes)
-        end = self.tree.route(request.chain(self.page_size), instance, now)
+        end = self.tree.route(request.chain(self.page_size), instance, now, match)
         self._routed[request.request_id] = (end, key.parent if split_key else key)
         self._decisions += 1
         if self._decisions % self.prune_every == 0:

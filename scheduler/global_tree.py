@@ -16,8 +16,10 @@ finishes, its pending marks go and the engine's events say exactly what stayed c
 the tree mirrors the engines' radix caches. A node no instance has and no request used
 within W is removed.
 
-Each instance has a version number that changes whenever its part of the tree does, so
-derived views (the virtual eviction order of ``load_cost``) are rebuilt only when stale.
+A derived view of one instance's part (the virtual eviction order of ``load_cost``) can
+``watch`` it: the tree then collects the nodes whose state on that instance changes (a
+split changes both halves) and counts in ``shape`` every merge and removal, so the view is
+rebuilt only when a change reaches the part it has already worked out.
 """
 
 from __future__ import annotations
@@ -25,21 +27,26 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from preble_backend.radix_cache import CacheEvent
 
 
-@dataclass(eq=False, slots=True)
 class GlobalNode:
-    hashes: list[int]  # chain hash of each page, root side first
-    parent: GlobalNode | None = None
-    children: dict[int, GlobalNode] = field(default_factory=dict)  # by first chain hash
-    cached: dict[int, int] = field(default_factory=dict)  # instance -> leading pages it caches (> 0)
-    pending: dict[int, int] = field(default_factory=dict)  # instance -> requests in flight (> 0)
-    hits: dict[int, deque] = field(default_factory=dict)  # instance -> request times
-    replicas: set[int] = field(default_factory=set)  # autoscaled copies (see e2.py)
-    ttft: object = None  # the key portion's time-to-first-token history (e2.py)
+    """A run of pages. Plain slots, not a dataclass: routing creates one or two per request
+    and this is the cheapest way Python builds an object."""
+
+    __slots__ = ("hashes", "parent", "children", "cached", "pending", "hits", "replicas", "ttft")
+
+    def __init__(self, hashes: list[int], parent: GlobalNode | None = None) -> None:
+        self.hashes = hashes  # chain hash of each page, root side first
+        self.parent = parent
+        self.children: dict[int, GlobalNode] = {}  # by first chain hash
+        self.cached: dict[int, int] = {}  # instance -> leading pages it caches (> 0)
+        self.pending: dict[int, int] = {}  # instance -> requests in flight (> 0)
+        self.hits: dict[int, deque] = {}  # instance -> request times
+        self.replicas: set[int] = set()  # autoscaled copies (see e2.py)
+        self.ttft = None  # the key portion's time-to-first-token history (e2.py)
 
     def held_by(self, instance: int) -> bool:
         return instance in self.cached or instance in self.pending
@@ -95,7 +102,7 @@ class Match:
 
 class GlobalPrefixTree:
     def __init__(self, num_instances: int, window_s: float = 180.0, page_size: int = 16) -> None:
-        self.root = GlobalNode(hashes=[])
+        self.root = GlobalNode([])
         self.num_instances = num_instances
         self.window_s = window_s
         self.page_size = page_size
@@ -103,14 +110,24 @@ class GlobalPrefixTree:
         self.held_tokens = [0] * num_instances  # confirmed or pending
         # Per instance, nodes it holds in least-recently-used order (oldest first).
         self.lru: list[OrderedDict[GlobalNode, None]] = [OrderedDict() for _ in range(num_instances)]
-        self.versions = [0] * num_instances  # bumped when an instance's part changes
-        self.shape = 0  # bumped when nodes split, merge or go
+        self._watched: list[set[GlobalNode] | None] = [None] * num_instances  # see watch()
+        self.shape = 0  # bumped when nodes merge or go
         # Nodes nobody holds, by when their last request leaves the window: what prune checks.
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
 
-    def version(self, instance: int) -> tuple[int, int]:
-        return self.shape, self.versions[instance]
+    def watch(self, instance: int) -> set[GlobalNode]:
+        """The set that collects, from now on, every node whose state on ``instance``
+        changes (its holding, cached pages, requests or place in the LRU); the watcher
+        empties it as it catches up."""
+        if self._watched[instance] is None:
+            self._watched[instance] = set()
+        return self._watched[instance]
+
+    def _touched(self, instance: int, nodes) -> None:
+        watched = self._watched[instance]
+        if watched is not None:
+            watched.update(nodes)
 
     # ---- matching -------------------------------------------------------------------------
 
@@ -129,18 +146,28 @@ class GlobalPrefixTree:
             node = child
         return Match(nodes, lengths, self.page_size)
 
-    def _walk(self, chain, create: bool, split_end: bool) -> list[GlobalNode] | None:
+    def _walk(
+        self, chain, create: bool, split_end: bool, known: Match | None = None
+    ) -> list[GlobalNode] | None:
         """The nodes along ``chain``, splitting one where the chain branches off inside it
         (adding the branch with ``create``; without, None when the chain is not all there).
         With ``split_end`` a node the chain ends inside is split there too; otherwise it
-        is returned whole, extending past the chain."""
+        is returned whole, extending past the chain. A ``known`` match of the same chain,
+        with the tree unchanged since, saves walking the nodes it matched whole."""
         path, node, pos, n = [], self.root, 0, len(chain)
+        if known is not None:
+            for child, m in zip(known.nodes, known.lengths):
+                if m < len(child.hashes):
+                    break
+                path.append(child)
+                pos += m
+                node = child
         while pos < n:
             child = node.children.get(chain[pos])
             if child is None:
                 if not create:
                     return None
-                child = GlobalNode(list(chain[pos:]), parent=node)
+                child = GlobalNode(list(chain[pos:]), node)
                 node.children[chain[pos]] = child
                 path.append(child)
                 break
@@ -158,33 +185,31 @@ class GlobalPrefixTree:
     def _split(self, node: GlobalNode, m: int) -> GlobalNode:
         """Cut ``node`` after ``m`` pages; the new upper half inherits its requests, and each
         instance's cached pages divide between the halves."""
-        upper = GlobalNode(
-            hashes=node.hashes[:m],
-            parent=node.parent,
-            cached={i: min(e, m) for i, e in node.cached.items()},
-            pending=dict(node.pending),
-            hits={i: deque(ts) for i, ts in node.hits.items()},
-            replicas=set(node.replicas),
-        )
+        upper = GlobalNode(node.hashes[:m], node.parent)
+        upper.cached = {i: min(e, m) for i, e in node.cached.items()}
+        upper.pending = dict(node.pending)
+        upper.hits = {i: deque(ts) for i, ts in node.hits.items()}
+        upper.replicas = set(node.replicas)
         node.parent.children[upper.hashes[0]] = upper
         node.hashes, node.parent = node.hashes[m:], upper
         node.cached = {i: e - m for i, e in node.cached.items() if e > m}
         upper.children[node.hashes[0]] = node
-        for i, lru in enumerate(self.lru):
-            if node in lru:  # an ancestor is never older than its descendants
-                lru[upper] = None
-                if not node.held_by(i):
-                    del lru[node]
+        for i in upper.holders():  # the instances whose LRU holds the node
+            lru = self.lru[i]
+            lru[upper] = None  # an ancestor is never older than its descendants
+            if not node.held_by(i):
+                del lru[node]
+            self._touched(i, (node, upper))
         self._note_unheld(node)
-        self.shape += 1
         return upper
 
     # ---- routing bookkeeping ----------------------------------------------------------------
 
-    def route(self, chain: list[int], instance: int, now: float) -> GlobalNode:
+    def route(self, chain: list[int], instance: int, now: float, match: Match | None = None) -> GlobalNode:
         """Record that a request whose prompt has ``chain`` goes to ``instance``; return its
-        end node (hand it back to ``finish``)."""
-        path = self._walk(chain, create=True, split_end=True)
+        end node (hand it back to ``finish``). ``match``: the chain's match, if the tree has
+        not changed since it was made."""
+        path = self._walk(chain, create=True, split_end=True, known=match)
         lru, size = self.lru[instance], self.page_size
         for node in reversed(path):  # the root side ends up most recent
             pending = node.pending.get(instance, 0)
@@ -199,12 +224,14 @@ class GlobalPrefixTree:
                 lru.move_to_end(node)
             else:
                 lru[node] = None
-        self.versions[instance] += 1
+        self._touched(instance, path)
         return path[-1] if path else self.root
 
     def finish(self, end: GlobalNode, instance: int) -> None:
-        node, lru = end, self.lru[instance]
+        node, lru, touched = end, self.lru[instance], self._watched[instance]
         while node.parent is not None:
+            if touched is not None:
+                touched.add(node)
             left = node.pending[instance] - 1
             if left > 0:
                 node.pending[instance] = left
@@ -216,7 +243,6 @@ class GlobalPrefixTree:
                     lru.pop(node, None)
                     self._note_unheld(node)
             node = node.parent
-        self.versions[instance] += 1
 
     def requests_in_window(self, node: GlobalNode, instance: int, now: float) -> int:
         times = node.hits.get(instance)
@@ -238,7 +264,6 @@ class GlobalPrefixTree:
                 self._store(instance, event.hashes, event.start)
             else:
                 self._evict(instance, event.hashes, event.start)
-        self.versions[instance] += 1
 
     def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
@@ -248,6 +273,7 @@ class GlobalPrefixTree:
             length = len(node.hashes)
             old, new = node.cached.get(instance, 0), min(length, n - begin)
             if begin + length > start and new > old:
+                self._touched(instance, (node,))
                 node.cached[instance] = new
                 self.cached_tokens[instance] += (new - old) * size
                 if instance not in node.pending:
@@ -274,6 +300,7 @@ class GlobalPrefixTree:
             old, keep = node.cached.get(instance, 0), max(0, start - begin)
             if keep >= old:
                 continue
+            self._touched(instance, (node,))
             self.cached_tokens[instance] -= (old - keep) * size
             if keep:
                 node.cached[instance] = keep

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
@@ -101,26 +102,46 @@ class VirtualEviction:
 
     The eviction order is the engines' (least recently used leaf first; a node becomes a
     leaf when its last held child goes) and is built lazily, as far as a question needs,
-    with running sums of freed tokens and cost. It is kept until the instance's part of
-    the tree changes or a request counted in it leaves the window, so the many requests
-    costed between two changes share one walk. Nodes the new request reuses (its matched
-    path) are never evicted; they are an ancestor chain, so skipping them leaves the order
-    of the rest unchanged, and their tokens and cost are taken back out of the sums.
+    with running sums of freed tokens and cost. The walk is kept while the changes the
+    tree reports (``watch``) stay outside the part already walked, and until a request
+    counted in it leaves the window: the engines evict the old end of the order while
+    routing and storing touch the new end, so many requests share one walk. Nodes the
+    new request reuses (its matched path) are never evicted; they are an ancestor chain,
+    so skipping them leaves the order of the rest unchanged, and their tokens and cost
+    are taken back out of the sums.
     """
 
     def __init__(self, tree: GlobalPrefixTree, instance: int, cost: CostModel) -> None:
         self.tree, self.instance, self.cost = tree, instance, cost
-        self.version: tuple[int, int] | None = None
+        self.changed = tree.watch(instance)
+        self.shape: int | None = None  # the tree's shape the walk was made in
 
     def _reset(self, now: float) -> None:
-        self.version = self.tree.version(self.instance)
+        self.shape = self.tree.shape
+        self.changed.clear()
         self.now = now
         self.valid_until = float("inf")
         self.order: dict[GlobalNode, int] = {}  # node -> its place in the eviction order
         self.freed: list[int] = []  # tokens freed after evicting order[0..k]
         self.spent: list[float] = []  # their recompute cost
         self.parked: set[GlobalNode] = set()  # passed while a held child remained
-        self.lru_walk = iter(self.tree.lru[self.instance])  # unchanged while this view is valid
+        self.lru_walk = iter(self.tree.lru[self.instance])
+        self.exhausted = False
+
+    def _catch_up(self, now: float) -> None:
+        """Keep the walk if no change reached it: a changed node it has not passed (and
+        whose parent it has not passed: a new or dropped child changes when the parent
+        is a leaf) sits after everything it has passed in the LRU, so the walk resumes
+        where it stopped."""
+        if self.shape != self.tree.shape or now >= self.valid_until:
+            return self._reset(now)
+        seen, parked = self.order, self.parked
+        for node in self.changed:
+            if node in seen or node in parked or node.parent in seen or node.parent in parked:
+                return self._reset(now)
+        self.changed.clear()
+        passed = len(seen) + len(parked)  # the LRU's oldest nodes, in order, are these
+        self.lru_walk = itertools.islice(iter(self.tree.lru[self.instance]), passed, None)
         self.exhausted = False
 
     def _emit(self, node: GlobalNode) -> None:
@@ -158,8 +179,10 @@ class VirtualEviction:
     def __call__(self, need: int, match: Match, now: float) -> float:
         if need <= 0:
             return 0.0
-        if self.version != self.tree.version(self.instance) or now >= self.valid_until:
+        if self.shape is None:
             self._reset(now)
+        elif self.changed or now >= self.valid_until or self.shape != self.tree.shape:
+            self._catch_up(now)
         self.now = now  # what the walk adds from here is counted as of now
         extra = 0
         while True:  # the kept nodes inside the evicted run free nothing: evict further
