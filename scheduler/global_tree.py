@@ -74,16 +74,13 @@ class Match:
     nodes: list[GlobalNode]
     lengths: list[int]
     page_size: int
-
-    @property
-    def matched(self) -> int:
-        return sum(self.lengths) * self.page_size
+    matched: int  # tokens: the pages of ``lengths`` together
 
     def cached_on(self, instance: int) -> int:
         """Prompt tokens the instance holds: the matched path up to its first gap."""
         pages = 0
         for node, n in zip(self.nodes, self.lengths):
-            held = node.held_pages(instance)
+            held = len(node.hashes) if instance in node.pending else node.cached.get(instance, 0)
             pages += min(n, held)
             if held < n:
                 break
@@ -144,7 +141,7 @@ class GlobalPrefixTree:
             if m < len(child.hashes):
                 break
             node = child
-        return Match(nodes, lengths, self.page_size)
+        return Match(nodes, lengths, self.page_size, pos * self.page_size)
 
     def _walk(
         self, chain, create: bool, split_end: bool, known: Match | None = None
@@ -413,7 +410,10 @@ def _common(hashes: list[int], chain, pos: int) -> int:
     """How many of a node's pages ``chain[pos:]`` matches, given that its first does. A
     chain hash names its whole prefix, so the pages match up to some point and never
     after it: check the last page, else binary search."""
-    n = min(len(hashes), len(chain) - pos)
+    n = len(hashes)
+    if pos + n <= len(chain) and chain[pos + n - 1] == hashes[-1]:
+        return n  # the usual case first
+    n = min(n, len(chain) - pos)
     if chain[pos + n - 1] == hashes[n - 1]:
         return n
     lo, hi = 1, n - 1
