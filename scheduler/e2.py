@@ -21,6 +21,7 @@ Per request:
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 
 from scheduler.cost_model import CostModel
@@ -136,7 +137,7 @@ class E2(Policy):
         if len(candidates) == 1:
             return next(iter(candidates))  # nothing to compare
         bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
-        best, best_key = None, (float("inf"),)
+        best, best_key = None, (math.inf,)
         for partial, missed, i in bounds:
             if partial > best_key[0]:
                 break
@@ -172,7 +173,7 @@ class E2(Policy):
 
     def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
         """Cheapest tests first: most exploit decisions fail one of the O(1) ones."""
-        if self.th_bal == float("inf"):
+        if self.th_bal == math.inf:
             return None  # rebalancing off
         signal, history = self.rebalance_signal, self.history
         if not history[choice].in_flight:

@@ -164,7 +164,7 @@ class GlobalPrefixTree:
             if child is None:
                 if not create:
                     return None
-                child = GlobalNode(list(chain[pos:]), node)
+                child = GlobalNode(chain[pos:] if isinstance(chain, list) else list(chain[pos:]), node)
                 node.children[chain[pos]] = child
                 path.append(child)
                 break
