@@ -243,7 +243,7 @@ class E2(Policy):
         self.tree.finish(end, instance)
         self.history[instance].finish(request.request_id, now, info.num_output_tokens)
         if key is not None and info.ttft_s is not None:
-            self._autoscale(key, info.ttft_s, now)
+            self._autoscale(self.tree.live(key), info.ttft_s, now)
 
     def _autoscale(self, key: GlobalNode, ttft: float, now: float) -> None:
         if key.ttft is None:

@@ -36,7 +36,7 @@ class GlobalNode:
     """A run of pages. Plain slots, not a dataclass: routing creates one or two per request
     and this is the cheapest way Python builds an object."""
 
-    __slots__ = ("hashes", "parent", "children", "cached", "pending", "hits", "replicas", "ttft")
+    __slots__ = ("hashes", "parent", "children", "cached", "pending", "hits", "replicas", "ttft", "merged")
 
     def __init__(self, hashes: list[int], parent: GlobalNode | None = None) -> None:
         self.hashes = hashes  # chain hash of each page, root side first
@@ -47,6 +47,7 @@ class GlobalNode:
         self.hits: dict[int, deque] = {}  # instance -> request times
         self.replicas: set[int] = set()  # autoscaled copies (see e2.py)
         self.ttft = None  # the key portion's time-to-first-token history (e2.py)
+        self.merged: GlobalNode | None = None  # the node it was folded into (see live())
 
     def held_by(self, instance: int) -> bool:
         return instance in self.cached or instance in self.pending
@@ -225,7 +226,7 @@ class GlobalPrefixTree:
         return path[-1] if path else self.root
 
     def finish(self, end: GlobalNode, instance: int) -> None:
-        node, lru, touched = end, self.lru[instance], self._watched[instance]
+        node, lru, touched = self.live(end), self.lru[instance], self._watched[instance]
         while node.parent is not None:
             if touched is not None:
                 touched.add(node)
@@ -384,8 +385,18 @@ class GlobalPrefixTree:
             self.requests_in_window(a, i, now) == self.requests_in_window(b, i, now) for i in instances
         )
 
+    @staticmethod
+    def live(node: GlobalNode) -> GlobalNode:
+        """The node that now holds ``node``'s pages at the same depth: ``node`` itself, or
+        the node it was merged into (a request in flight keeps its end node across a
+        prune)."""
+        while node.merged is not None:
+            node = node.merged
+        return node
+
     def _merge(self, node: GlobalNode, child: GlobalNode) -> None:
-        """Fold ``child`` into ``node`` (its only child, same state)."""
+        """Fold ``child`` into ``node`` (its only child, same state); requests in flight
+        that end at ``child`` end at ``node`` now."""
         del node.children[child.hashes[0]]
         node.hashes = node.hashes + child.hashes
         for i, extent in child.cached.items():
@@ -393,7 +404,7 @@ class GlobalPrefixTree:
         node.children = child.children
         for grandchild in node.children.values():
             grandchild.parent = node
-        child.parent = None
+        child.parent, child.merged = None, node
         for lru in self.lru:
             lru.pop(child, None)
 

@@ -248,3 +248,17 @@ def test_prune_drops_expired_branches_and_merges_what_they_split():
     assert tree.prune(now=11.5) == 2  # c goes, and a folds b back in
     assert tree.num_nodes() == 1 and tree.cached_sequences(0) == {tuple(chain_hashes(a + b, 1))}
     assert tree.match(chain_hashes(a + c, 1)).cached_on(0) == 30 and tree.held_tokens == [50, 0]
+
+
+def test_a_request_in_flight_finishes_where_a_prune_merged_its_end_node():
+    """Its end node is folded into the parent while it runs; finishing must still release
+    what it holds (the merged node), or the instance looks loaded with it forever."""
+    tree = GlobalPrefixTree(1, window_s=10.0, page_size=1)
+    a = list(range(1, 5))
+    tree.finish(tree.route(chain_hashes(a + [10, 11], 1), 0, now=0.0), 0)
+    end = tree.route(chain_hashes(a + [20, 21], 1), 0, now=100.0)  # a is revisited after W
+    assert tree.prune(now=100.0) == 2  # a + [10, 11] goes; a and [20, 21] fold into one
+    tree.finish(end, 0)
+    [node] = tree.root.children.values()
+    assert node.hashes == chain_hashes(a + [20, 21], 1) and node.pending == {}
+    assert tree.held_tokens == [0] and not tree.lru[0]
