@@ -98,6 +98,9 @@ class Match:
         return key
 
 
+WATCH_LIMIT = 64  # changed nodes a watcher is told of before it must rebuild
+
+
 class GlobalPrefixTree:
     def __init__(self, num_instances: int, window_s: float = 180.0, page_size: int = 16) -> None:
         self.root = GlobalNode([])
@@ -114,18 +117,22 @@ class GlobalPrefixTree:
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
 
-    def watch(self, instance: int) -> set[GlobalNode]:
-        """The set that collects, from now on, every node whose state on ``instance``
-        changes (its holding, cached pages, requests or place in the LRU); the watcher
-        empties it as it catches up."""
-        if self._watched[instance] is None:
-            self._watched[instance] = set()
-        return self._watched[instance]
+    def watch(self, instance: int, changes: set[GlobalNode]) -> None:
+        """Collect in ``changes``, from now on, every node whose state on ``instance``
+        changes (its holding, cached pages, requests or place in the LRU). Past
+        ``WATCH_LIMIT`` nodes the watcher would rather rebuild than sift them, so the
+        tree stops collecting (``watching`` turns false) and costs nothing more."""
+        self._watched[instance] = changes
+
+    def watching(self, instance: int, changes: set[GlobalNode]) -> bool:
+        return self._watched[instance] is changes
 
     def _touched(self, instance: int, nodes) -> None:
         watched = self._watched[instance]
         if watched is not None:
             watched.update(nodes)
+            if len(watched) > WATCH_LIMIT:
+                self._watched[instance] = None
 
     # ---- matching -------------------------------------------------------------------------
 
@@ -226,14 +233,13 @@ class GlobalPrefixTree:
         return path[-1] if path else self.root
 
     def finish(self, end: GlobalNode, instance: int) -> None:
-        node, lru, touched = self.live(end), self.lru[instance], self._watched[instance]
+        node, lru = self.live(end), self.lru[instance]
         while node.parent is not None:
-            if touched is not None:
-                touched.add(node)
             left = node.pending[instance] - 1
             if left > 0:
                 node.pending[instance] = left
             else:
+                self._touched(instance, (node,))  # no longer in flight there
                 del node.pending[instance]
                 cached = node.cached.get(instance, 0)
                 self.held_tokens[instance] -= (len(node.hashes) - cached) * self.page_size

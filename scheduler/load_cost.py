@@ -113,12 +113,13 @@ class VirtualEviction:
 
     def __init__(self, tree: GlobalPrefixTree, instance: int, cost: CostModel) -> None:
         self.tree, self.instance, self.cost = tree, instance, cost
-        self.changed = tree.watch(instance)
+        self.changed: set[GlobalNode] = set()  # what the tree reports (watch)
         self.shape: int | None = None  # the tree's shape the walk was made in
 
     def _reset(self, now: float) -> None:
         self.shape = self.tree.shape
         self.changed.clear()
+        self.tree.watch(self.instance, self.changed)
         self.now = now
         self.valid_until = float("inf")
         self.order: dict[GlobalNode, int] = {}  # node -> its place in the eviction order
@@ -135,6 +136,8 @@ class VirtualEviction:
         where it stopped."""
         if self.shape != self.tree.shape or now >= self.valid_until:
             return self._reset(now)
+        if not self.tree.watching(self.instance, self.changed):
+            return self._reset(now)  # too much changed to sift
         seen, parked = self.order, self.parked
         for node in self.changed:
             if node in seen or node in parked or node.parent in seen or node.parent in parked:
