@@ -16,6 +16,7 @@ numpy operations: ``H(t[:n]) = Σ_{j<n} mix(t_j) · B^j  (mod 2^64)``, finalized
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,11 +36,13 @@ def _base_powers(n: int) -> np.ndarray:
     return _powers[:n]
 
 
-def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> list[int]:
-    """The chain hash of every full page of ``tokens`` (a partial last page has none)."""
+def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> array:
+    """The chain hash of every full page of ``tokens`` (a partial last page has none), as
+    an unsigned 64-bit ``array``: the global tree keeps slices of it per node, and an
+    array slices by copying bytes, where a list of Python ints touches every object."""
     pages = len(tokens) // page_size
     if pages == 0:
-        return []
+        return array("Q")
     n = pages * page_size
     x = np.asarray(tokens[:n], dtype=np.uint64) * _MIX
     x ^= x >> np.uint64(31)
@@ -48,4 +51,6 @@ def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> list[int
     h ^= h >> np.uint64(29)
     h *= _FINAL
     h ^= h >> np.uint64(32)
-    return h.tolist()
+    out = array("Q")
+    out.frombytes(h.tobytes())
+    return out

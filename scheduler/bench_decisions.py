@@ -40,7 +40,7 @@ class Stats:
     events_per_finish: float
 
 
-def bench(workload: str, instances: int, n: int, rps: float, repeats: int = 3, **workload_kw) -> Stats:
+def bench(workload: str, instances: int, n: int, rps: float, repeats: int = 10, **workload_kw) -> Stats:
     """Simulate the trace once with E2 routing, recording every call the policy got; then
     replay those calls into fresh E2 instances and time only them (the best of
     ``repeats``). Replaying keeps the simulated engines' work and memory out of the
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--instances", type=int, default=8)
     parser.add_argument("--requests", default="1500,4000", help="trace lengths, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args(argv)
     machine = f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     print(f"# E2 decisions/s, {args.instances} instances; {machine}")

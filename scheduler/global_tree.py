@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -38,8 +39,8 @@ class GlobalNode:
 
     __slots__ = ("hashes", "parent", "children", "cached", "pending", "hits", "replicas", "ttft", "merged")
 
-    def __init__(self, hashes: list[int], parent: GlobalNode | None = None) -> None:
-        self.hashes = hashes  # chain hash of each page, root side first
+    def __init__(self, hashes: array, parent: GlobalNode | None = None) -> None:
+        self.hashes = hashes  # chain hash of each page, root side first (uint64 array)
         self.parent = parent
         self.children: dict[int, GlobalNode] = {}  # by first chain hash
         self.cached: dict[int, int] = {}  # instance -> leading pages it caches (> 0)
@@ -103,7 +104,7 @@ WATCH_LIMIT = 64  # changed nodes a watcher is told of before it must rebuild
 
 class GlobalPrefixTree:
     def __init__(self, num_instances: int, window_s: float = 180.0, page_size: int = 16) -> None:
-        self.root = GlobalNode([])
+        self.root = GlobalNode(array("Q"))
         self.num_instances = num_instances
         self.window_s = window_s
         self.page_size = page_size
@@ -136,7 +137,7 @@ class GlobalPrefixTree:
 
     # ---- matching -------------------------------------------------------------------------
 
-    def match(self, chain: list[int]) -> Match:
+    def match(self, chain: array) -> Match:
         """Read-only walk over nodes some instance holds."""
         nodes, lengths, node, pos, n = [], [], self.root, 0, len(chain)
         while pos < n and (child := node.children.get(chain[pos])) is not None:
@@ -172,7 +173,7 @@ class GlobalPrefixTree:
             if child is None:
                 if not create:
                     return None
-                child = GlobalNode(chain[pos:] if isinstance(chain, list) else list(chain[pos:]), node)
+                child = GlobalNode(chain[pos:] if isinstance(chain, array) else array("Q", chain[pos:]), node)
                 node.children[chain[pos]] = child
                 path.append(child)
                 break
@@ -210,7 +211,7 @@ class GlobalPrefixTree:
 
     # ---- routing bookkeeping ----------------------------------------------------------------
 
-    def route(self, chain: list[int], instance: int, now: float, match: Match | None = None) -> GlobalNode:
+    def route(self, chain: array, instance: int, now: float, match: Match | None = None) -> GlobalNode:
         """Record that a request whose prompt has ``chain`` goes to ``instance``; return its
         end node (hand it back to ``finish``). ``match``: the chain's match, if the tree has
         not changed since it was made."""
@@ -423,7 +424,7 @@ class GlobalPrefixTree:
         return count
 
 
-def _common(hashes: list[int], chain, pos: int) -> int:
+def _common(hashes: array, chain, pos: int) -> int:
     """How many of a node's pages ``chain[pos:]`` matches, given that its first does. A
     chain hash names its whole prefix, so the pages match up to some point and never
     after it: check the last page, else binary search."""

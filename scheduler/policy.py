@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,9 +26,9 @@ class RoutingRequest:
     params: SamplingParams
     # The prompt's page chain hashes by page size: filled where the request is tokenized
     # (or on first use), so routing never walks the tokens again.
-    chains: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    chains: dict[int, array] = field(default_factory=dict, compare=False, repr=False)
 
-    def chain(self, page_size: int) -> list[int]:
+    def chain(self, page_size: int) -> array:
         chain = self.chains.get(page_size)
         if chain is None:
             chain = self.chains[page_size] = chain_hashes(self.input_ids, page_size)
