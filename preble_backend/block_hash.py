@@ -44,7 +44,10 @@ def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> array:
     if pages == 0:
         return array("Q")
     n = pages * page_size
-    x = np.asarray(tokens[:n], dtype=np.uint64) * _MIX
+    if isinstance(tokens, list):  # the tokenizer's output: array("q") unboxes it fastest
+        x = np.frombuffer(array("q", tokens), dtype=np.uint64)[:n] * _MIX
+    else:
+        x = np.asarray(tokens[:n], dtype=np.uint64) * _MIX
     x ^= x >> np.uint64(31)
     x *= _base_powers(n)
     h = np.cumsum(x, dtype=np.uint64)[page_size - 1 :: page_size]
