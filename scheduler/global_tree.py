@@ -82,7 +82,7 @@ class Match:
         """Prompt tokens the instance holds: the matched path up to its first gap."""
         pages = 0
         for node, n in zip(self.nodes, self.lengths):
-            held = len(node.hashes) if instance in node.pending else node.cached.get(instance, 0)
+            held = node.held_pages(instance)
             pages += min(n, held)
             if held < n:
                 break
