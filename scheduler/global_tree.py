@@ -37,13 +37,17 @@ class GlobalNode:
     """A run of pages. Plain slots, not a dataclass: routing creates one or two per request
     and this is the cheapest way Python builds an object."""
 
-    __slots__ = ("hashes", "parent", "children", "cached", "pending", "hits", "replicas", "ttft", "merged")
+    __slots__ = (
+        "hashes", "parent", "children", "cached", "cached_kids",
+        "pending", "hits", "replicas", "ttft", "merged",
+    )  # fmt: skip
 
     def __init__(self, hashes: array, parent: GlobalNode | None = None) -> None:
         self.hashes = hashes  # chain hash of each page, root side first (uint64 array)
         self.parent = parent
         self.children: dict[int, GlobalNode] = {}  # by first chain hash
         self.cached: dict[int, int] = {}  # instance -> leading pages it caches (> 0)
+        self.cached_kids: dict[int, int] = {}  # instance -> children it caches (> 0)
         self.pending: dict[int, int] = {}  # instance -> requests in flight (> 0)
         self.hits: dict[int, deque] = {}  # instance -> request times
         self.replicas: set[int] = set()  # autoscaled copies (see e2.py)
@@ -199,6 +203,7 @@ class GlobalPrefixTree:
         node.parent.children[upper.hashes[0]] = upper
         node.hashes, node.parent = node.hashes[m:], upper
         node.cached = {i: e - m for i, e in node.cached.items() if e > m}
+        upper.cached_kids = dict.fromkeys(node.cached, 1)
         upper.children[node.hashes[0]] = node
         for i in upper.holders():  # the instances whose LRU holds the node
             lru = self.lru[i]
@@ -279,6 +284,8 @@ class GlobalPrefixTree:
             old, new = node.cached.get(instance, 0), min(length, n - begin)
             if begin + length > start and new > old:
                 self._touched(instance, (node,))
+                if not old:
+                    _count(node.parent.cached_kids, instance, 1)
                 node.cached[instance] = new
                 self.cached_tokens[instance] += (new - old) * size
                 if instance not in node.pending:
@@ -300,7 +307,7 @@ class GlobalPrefixTree:
             end = begin
             if begin + len(node.hashes) <= start:
                 break
-            if any(instance in child.cached for child in node.children.values()):
+            if instance in node.cached_kids:
                 break
             old, keep = node.cached.get(instance, 0), max(0, start - begin)
             if keep >= old:
@@ -311,6 +318,7 @@ class GlobalPrefixTree:
                 node.cached[instance] = keep
             else:
                 del node.cached[instance]
+                _count(node.parent.cached_kids, instance, -1)
             if instance not in node.pending:
                 self.held_tokens[instance] -= (old - keep) * size
                 if not keep:
@@ -331,7 +339,7 @@ class GlobalPrefixTree:
                 if extent < len(child.hashes):
                     out.add(seq)
                     continue
-                if not any(instance in c.cached for c in child.children.values()):
+                if instance not in child.cached_kids:
                     out.add(seq)
                 stack.append((child, seq))
         return out
@@ -408,7 +416,7 @@ class GlobalPrefixTree:
         node.hashes = node.hashes + child.hashes
         for i, extent in child.cached.items():
             node.cached[i] += extent
-        node.children = child.children
+        node.children, node.cached_kids = child.children, child.cached_kids
         for grandchild in node.children.values():
             grandchild.parent = node
         child.parent, child.merged = None, node
@@ -422,6 +430,14 @@ class GlobalPrefixTree:
             count += 1
             stack.extend(node.children.values())
         return count
+
+
+def _count(counts: dict[int, int], key: int, delta: int) -> None:
+    left = counts.get(key, 0) + delta
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 def _common(hashes: array, chain, pos: int) -> int:

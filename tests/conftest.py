@@ -159,3 +159,16 @@ def tiny_pool(num_pages: int = 24, page_size: int = 4):
     from preble_backend.kv_pool import KVPool
 
     return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+
+
+def assert_cached_kids_counted(tree) -> None:
+    """Every node of a global prefix tree counts, per instance, the children it caches."""
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        counts: dict[int, int] = {}
+        for child in node.children.values():
+            for i in child.cached:
+                counts[i] = counts.get(i, 0) + 1
+            stack.append(child)
+        assert node.cached_kids == counts

@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pytest
+from conftest import assert_cached_kids_counted
 
 from preble_backend.block_hash import chain_hashes
 from preble_backend.protocol import decode_report, encode_report
@@ -106,6 +107,7 @@ def test_virtual_eviction_matches_a_brute_force_lru_eviction(seed):
             assert evictions(need, probe, now) == brute_force_memory_cost(tree, 0, probe, need, now)
         if step % 25 == 0:
             tree.prune(now)
+            assert_cached_kids_counted(tree)
 
 
 def test_e2_names_a_page_size_other_than_the_engines(caplog):

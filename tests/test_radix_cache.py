@@ -3,7 +3,7 @@ admissions, releases, matches and evictions (property-based), plus hand-made cas
 
 from __future__ import annotations
 
-from conftest import make_request, tiny_pool
+from conftest import assert_cached_kids_counted, make_request, tiny_pool
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -113,6 +113,7 @@ class CacheMachine(RuleBasedStateMachine):
     def events_mirror_the_cache(self):
         """Drained after any number of steps, the coalesced events still rebuild the cache."""
         self.mirror.apply_events(0, self.cache.drain_events())
+        assert_cached_kids_counted(self.mirror)
         engine = {tuple(chain_hashes(leaf.path_tokens(), PAGE)) for leaf in self.cache.leaves}
         assert self.mirror.cached_sequences(0) == engine
 

@@ -3,6 +3,8 @@ fed only by their events, mirrors those caches exactly even under heavy eviction
 
 from __future__ import annotations
 
+from conftest import assert_cached_kids_counted
+
 from client.workloads import Materializer, generate, poisson_arrivals, summarize
 from preble_backend.block_hash import chain_hashes
 from scheduler.cost_model import CostModel
@@ -45,6 +47,7 @@ def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
         engine_view = {tuple(chain_hashes(leaf.path_tokens(), 16)) for leaf in inst.cache.leaves}
         assert tree.cached_sequences(inst.index) == engine_view
         assert tree.held_tokens[inst.index] == tree.cached_tokens[inst.index]  # nothing pending
+    assert_cached_kids_counted(tree)
 
 
 def test_every_request_finishes_and_metrics_are_consistent():
