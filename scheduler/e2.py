@@ -25,9 +25,10 @@ import math
 from collections import deque
 
 from scheduler.cost_model import CostModel
-from scheduler.global_tree import GlobalNode, GlobalPrefixTree, Match
+from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import InstanceHistory, Routed, VirtualEviction
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
+from scheduler.tree_node import GlobalNode, Match
 
 log = logging.getLogger("preble.e2")
 

@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from scheduler.cost_model import CostModel
-from scheduler.global_tree import GlobalNode, GlobalPrefixTree, Match
+from scheduler.global_tree import GlobalPrefixTree
+from scheduler.tree_node import GlobalNode, Match
 
 
 @dataclass(slots=True)
@@ -134,10 +135,14 @@ class VirtualEviction:
         whose parent it has not passed: a new or dropped child changes when the parent
         is a leaf) sits after everything it has passed in the LRU, so the walk resumes
         where it stopped."""
-        if self.shape != self.tree.shape or now >= self.valid_until:
+        if (
+            self.shape != self.tree.shape  # (also before the first walk)
+            or now >= self.valid_until
+            or not self.tree.watching(self.instance, self.changed)  # too much changed to sift
+        ):
             return self._reset(now)
-        if not self.tree.watching(self.instance, self.changed):
-            return self._reset(now)  # too much changed to sift
+        if not self.changed:
+            return
         seen, parked = self.order, self.parked
         for node in self.changed:
             if node in seen or node in parked or node.parent in seen or node.parent in parked:
@@ -182,10 +187,7 @@ class VirtualEviction:
     def __call__(self, need: int, match: Match, now: float) -> float:
         if need <= 0:
             return 0.0
-        if self.shape is None:
-            self._reset(now)
-        elif self.changed or now >= self.valid_until or self.shape != self.tree.shape:
-            self._catch_up(now)
+        self._catch_up(now)
         self.now = now  # what the walk adds from here is counted as of now
         extra = 0
         while True:  # the kept nodes inside the evicted run free nothing: evict further

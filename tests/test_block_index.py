@@ -17,9 +17,10 @@ from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
-from scheduler.global_tree import GlobalPrefixTree, Match
+from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import VirtualEviction
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
+from scheduler.tree_node import Match
 
 UNIT = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
                  attention_ms_per_context_token=0, decode_step_ms=1)  # fmt: skip

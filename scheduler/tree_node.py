@@ -1,0 +1,102 @@
+"""The global prefix tree's nodes and what matching a prompt against them yields.
+
+A node is a run of KV pages named by their chain hashes (``preble_backend/block_hash.py``).
+Each chain hash names its whole prefix, so one comparison of a node's last hash tells
+whether the whole node matches, and a partial match is a binary search (``common_pages``).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from dataclasses import dataclass
+
+
+class GlobalNode:
+    """A run of pages. Plain slots, not a dataclass: routing creates one or two per request
+    and this is the cheapest way Python builds an object."""
+
+    __slots__ = (
+        "hashes", "parent", "children", "cached", "cached_kids",
+        "pending", "hits", "replicas", "ttft", "merged",
+    )  # fmt: skip
+
+    def __init__(self, hashes: array, parent: GlobalNode | None = None) -> None:
+        self.hashes = hashes  # chain hash of each page, root side first (uint64 array)
+        self.parent = parent
+        self.children: dict[int, GlobalNode] = {}  # by first chain hash
+        self.cached: dict[int, int] = {}  # instance -> leading pages it caches (> 0)
+        self.cached_kids: dict[int, int] = {}  # instance -> children it caches (> 0)
+        self.pending: dict[int, int] = {}  # instance -> requests in flight (> 0)
+        self.hits: dict[int, deque] = {}  # instance -> request times
+        self.replicas: set[int] = set()  # autoscaled copies (see e2.py)
+        self.ttft = None  # the key portion's time-to-first-token history (e2.py)
+        self.merged: GlobalNode | None = None  # the node it was folded into (see live())
+
+    def held_by(self, instance: int) -> bool:
+        return instance in self.cached or instance in self.pending
+
+    def held_pages(self, instance: int) -> int:
+        """Pages the instance has: all of them for a request in flight, else those cached."""
+        return len(self.hashes) if instance in self.pending else self.cached.get(instance, 0)
+
+    def holders(self) -> set[int]:
+        return self.cached.keys() | self.pending.keys()
+
+    def path(self) -> list[GlobalNode]:
+        nodes, node = [], self
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+
+@dataclass
+class Match:
+    """A prompt matched against the tree: the nodes it runs through and how many pages of
+    each it matches (only the last may be partial). Counts are reported in tokens."""
+
+    nodes: list[GlobalNode]
+    lengths: list[int]
+    page_size: int
+    matched: int  # tokens: the pages of ``lengths`` together
+
+    def cached_on(self, instance: int) -> int:
+        """Prompt tokens the instance holds: the matched path up to its first gap."""
+        pages = 0
+        for node, n in zip(self.nodes, self.lengths):
+            held = node.held_pages(instance)
+            pages += min(n, held)
+            if held < n:
+                break
+        return pages * self.page_size
+
+    def key_portion(self) -> GlobalNode | None:
+        """The paper's key portion (§3): the deepest node on the path holding more tokens
+        than all its predecessors together."""
+        key, before = None, 0
+        for node, n in zip(self.nodes, self.lengths):
+            if n > before:
+                key = node
+            before += n
+        return key
+
+
+def common_pages(hashes: array, chain, pos: int) -> int:
+    """How many of a node's pages ``chain[pos:]`` matches, given that its first does. A
+    chain hash names its whole prefix, so the pages match up to some point and never
+    after it: check the last page, else binary search."""
+    n = len(hashes)
+    if pos + n <= len(chain) and chain[pos + n - 1] == hashes[-1]:
+        return n  # the usual case first
+    n = min(n, len(chain) - pos)
+    if chain[pos + n - 1] == hashes[n - 1]:
+        return n
+    lo, hi = 1, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[pos + mid - 1] == hashes[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
