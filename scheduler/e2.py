@@ -155,30 +155,33 @@ class E2(Policy):
         now = self.clock()
         self._loads = loads
         prompt_len = len(request.input_ids)
-        match = self.tree.match(request.chain(self.page_size))
+        chain = request.chain(self.page_size)
+        match = self.tree.match(chain)
         cached = match.matched
-        key = match.key_portion()
+        key = match.key
         if cached > prompt_len - cached and key is not None:
-            candidates = key.holders()
+            candidates = key.cached.keys() | key.pending.keys()  # its holders
             for node in match.nodes:  # autoscaled replicas of the path serve it too
                 if node.replicas:
                     candidates |= node.replicas
             choice = self._cheapest(candidates, match, prompt_len, now)
-            decision = self._rebalance(choice, match, now) or Decision(choice, "exploit")
+            # Nothing queues on an instance with nothing in flight: reusing its cache there
+            # costs nothing extra, so only a busy choice is worth a rebalancing look.
+            rebalanced = self.history[choice].in_flight and self._rebalance(choice, match, now)
+            decision = rebalanced or Decision(choice, "exploit")
         else:
             decision = self._decode_balance() or Decision(
                 self._cheapest(range(self.num_instances), match, prompt_len, now), "explore"
             )
-        self._record(request, decision.instance, match, key, now)
+        self._record(request, chain, decision.instance, match, key, now)
         return decision
 
     def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
-        """Cheapest tests first: most exploit decisions fail one of the O(1) ones."""
+        """For a choice with requests in flight. Cheapest tests first: most exploit
+        decisions fail one of the O(1) ones."""
         if self.th_bal == math.inf:
             return None  # rebalancing off
         signal, history = self.rebalance_signal, self.history
-        if not history[choice].in_flight:
-            return None  # nothing queues there now: reusing its cache costs nothing extra
         mine = history[choice].load(now, signal)
         recompute = self.cost.prefill_time(match.cached_on(choice))
         if mine <= recompute:
@@ -202,17 +205,20 @@ class E2(Policy):
             return Decision(best, "explore_decode_balance")
         return None
 
-    def _record(self, request: RoutingRequest, instance: int, match: Match, key, now: float) -> None:
+    def _record(
+        self, request: RoutingRequest, chain, instance: int, match: Match, key: GlobalNode | None, now: float
+    ) -> None:
         prompt_len = len(request.input_ids)
         cached = match.cached_on(instance)
         missed = prompt_len - cached
         self.history[instance].add(
             request.request_id, Routed(now, self.cost.prefill_time(missed), cached / prompt_len)
         )
-        # Routing splits a node the prompt ends or branches off inside, and a split keeps
-        # the old object for the lower half: the key portion is then its new parent.
-        split_key = key is not None and match.lengths[match.nodes.index(key)] < len(key.hashes)
-        end = self.tree.route(request.chain(self.page_size), instance, now, match)
+        # Routing splits a node the prompt ends or branches off inside (only the last
+        # matched node can be matched in part), and a split keeps the old object for the
+        # lower half: the key portion is then its new parent.
+        split_key = key is not None and key is match.nodes[-1] and match.lengths[-1] < len(key.hashes)
+        end = self.tree.route(chain, instance, now, match)
         self._routed[request.request_id] = (end, key.parent if split_key else key)
         self._decisions += 1
         if self._decisions % self.prune_every == 0:
@@ -256,7 +262,7 @@ class E2(Policy):
         lacking = [i for i in range(self.num_instances) if not key.held_by(i) and i not in key.replicas]
         if lacking:
             replica = min(lacking, key=lambda i: self.history[i].load(now, self.load_signal))
-            key.replicas.add(replica)
+            key.replicas = key.replicas | {replica}
             key.ttft = None  # measure afresh with the replica serving
             log.info(
                 "autoscale: key portion of %d tokens replicated on instance %d",

@@ -71,18 +71,24 @@ class GlobalPrefixTree:
 
     def match(self, chain: array) -> Match:
         """Read-only walk over nodes some instance holds."""
-        nodes, lengths, node, pos, n = [], [], self.root, 0, len(chain)
+        nodes, lengths, node, pos, n, key = [], [], self.root, 0, len(chain), None
         while pos < n and (child := node.children.get(chain[pos])) is not None:
             if not child.cached and not child.pending:
                 break
-            m = common_pages(child.hashes, chain, pos)
+            hashes = child.hashes
+            m = len(hashes)
+            whole = pos + m <= n and chain[pos + m - 1] == hashes[-1]
+            if not whole:
+                m = common_pages(hashes, chain, pos)
             nodes.append(child)
             lengths.append(m)
+            if m > pos:  # more pages than all before it: the key portion so far
+                key = child
             pos += m
-            if m < len(child.hashes):
+            if not whole:
                 break
             node = child
-        return Match(nodes, lengths, self.page_size, pos * self.page_size)
+        return Match(nodes, lengths, self.page_size, pos * self.page_size, key)
 
     def _walk(
         self, chain, create: bool, split_end: bool, known: Match | None = None
@@ -109,8 +115,10 @@ class GlobalPrefixTree:
                 node.children[chain[pos]] = child
                 path.append(child)
                 break
-            m = common_pages(child.hashes, chain, pos)
-            if m < len(child.hashes):
+            hashes = child.hashes
+            m = len(hashes)
+            if pos + m > n or chain[pos + m - 1] != hashes[-1]:
+                m = common_pages(hashes, chain, pos)
                 if pos + m < n and not create:
                     return None
                 if pos + m < n or split_end:
@@ -127,7 +135,7 @@ class GlobalPrefixTree:
         upper.cached = {i: min(e, m) for i, e in node.cached.items()}
         upper.pending = dict(node.pending)
         upper.hits = {i: deque(ts) for i, ts in node.hits.items()}
-        upper.replicas = set(node.replicas)
+        upper.replicas = node.replicas
         node.parent.children[upper.hashes[0]] = upper
         node.hashes, node.parent = node.hashes[m:], upper
         node.cached = {i: e - m for i, e in node.cached.items() if e > m}
@@ -167,13 +175,13 @@ class GlobalPrefixTree:
         return path[-1] if path else self.root
 
     def finish(self, end: GlobalNode, instance: int) -> None:
-        node, lru = self.live(end), self.lru[instance]
+        node, lru, done = self.live(end), self.lru[instance], []
         while node.parent is not None:
             left = node.pending[instance] - 1
             if left > 0:
                 node.pending[instance] = left
             else:
-                self._touched(instance, (node,))  # no longer in flight there
+                done.append(node)  # no longer in flight there
                 del node.pending[instance]
                 cached = node.cached.get(instance, 0)
                 self.held_tokens[instance] -= (len(node.hashes) - cached) * self.page_size
@@ -181,6 +189,7 @@ class GlobalPrefixTree:
                     lru.pop(node, None)
                     self._note_unheld(node)
             node = node.parent
+        self._touched(instance, done)
 
     def requests_in_window(self, node: GlobalNode, instance: int, now: float) -> int:
         times = node.hits.get(instance)
@@ -206,20 +215,22 @@ class GlobalPrefixTree:
     def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
         already were): extend the instance's extent of every node the span reaches."""
-        begin, n, size = 0, len(chain), self.page_size
+        begin, n, size, changed = 0, len(chain), self.page_size, []
         for node in self._walk(chain, create=True, split_end=False):
             length = len(node.hashes)
             old, new = node.cached.get(instance, 0), min(length, n - begin)
             if begin + length > start and new > old:
-                self._touched(instance, (node,))
+                changed.append(node)
                 if not old:
-                    _count(node.parent.cached_kids, instance, 1)
+                    kids = node.parent.cached_kids
+                    kids[instance] = kids.get(instance, 0) + 1
                 node.cached[instance] = new
                 self.cached_tokens[instance] += (new - old) * size
                 if instance not in node.pending:
                     self.held_tokens[instance] += (new - old) * size
                     self.lru[instance][node] = None
             begin += length
+        self._touched(instance, changed)
 
     def _evict(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` left ``instance``'s cache. The tree merges
@@ -228,7 +239,7 @@ class GlobalPrefixTree:
         path = self._walk(chain, create=False, split_end=False)
         if not path:
             return  # a path this tree never saw stored
-        size, lru = self.page_size, self.lru[instance]
+        size, lru, changed = self.page_size, self.lru[instance], []
         end = sum(len(node.hashes) for node in path)
         for node in reversed(path):
             begin = end - len(node.hashes)
@@ -240,18 +251,23 @@ class GlobalPrefixTree:
             old, keep = node.cached.get(instance, 0), max(0, start - begin)
             if keep >= old:
                 continue
-            self._touched(instance, (node,))
+            changed.append(node)
             self.cached_tokens[instance] -= (old - keep) * size
             if keep:
                 node.cached[instance] = keep
             else:
                 del node.cached[instance]
-                _count(node.parent.cached_kids, instance, -1)
+                kids = node.parent.cached_kids
+                if kids[instance] > 1:
+                    kids[instance] -= 1
+                else:
+                    del kids[instance]
             if instance not in node.pending:
                 self.held_tokens[instance] -= (old - keep) * size
                 if not keep:
                     lru.pop(node, None)
                     self._note_unheld(node)
+        self._touched(instance, changed)
 
     def cached_sequences(self, instance: int) -> set[tuple[int, ...]]:
         """Maximal cached paths of one instance, as chain hashes (comparable with an
@@ -358,11 +374,3 @@ class GlobalPrefixTree:
             count += 1
             stack.extend(node.children.values())
         return count
-
-
-def _count(counts: dict[int, int], key: int, delta: int) -> None:
-    left = counts.get(key, 0) + delta
-    if left:
-        counts[key] = left
-    else:
-        del counts[key]

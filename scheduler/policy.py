@@ -13,10 +13,13 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from preble_backend.block_hash import chain_hashes
 from preble_backend.radix_cache import CacheEvent
-from preble_backend.sampling import SamplingParams
+
+if TYPE_CHECKING:  # the router's policies need no torch
+    from preble_backend.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
+NO_REPLICAS: frozenset[int] = frozenset()  # shared: most nodes never get a replica
+
 
 class GlobalNode:
     """A run of pages. Plain slots, not a dataclass: routing creates one or two per request
@@ -29,7 +31,7 @@ class GlobalNode:
         self.cached_kids: dict[int, int] = {}  # instance -> children it caches (> 0)
         self.pending: dict[int, int] = {}  # instance -> requests in flight (> 0)
         self.hits: dict[int, deque] = {}  # instance -> request times
-        self.replicas: set[int] = set()  # autoscaled copies (see e2.py)
+        self.replicas = NO_REPLICAS  # autoscaled copies (see e2.py); immutable, so splits share it
         self.ttft = None  # the key portion's time-to-first-token history (e2.py)
         self.merged: GlobalNode | None = None  # the node it was folded into (see live())
 
@@ -51,45 +53,36 @@ class GlobalNode:
         return nodes[::-1]
 
 
-@dataclass
+@dataclass(slots=True)
 class Match:
     """A prompt matched against the tree: the nodes it runs through and how many pages of
-    each it matches (only the last may be partial). Counts are reported in tokens."""
+    each it matches (only the last may be partial). Counts are reported in tokens.
+    ``key`` is the paper's key portion (§3): the deepest node on the path holding more
+    tokens than all its predecessors together."""
 
     nodes: list[GlobalNode]
     lengths: list[int]
     page_size: int
     matched: int  # tokens: the pages of ``lengths`` together
+    key: GlobalNode | None
 
     def cached_on(self, instance: int) -> int:
         """Prompt tokens the instance holds: the matched path up to its first gap."""
         pages = 0
         for node, n in zip(self.nodes, self.lengths):
             held = node.held_pages(instance)
-            pages += min(n, held)
             if held < n:
-                break
+                return (pages + held) * self.page_size
+            pages += n
         return pages * self.page_size
-
-    def key_portion(self) -> GlobalNode | None:
-        """The paper's key portion (§3): the deepest node on the path holding more tokens
-        than all its predecessors together."""
-        key, before = None, 0
-        for node, n in zip(self.nodes, self.lengths):
-            if n > before:
-                key = node
-            before += n
-        return key
 
 
 def common_pages(hashes: array, chain, pos: int) -> int:
     """How many of a node's pages ``chain[pos:]`` matches, given that its first does. A
     chain hash names its whole prefix, so the pages match up to some point and never
-    after it: check the last page, else binary search."""
-    n = len(hashes)
-    if pos + n <= len(chain) and chain[pos + n - 1] == hashes[-1]:
-        return n  # the usual case first
-    n = min(n, len(chain) - pos)
+    after it: check the last page, else binary search. (Callers check the whole node,
+    the usual case, themselves: it saves this call.)"""
+    n = min(len(hashes), len(chain) - pos)
     if chain[pos + n - 1] == hashes[n - 1]:
         return n
     lo, hi = 1, n - 1

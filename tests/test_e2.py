@@ -136,7 +136,7 @@ def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
         assert d.instance == 0
         events = [CacheEvent.of("stored", prefix + [k], 0, 1)]
         policy.on_finish(0, r, FinishInfo(events, {}, 1.0 if k < 4 else 3.0, AVG_DECODE))
-    key = policy.tree.match(chain_hashes(prefix + [99], 1)).key_portion()
+    key = policy.tree.match(chain_hashes(prefix + [99], 1)).key
     assert key.replicas == {1}
     # Candidates are now holder 0 and replica 1. Each request in flight on 0 costs it
     # 1 + 32; instance 1 must prefill all 101 tokens: after four, 4 * 33 + 1 > 101.
@@ -155,7 +155,7 @@ def test_key_portion_is_the_deepest_node_longer_than_its_predecessors():
     route(policy, a + b + c + [1])
     route(policy, a + b + [9])  # splits the path at a+b
     route(policy, a + [8])  # splits at a
-    key = policy.tree.match(chain_hashes(a + b + c + [2], 1)).key_portion()
+    key = policy.tree.match(chain_hashes(a + b + c + [2], 1)).key
     assert key.hashes == chain_hashes(a + b, 1)[len(a) :]
 
 
