@@ -26,7 +26,7 @@ from collections import deque
 
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.load_cost import InstanceHistory, Routed, VirtualEviction
+from scheduler.load_cost import InstanceHistory, VirtualEviction
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
@@ -104,6 +104,9 @@ class E2(Policy):
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
         self._loads: list[InstanceLoad] = []  # the router's view during the current select
         self._next = 0  # where round-robin tie-breaking starts
+        # Decisions are immutable: the usual ones are made once, not per request.
+        self._exploit = [Decision(i, "exploit") for i in range(num_instances)]
+        self._explore = [Decision(i, "explore") for i in range(num_instances)]
         self._decisions = 0
         self._page_size_warned = False
 
@@ -168,10 +171,11 @@ class E2(Policy):
             # Nothing queues on an instance with nothing in flight: reusing its cache there
             # costs nothing extra, so only a busy choice is worth a rebalancing look.
             rebalanced = self.history[choice].in_flight and self._rebalance(choice, match, now)
-            decision = rebalanced or Decision(choice, "exploit")
+            decision = rebalanced or self._exploit[choice]
         else:
-            decision = self._decode_balance() or Decision(
-                self._cheapest(range(self.num_instances), match, prompt_len, now), "explore"
+            decision = (
+                self._decode_balance()
+                or self._explore[self._cheapest(range(self.num_instances), match, prompt_len, now)]
             )
         self._record(request, chain, decision.instance, match, key, now)
         return decision
@@ -212,7 +216,7 @@ class E2(Policy):
         cached = match.cached_on(instance)
         missed = prompt_len - cached
         self.history[instance].add(
-            request.request_id, Routed(now, self.cost.prefill_time(missed), cached / prompt_len)
+            request.request_id, now, self.cost.prefill_time(missed), cached / prompt_len
         )
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the

@@ -15,59 +15,52 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_left
 from collections import deque
-from dataclasses import dataclass
 
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.tree_node import GlobalNode, Match
 
 
-@dataclass(slots=True)
-class Routed:
-    """A request in an instance's history window."""
-
-    time: float
-    prefill_ms: float
-    cached_fraction: float
-
-
 class InstanceHistory:
     """One instance's requests within the window, its requests in flight, and their decode
-    lengths; every sum is kept running, so reading a load is O(1)."""
+    lengths; every sum is kept running, so reading a load is O(1). Entries are tuples of
+    numbers: the garbage collector stops tracking those after one look, and the window
+    holds thousands."""
 
     def __init__(self, window_s: float, default_decode_len: float, cost: CostModel) -> None:
         self.window_s = window_s
         self.default_decode_len = default_decode_len
         self.cost = cost
         self.decode_ms = cost.decode_time(default_decode_len)  # DECODETIME(average decode length)
-        self.routed: deque[Routed] = deque()
+        self.routed: deque[tuple[float, float]] = deque()  # (time, prefill ms)
         self.prefill_ms = 0.0
-        self.decoded: deque[tuple[float, int]] = deque()
+        self.decoded: deque[tuple[float, int]] = deque()  # (time, output tokens)
         self.decoded_sum = 0
-        self.in_flight: dict[str, Routed] = {}
+        self.in_flight: dict[str, tuple[float, float]] = {}  # id -> (prefill ms, cached fraction)
         self.in_flight_prefill_ms = 0.0
         self.in_flight_cached = 0.0  # Σ cached fraction
 
     def expire(self, now: float) -> None:
         horizon = now - self.window_s
-        while self.routed and self.routed[0].time < horizon:
-            self.prefill_ms -= self.routed.popleft().prefill_ms
+        while self.routed and self.routed[0][0] < horizon:
+            self.prefill_ms -= self.routed.popleft()[1]
         while self.decoded and self.decoded[0][0] < horizon:
             self.decoded_sum -= self.decoded.popleft()[1]
         self.decode_ms = self.cost.decode_time(self.avg_decode_len())
 
-    def add(self, request_id: str, entry: Routed) -> None:
-        self.routed.append(entry)
-        self.prefill_ms += entry.prefill_ms
-        self.in_flight[request_id] = entry
-        self.in_flight_prefill_ms += entry.prefill_ms
-        self.in_flight_cached += entry.cached_fraction
+    def add(self, request_id: str, now: float, prefill_ms: float, cached_fraction: float) -> None:
+        """A request routed here: its prefill time and the fraction of its prompt cached."""
+        self.routed.append((now, prefill_ms))
+        self.prefill_ms += prefill_ms
+        self.in_flight[request_id] = (prefill_ms, cached_fraction)
+        self.in_flight_prefill_ms += prefill_ms
+        self.in_flight_cached += cached_fraction
 
     def finish(self, request_id: str, now: float, output_tokens: int) -> None:
         entry = self.in_flight.pop(request_id, None)
         if entry is not None:
-            self.in_flight_prefill_ms -= entry.prefill_ms
-            self.in_flight_cached -= entry.cached_fraction
+            self.in_flight_prefill_ms -= entry[0]
+            self.in_flight_cached -= entry[1]
         if not self.in_flight:  # no rounding drift survives an idle moment
             self.in_flight_prefill_ms = self.in_flight_cached = 0.0
         self.decoded.append((now, output_tokens))
@@ -83,7 +76,7 @@ class InstanceHistory:
         the current load the paper's realization keeps up to date on every assignment and
         completion)."""
         horizon = now - self.window_s
-        if (self.routed and self.routed[0].time < horizon) or (self.decoded and self.decoded[0][0] < horizon):
+        if (self.routed and self.routed[0][0] < horizon) or (self.decoded and self.decoded[0][0] < horizon):
             self.expire(now)
         if signal == "in_flight":
             return self.in_flight_prefill_ms + len(self.in_flight) * self.decode_ms
