@@ -126,11 +126,14 @@ class E2(Policy):
 
     def _memory_cost(self, instance: int, match: Match, missed: int, now: float) -> float:
         need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
-        return self.evictions[instance](need, match, now)
+        return self.evictions[instance](need, match, now) if need > 0 else 0.0  # fits: nothing evicted
 
     def _busy(self, instance: int) -> float:
         """The live GPU utilization NVML reported for the instance (0 without NVML)."""
         return float(self._loads[instance].reported.get("gpu_utilization", 0.0)) if self._loads else 0.0
+
+    def _tie_break(self, instance: int) -> tuple[float, int]:
+        return self._busy(instance), (instance - self._next) % self.num_instances
 
     def _cheapest(self, candidates, match: Match, prompt_len: int, now: float) -> int:
         """Lowest L + M + P; equal costs go to the less busy GPU (NVML), then round-robin,
@@ -141,14 +144,13 @@ class E2(Policy):
         if len(candidates) == 1:
             return next(iter(candidates))  # nothing to compare
         bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
-        best, best_key = None, (math.inf,)
+        best, best_total = None, math.inf
         for partial, missed, i in bounds:
-            if partial > best_key[0]:
+            if partial > best_total:
                 break
             total = partial + self._memory_cost(i, match, missed, now)
-            key = (total, self._busy(i), (i - self._next) % self.num_instances)
-            if key < best_key:
-                best, best_key = i, key
+            if total < best_total or (total == best_total and self._tie_break(i) < self._tie_break(best)):
+                best, best_total = i, total
         self._next = (best + 1) % self.num_instances
         return best
 
