@@ -10,6 +10,7 @@ import pytest
 from preble_backend.block_hash import chain_hashes
 from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
+from scheduler.bench_decisions import bench_isolated
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree
@@ -262,3 +263,12 @@ def test_a_request_in_flight_finishes_where_a_prune_merged_its_end_node():
     [node] = tree.root.children.values()
     assert node.hashes == chain_hashes(a + [20, 21], 1) and node.pending == {}
     assert tree.held_tokens == [0] and not tree.lru[0]
+
+
+def test_decision_benchmark_replays_the_simulated_decisions():
+    """The decisions/s benchmark times a replay of the calls E2 got in a simulation; a replay
+    that decides differently from the simulation (E2 not a function of what it was told)
+    raises inside it. Run in a fresh interpreter, as the command line runs each trace."""
+    stats = bench_isolated("toolbench", 2, 60, 60.0, 1, num_tools=50)
+    assert stats.decisions_per_s > 0 and stats.select_us > 0 and stats.finish_us > 0
+    assert 0 < stats.explore_share < 1 and stats.events_per_finish > 0
