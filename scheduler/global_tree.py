@@ -26,7 +26,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections import OrderedDict, deque
+from bisect import bisect_left
+from collections import OrderedDict
 
 from preble_backend.radix_cache import CacheEvent
 from scheduler.tree_node import GlobalNode, Match, common_pages
@@ -134,7 +135,7 @@ class GlobalPrefixTree:
         upper = GlobalNode(node.hashes[:m], node.parent)
         upper.cached = {i: min(e, m) for i, e in node.cached.items()}
         upper.pending = dict(node.pending)
-        upper.hits = {i: deque(ts) for i, ts in node.hits.items()}
+        upper.hits = {i: ts[:] for i, ts in node.hits.items()}
         upper.replicas = node.replicas
         node.parent.children[upper.hashes[0]] = upper
         node.hashes, node.parent = node.hashes[m:], upper
@@ -165,8 +166,9 @@ class GlobalPrefixTree:
             node.pending[instance] = pending + 1
             times = node.hits.get(instance)
             if times is None:
-                times = node.hits[instance] = deque()
-            times.append(now)
+                node.hits[instance] = [now]
+            else:
+                times.append(now)
             if node in lru:
                 lru.move_to_end(node)
             else:
@@ -196,8 +198,8 @@ class GlobalPrefixTree:
         if not times:
             return 0
         horizon = now - self.window_s
-        while times and times[0] < horizon:
-            times.popleft()
+        if times[0] < horizon:  # times only grow, so the expired ones lead
+            del times[: bisect_left(times, horizon)]
         return len(times)
 
     # ---- mirroring the engines ------------------------------------------------------------

@@ -8,7 +8,6 @@ whether the whole node matches, and a partial match is a binary search (``common
 from __future__ import annotations
 
 from array import array
-from collections import deque
 from dataclasses import dataclass
 
 NO_REPLICAS: frozenset[int] = frozenset()  # shared: most nodes never get a replica
@@ -30,7 +29,7 @@ class GlobalNode:
         self.cached: dict[int, int] = {}  # instance -> leading pages it caches (> 0)
         self.cached_kids: dict[int, int] = {}  # instance -> children it caches (> 0)
         self.pending: dict[int, int] = {}  # instance -> requests in flight (> 0)
-        self.hits: dict[int, deque] = {}  # instance -> request times
+        self.hits: dict[int, list[float]] = {}  # instance -> request times, oldest first
         self.replicas = NO_REPLICAS  # autoscaled copies (see e2.py); immutable, so splits share it
         self.ttft = None  # the key portion's time-to-first-token history (e2.py)
         self.merged: GlobalNode | None = None  # the node it was folded into (see live())

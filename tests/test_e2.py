@@ -236,6 +236,26 @@ def test_tail_evictions_shorten_a_node_without_splitting_it():
     assert tree.match(chain).cached_on(0) == 64 and tree.cached_tokens == [64]
 
 
+def test_requests_in_window_count_those_routed_within_w_and_survive_a_split():
+    """A request at t counts through t + W, and no longer after it."""
+    tree = GlobalPrefixTree(2, window_s=10.0, page_size=1)
+    a = list(range(1, 9))
+    for t in (0.0, 1.0, 5.0):
+        tree.route(chain_hashes(a, 1), 0, now=t)
+    tree.route(chain_hashes(a, 1), 1, now=2.0)
+    node = tree.match(chain_hashes(a, 1)).nodes[0]
+    assert tree.requests_in_window(node, 0, now=10.0) == 3
+    assert tree.requests_in_window(node, 0, now=10.5) == 2  # t=0 counted through 10
+    tree.route(chain_hashes(a[:4] + [99], 1), 0, now=10.5)  # splits a after 4 pages
+    upper, lower = tree.match(chain_hashes(a, 1)).nodes
+    assert tree.requests_in_window(upper, 0, now=10.5) == 3  # the new request covers a[:4]
+    assert tree.requests_in_window(lower, 0, now=15.0) == 1  # t=5 counts through 15
+    assert tree.requests_in_window(lower, 0, now=15.5) == 0
+    assert (
+        tree.requests_in_window(lower, 1, now=11.0) == 1 and tree.requests_in_window(lower, 1, now=12.5) == 0
+    )
+
+
 def test_prune_drops_expired_branches_and_merges_what_they_split():
     tree = GlobalPrefixTree(2, window_s=10.0, page_size=1)
     a, b, c = list(range(30)), list(range(100, 120)), list(range(200, 210))
