@@ -165,7 +165,7 @@ class E2(Policy):
         cached = match.matched
         key = match.key
         if cached > prompt_len - cached and key is not None:
-            candidates = key.cached.keys() | key.pending.keys()  # its holders
+            candidates = key.holders()
             for node in match.nodes:  # autoscaled replicas of the path serve it too
                 if node.replicas:
                     candidates |= node.replicas
