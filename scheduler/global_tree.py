@@ -98,11 +98,14 @@ class GlobalPrefixTree:
         (adding the branch with ``create``; without, None when the chain is not all there).
         With ``split_end`` a node the chain ends inside is split there too; otherwise it
         is returned whole, extending past the chain. A ``known`` match of the same chain,
-        with the tree unchanged since, saves walking the nodes it matched whole."""
+        with the tree unchanged since, saves walking the nodes it matched whole and the
+        search inside the one it matched in part."""
         path, node, pos, n = [], self.root, 0, len(chain)
+        partial, partial_pages = None, 0
         if known is not None:
             for child, m in zip(known.nodes, known.lengths):
                 if m < len(child.hashes):
+                    partial, partial_pages = child, m
                     break
                 path.append(child)
                 pos += m
@@ -119,7 +122,7 @@ class GlobalPrefixTree:
             hashes = child.hashes
             m = len(hashes)
             if pos + m > n or chain[pos + m - 1] != hashes[-1]:
-                m = common_pages(hashes, chain, pos)
+                m = partial_pages if child is partial else common_pages(hashes, chain, pos)
                 if pos + m < n and not create:
                     return None
                 if pos + m < n or split_end:
