@@ -110,8 +110,6 @@ class PrebleClient:
         """Send raw tensors to a decoupled model over a gRPC stream; gather its responses."""
         import tritonclient.grpc as grpcclient
 
-        from preble_backend.engine_client import grpc_inputs
-
         client = grpcclient.InferenceServerClient(self.grpc_url)
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -147,6 +145,19 @@ class PrebleClient:
         body = np.array([json.dumps({"op": op, **fields}).encode()], dtype=np.object_)
         result = self.infer_grpc({"control": body}, model=engine, timeout=60)
         return json.loads(result.final["report"])
+
+
+def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
+    """numpy tensors as tritonclient gRPC inputs."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    tensors = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    return tensors
 
 
 def _decode(array):

@@ -1,11 +1,11 @@
 """How the router reaches an engine: BLS for engines in the same tritonserver, gRPC
-streaming for engines on other servers (``grpc://host:port/model``). Both stream
-``EngineResponse``s and take the same control operations."""
+streaming for engines on other servers (``grpc://host:port/model``, one persistent
+channel per server, a stream per request). Both stream ``EngineResponse``s and take the
+same control operations."""
 
 from __future__ import annotations
 
 import json
-import queue
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,11 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 ENGINE_OUTPUTS = ("token_ids", "finish_reason", "num_cached_tokens", "report")
-REMOTE_TIMEOUT_S = 600.0
 
 
 class EngineError(RuntimeError):
     """The engine refused or failed the request; the message is the engine's."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot be reached: its process died, or its server went away."""
 
 
 @dataclass(frozen=True)
@@ -27,19 +30,6 @@ class EngineResponse:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     report: str | None = None
-
-
-def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
-    """numpy tensors as tritonclient gRPC inputs."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
-
-    tensors = []
-    for name, value in inputs.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-        tensor.set_data_from_numpy(value)
-        tensors.append(tensor)
-    return tensors
 
 
 def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
@@ -97,6 +87,14 @@ class EngineClient(ABC):
     def abort(self, request_id: str) -> None:
         self.control("abort", request_id=request_id)
 
+    def health(self) -> dict:
+        """The engine loop's answer to a ``health`` probe (its load snapshot and pid); it
+        drains no cache events, which belong to the reports on final responses."""
+        return json.loads(self.control("health"))["load"]
+
+    def close(self) -> None:
+        """Release connections (remote engines)."""
+
 
 class LocalEngine(EngineClient):
     """An engine model in this tritonserver, called through decoupled BLS."""
@@ -115,6 +113,8 @@ class LocalEngine(EngineClient):
         for response in request.exec(decoupled=True):
             if response.has_error():
                 error = error or response.error().message()
+                if "is not healthy" in error:  # the stub process is gone (Triton's words)
+                    raise EngineUnavailable(f"engine {self.name}: {error}")
             elif error is None:
                 yield {name: _output(pb_utils, response, name) for name in ENGINE_OUTPUTS}
         if error is not None:
@@ -127,41 +127,65 @@ def _output(pb_utils, response, name: str):
 
 
 class RemoteEngine(EngineClient):
-    """An engine model on another tritonserver, over a gRPC stream per request (errors on
-    a shared stream do not say which request they belong to)."""
+    """An engine model on another tritonserver: one gRPC channel per engine, kept for the
+    router's life, and a bidirectional stream per request on it (errors on a shared
+    stream would not say which request they belong to). A lost server fails the stream
+    at once with UNAVAILABLE; the channel reconnects by itself when it is back."""
 
     def __init__(self, url: str, model: str) -> None:
         super().__init__(f"grpc://{url}/{model}")
         self.url, self.model = url, model
+        self._channel = None
+        self._stub = None
+
+    def _connect(self):
+        if self._stub is None:
+            import grpc
+            from tritonclient.grpc import service_pb2_grpc
+
+            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            self._channel = grpc.insecure_channel(self.url, options=options)
+            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
 
     def _call(self, inputs):
-        import tritonclient.grpc as grpcclient
+        import grpc
+        from tritonclient.grpc import InferResult
 
-        client = grpcclient.InferenceServerClient(self.url)
-        results: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        call = self._connect().ModelStreamInfer(iter([_infer_request(self.model, inputs)]))
         try:
-            client.async_stream_infer(
-                self.model,
-                grpc_inputs(inputs),
-                outputs=[grpcclient.InferRequestedOutput(n) for n in ENGINE_OUTPUTS],
-                enable_empty_final_response=True,
-            )
-            while True:
-                try:
-                    result, error = results.get(timeout=REMOTE_TIMEOUT_S)
-                except queue.Empty:
-                    raise EngineError(
-                        f"engine {self.name} sent nothing for {REMOTE_TIMEOUT_S:.0f}s"
-                    ) from None
-                if error is not None:
-                    raise EngineError(error.message() if hasattr(error, "message") else str(error))
-                yield {name: result.as_numpy(name) for name in ENGINE_OUTPUTS}
-                if result.get_response().parameters["triton_final_response"].bool_param:
+            for message in call:
+                if message.error_message:
+                    raise EngineError(message.error_message)
+                result = InferResult(message.infer_response)
+                names = {o.name for o in message.infer_response.outputs}
+                yield {name: result.as_numpy(name) if name in names else None for name in ENGINE_OUTPUTS}
+                if message.infer_response.parameters["triton_final_response"].bool_param:
                     return
+            raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
+        except grpc.RpcError as exc:
+            raise EngineUnavailable(f"engine {self.name} is unreachable: {exc.code().name}: {exc.details()}") from None
         finally:
-            client.stop_stream(cancel_requests=True)
-            client.close()
+            call.cancel()  # a no-op once the stream is done; cancels the request otherwise
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+
+def _infer_request(model: str, inputs: dict[str, np.ndarray]):
+    """A ``ModelInferRequest`` with raw tensor contents, asking for an empty final response."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name, value in inputs.items():
+        tensor = request.inputs.add(name=name, datatype=np_to_triton_dtype(value.dtype))
+        tensor.shape.extend(value.shape)
+        raw = serialize_byte_tensor(value).item() if value.dtype == np.object_ else value.tobytes()
+        request.raw_input_contents.append(raw)
+    return request
 
 
 def make_engine_clients(spec: str) -> list[EngineClient]:

@@ -21,7 +21,8 @@ from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
 
 ROUTER_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
-CONTROL_OPS = ("stats", "abort", "flush_cache")
+CONTROL_OPS = ("stats", "health", "abort", "flush_cache")
+MAX_TEXT_INPUT_BYTES = 4 << 20  # a prompt larger than this is refused before tokenization
 
 
 class BadRequest(ValueError):
@@ -68,8 +69,13 @@ class GenerateRequest:
     return_num_output_tokens: bool
 
 
-def parse_generate(inputs: dict[str, np.ndarray | None], request_parameters: str | None) -> GenerateRequest:
-    """Validate a router request the way the vLLM backend reads it.
+def parse_generate(
+    inputs: dict[str, np.ndarray | None],
+    request_parameters: str | None,
+    max_text_bytes: int = MAX_TEXT_INPUT_BYTES,
+) -> GenerateRequest:
+    """Validate a router request the way the vLLM backend reads it; a prompt over
+    ``max_text_bytes`` is refused before anyone tokenizes it.
 
     Sampling parameters come from the ``sampling_parameters`` input, else from the
     request's own parameters (Triton's ``triton_*`` keys are not ours and are dropped).
@@ -79,6 +85,10 @@ def parse_generate(inputs: dict[str, np.ndarray | None], request_parameters: str
     raw = _single("text_input", inputs.get("text_input"))
     if raw is None:
         raise BadRequest("missing required input 'text_input'")
+    if isinstance(raw, bytes | np.bytes_) and len(raw) > max_text_bytes:
+        raise BadRequest(
+            f"input 'text_input' is {len(raw)} bytes: larger than the router's max_input_bytes={max_text_bytes}"
+        )
     prompt = _text("text_input", raw)
     if not prompt:
         raise BadRequest("input 'text_input' is empty")
@@ -96,6 +106,10 @@ def parse_generate(inputs: dict[str, np.ndarray | None], request_parameters: str
             extra = json.loads(request_parameters or "{}")
         except json.JSONDecodeError as exc:
             raise BadRequest(f"request parameters are not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("request parameters are not valid JSON: nested too deeply") from None
+        if not isinstance(extra, dict):
+            raise BadRequest("request parameters must be a JSON object")
         extra = {k: v for k, v in extra.items() if not k.startswith("triton_")}
         params = SamplingParams.from_dict(extra)
         params_json = json.dumps(extra)
@@ -118,8 +132,10 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
     if control is not None:
         try:
             op = json.loads(_text("control", control))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise BadRequest(f"input 'control' is not valid JSON: {exc}") from None
+        if inputs.get("input_ids") is not None:
+            raise BadRequest("input 'control' cannot be sent together with 'input_ids'")
         if not isinstance(op, dict) or op.get("op") not in CONTROL_OPS:
             raise BadRequest(f"input 'control' must be an object with op in {CONTROL_OPS}")
         if op["op"] == "abort" and not isinstance(op.get("request_id"), str):

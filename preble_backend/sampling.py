@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 
 import torch
 
 _INT_KEYS = ("max_tokens", "min_tokens", "top_k", "seed")
 _FLOAT_KEYS = ("temperature", "top_p")
+SAMPLING_EPS = 1e-5  # as vLLM: a lower temperature is greedy (dividing by it overflows)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -30,18 +33,20 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:  # NaN fails this too
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> SamplingParams:
@@ -87,6 +92,8 @@ class SamplingParams:
             raw = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"sampling_parameters is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError("sampling_parameters is not valid JSON: nested too deeply") from None
         if not isinstance(raw, dict):
             raise ValueError("sampling_parameters must be a JSON object")
         return cls.from_dict(raw)

@@ -1,9 +1,8 @@
-"""Pieces both Triton models share: config parameters, input reading, error responses,
-custom metrics. Imported only inside Triton's Python backend stub."""
+"""Pieces both Triton models share: config parameters, input reading, error responses.
+Imported only inside Triton's Python backend stub."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -59,43 +58,3 @@ def send_error(sender, message: str, code=None) -> None:
 def string_tensor(name: str, values: list[str | bytes]) -> pb_utils.Tensor:
     data = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
     return pb_utils.Tensor(name, np.array(data, dtype=np.object_))
-
-
-class Metrics:
-    """Custom metrics on Triton's metrics port; a no-op when the server disables metrics."""
-
-    def __init__(self, labels: dict[str, str]) -> None:
-        self.labels = labels
-        self._families: dict[str, object] = {}
-        self._metrics: dict[tuple, object] = {}
-        self.enabled = True
-
-    def _metric(self, name: str, kind, description: str, labels: dict[str, str] | None, **kw):
-        key = (name, json.dumps(labels or {}, sort_keys=True))
-        if key not in self._metrics:
-            if name not in self._families:
-                self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind)
-            self._metrics[key] = self._families[name].Metric(labels={**self.labels, **(labels or {})}, **kw)
-        return self._metrics[key]
-
-    def _guard(self, fn) -> None:
-        if not self.enabled:
-            return
-        try:
-            fn()
-        except pb_utils.TritonModelException as exc:
-            if "metrics not supported" not in str(exc):
-                raise
-            self.enabled = False
-
-    def gauge(self, name: str, description: str, value: float, labels=None) -> None:
-        self._guard(lambda: self._metric(name, pb_utils.MetricFamily.GAUGE, description, labels).set(value))
-
-    def count(self, name: str, description: str, delta: float, labels=None) -> None:
-        """Add ``delta`` (a zero delta still makes the counter visible)."""
-        kind = pb_utils.MetricFamily.COUNTER
-        self._guard(lambda: self._metric(name, kind, description, labels).increment(max(delta, 0)))
-
-    def observe(self, name: str, description: str, value: float, buckets: list[float], labels=None) -> None:
-        kind = pb_utils.MetricFamily.HISTOGRAM
-        self._guard(lambda: self._metric(name, kind, description, labels, buckets=buckets).observe(value))

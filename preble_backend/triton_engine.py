@@ -9,6 +9,7 @@ which frees their pages, and it publishes the engine's load as custom metrics.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import uuid
@@ -21,7 +22,6 @@ from preble_backend.engine import Engine
 from preble_backend.protocol import encode_report, parse_engine_call
 from preble_backend.request import RequestOutput
 from preble_backend.triton_common import (
-    Metrics,
     config_parameters,
     read_inputs,
     require_decoupled,
@@ -29,9 +29,21 @@ from preble_backend.triton_common import (
     send_error,
     string_tensor,
 )
+from preble_backend.triton_metrics import Metrics, MetricSpec
 
 INPUTS = ("input_ids", "sampling_parameters", "request_id", "control")
 CANCEL_POLL_S = 0.1
+GAUGES = {  # stats key -> (metric name, description)
+    "kv_pages_used": ("preble_engine_kv_pages_used", "KV pages in use (running requests and cache)"),
+    "kv_pages_free": ("preble_engine_kv_pages_free", "KV pages on the free list"),
+    "kv_pages_cached": ("preble_engine_kv_pages_cached", "KV pages held by the radix cache"),
+    "waiting": ("preble_engine_waiting_requests", "requests in the priority wait queue"),
+    "running": ("preble_engine_running_requests", "requests running"),
+}
+COUNTERS = ("prompt_tokens_computed", "prompt_tokens_cached")
+METRICS = [MetricSpec(name, "gauge", text) for name, text in GAUGES.values()] + [
+    MetricSpec(f"preble_engine_{key}", "counter", key.replace("_", " ")) for key in COUNTERS
+]
 
 
 class TritonPythonModel:
@@ -43,8 +55,8 @@ class TritonPythonModel:
         if args["model_instance_kind"] == "GPU":
             params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
         self.engine = Engine(EngineConfig.from_strings(params))
-        self.metrics = Metrics({"model": args["model_name"]})
-        self._counted = {"prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+        self.metrics = Metrics({"model": args["model_name"]}, METRICS)
+        self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
         self._responses: queue.Queue = queue.Queue()
         self._response_thread = threading.Thread(target=self._response_loop, name="preble-responses")
@@ -83,16 +95,19 @@ class TritonPythonModel:
     def _on_output(self, sender, out: RequestOutput) -> None:
         """Engine thread: hand the output over; a final one carries the report, drained here
         so that events and the load snapshot are consistent with the cache."""
-        report = encode_report(self.engine.drain_events(), self.engine.stats()) if out.finished else None
+        report = encode_report(self.engine.drain_events(), self._stats()) if out.finished else None
         self._responses.put((sender, out, report))
 
     def _control(self, op: dict, sender) -> None:
+        """``health`` answers from the engine loop (so a stuck loop does not pass) without
+        draining cache events: they belong to the routers' reports."""
         if op["op"] == "abort":
             self.engine.abort(op["request_id"])
         elif op["op"] == "flush_cache":
             self.engine.run_in_loop(self.engine.flush_cache).result(timeout=60)
+        drain = op["op"] != "health"
         report = self.engine.run_in_loop(
-            lambda: encode_report(self.engine.drain_events(), self.engine.stats())
+            lambda: encode_report(self.engine.drain_events() if drain else [], self._stats())
         )
         sender.send(
             pb_utils.InferenceResponse(
@@ -144,23 +159,20 @@ class TritonPythonModel:
                 self.engine.abort(request_id)
         self._publish_metrics()
 
+    def _stats(self) -> dict:
+        """The engine's load snapshot plus this stub's pid: the router watches the process."""
+        return {**self.engine.stats(), "pid": os.getpid()}
+
     def _publish_metrics(self) -> None:
         stats = self.engine.stats()
-        m = self.metrics
-        m.gauge(
-            "preble_engine_kv_pages_used",
-            "KV pages in use (running requests and cache)",
-            stats["kv_pages_used"],
-        )
-        m.gauge("preble_engine_kv_pages_free", "KV pages on the free list", stats["kv_pages_free"])
-        m.gauge("preble_engine_kv_pages_cached", "KV pages held by the radix cache", stats["kv_pages_cached"])
-        m.gauge("preble_engine_waiting_requests", "requests in the priority wait queue", stats["waiting"])
-        m.gauge("preble_engine_running_requests", "requests running", stats["running"])
-        for key in self._counted:
-            m.count(f"preble_engine_{key}", key.replace("_", " "), stats[key] - self._counted[key])
+        for key, (name, _) in GAUGES.items():
+            self.metrics.gauge(name, stats[key])
+        for key in COUNTERS:
+            self.metrics.count(f"preble_engine_{key}", stats[key] - self._counted[key])
             self._counted[key] = stats[key]
 
     def finalize(self) -> None:
         self.engine.shutdown()  # pending requests finish as "abort" and reach the queue
         self._responses.put(None)
         self._response_thread.join()
+        self.metrics.close()

@@ -43,6 +43,8 @@ class PrefixHash(Policy):
     def select(self, request, loads):
         key = _hash(np.asarray(request.input_ids[: self.prefix_tokens], dtype=np.int64).tobytes())
         at = bisect.bisect(self._points, key) % len(self._points)
+        while self._owners[at] not in self.live:  # the next live owner on the ring
+            at = (at + 1) % len(self._points)
         return Decision(self._owners[at], "hash")
 
 
@@ -68,14 +70,16 @@ class CacheAware(Policy):
         self.trees = [GlobalPrefixTree(1, float("inf"), page_size) for _ in range(num_instances)]
 
     def select(self, request, loads: list[InstanceLoad]):
+        live = sorted(self.live)
         pending = [load.in_flight for load in loads]
-        least = min(range(self.num_instances), key=lambda i: (pending[i], i))
-        if max(pending) - min(pending) > self.balance_abs and max(pending) > self.balance_rel * min(pending):
+        least = min(live, key=lambda i: (pending[i], i))
+        most = max(pending[i] for i in live)
+        if most - pending[least] > self.balance_abs and most > self.balance_rel * pending[least]:
             choice, branch = least, "balance"
         else:
             chain = request.chain(self.page_size)
-            matched = [tree.match(chain).matched for tree in self.trees]
-            best = max(range(self.num_instances), key=lambda i: (matched[i], -pending[i]))
+            matched = {i: self.trees[i].match(chain).matched for i in live}
+            best = max(live, key=lambda i: (matched[i], -pending[i]))
             if matched[best] / len(request.input_ids) > self.cache_threshold:
                 choice, branch = best, "cache_hit"
             else:
@@ -84,6 +88,9 @@ class CacheAware(Policy):
         tree.route(request.chain(self.page_size), 0, self.clock())
         self._evict(tree)
         return Decision(choice, branch)
+
+    def forget(self, instance: int) -> None:
+        self.trees[instance] = GlobalPrefixTree(1, float("inf"), self.page_size)
 
     def _evict(self, tree: GlobalPrefixTree) -> None:
         """Drop least recently routed leaves past the size cap (SGLang's tree eviction)."""
@@ -109,12 +116,12 @@ class KVCost(Policy):
     def select(self, request, loads):
         match = self.tree.match(request.chain(self.block_size))
         blocks = -(-len(request.input_ids) // self.block_size)
-        costs = []
-        for i in range(self.num_instances):
+        costs = {}
+        for i in self.live:
             overlap = match.cached_on(i) // self.block_size
-            costs.append(self.overlap_weight * (blocks - overlap) + self.active_blocks[i])
+            costs[i] = self.overlap_weight * (blocks - overlap) + self.active_blocks[i]
         order = [(self._next + k) % self.num_instances for k in range(self.num_instances)]
-        choice = min(order, key=lambda i: costs[i])
+        choice = min((i for i in order if i in costs), key=lambda i: costs[i])
         self._next = (choice + 1) % self.num_instances
         self.active_blocks[choice] += blocks
         self._blocks[request.request_id] = blocks
@@ -123,3 +130,6 @@ class KVCost(Policy):
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         self.tree.apply_events(instance, info.events)
         self.active_blocks[instance] -= self._blocks.pop(request.request_id, 0)
+
+    def forget(self, instance: int) -> None:
+        self.tree.forget(instance)

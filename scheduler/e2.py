@@ -164,11 +164,14 @@ class E2(Policy):
         match = self.tree.match(chain)
         cached = match.matched
         key = match.key
+        candidates = set()
         if cached > prompt_len - cached and key is not None:
             candidates = key.holders()
             for node in match.nodes:  # autoscaled replicas of the path serve it too
                 if node.replicas:
                     candidates |= node.replicas
+            candidates &= self.live
+        if candidates:
             choice = self._cheapest(candidates, match, prompt_len, now)
             # Nothing queues on an instance with nothing in flight: reusing its cache there
             # costs nothing extra, so only a busy choice is worth a rebalancing look.
@@ -177,7 +180,7 @@ class E2(Policy):
         else:
             decision = (
                 self._decode_balance()
-                or self._explore[self._cheapest(range(self.num_instances), match, prompt_len, now)]
+                or self._explore[self._cheapest(self.live, match, prompt_len, now)]
             )
         self._record(request, chain, decision.instance, match, key, now)
         return decision
@@ -192,21 +195,21 @@ class E2(Policy):
         recompute = self.cost.prefill_time(match.cached_on(choice))
         if mine <= recompute:
             return None  # no gap to the lightest can exceed the recompute the move costs
-        for i, h in enumerate(history):  # is the choice the heaviest (first of equals)?
-            load = h.load(now, signal)
+        loads = {i: history[i].load(now, signal) for i in self.live}
+        for i, load in loads.items():  # is the choice the heaviest (first of equals)?
             if load > mine or (load == mine and i < choice):
                 return None
-        loads = [h.load(now, signal) for h in history]
-        light = min(range(self.num_instances), key=lambda i: (loads[i], self._busy(i), i))
+        light = min(loads, key=lambda i: (loads[i], self._busy(i), i))
         if light == choice or mine <= self.th_bal * loads[light] or mine - loads[light] <= recompute:
             return None
         return Decision(light, "rebalance")
 
     def _decode_balance(self) -> Decision | None:
-        ratios = [
-            h.decode_ratio() if len(h.in_flight) >= self.min_decode_units else 0.0 for h in self.history
-        ]
-        best = max(range(self.num_instances), key=lambda i: ratios[i])
+        ratios = {
+            i: self.history[i].decode_ratio() if len(self.history[i].in_flight) >= self.min_decode_units else 0.0
+            for i in sorted(self.live)
+        }
+        best = max(ratios, key=lambda i: ratios[i])
         if ratios[best] > self.decode_ratio_threshold:
             return Decision(best, "explore_decode_balance")
         return None
@@ -245,6 +248,9 @@ class E2(Policy):
 
     # ---- feedback: engine reports, completions, autoscaling ---------------------------------
 
+    def forget(self, instance: int) -> None:
+        self.tree.forget(instance)
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()
         self._learn_capacity(instance, info.load)
@@ -265,7 +271,7 @@ class E2(Policy):
         history.add(now, ttft, self.tree.window_s)
         if not history.doubled(self.autoscale_min_samples):
             return
-        lacking = [i for i in range(self.num_instances) if not key.held_by(i) and i not in key.replicas]
+        lacking = [i for i in sorted(self.live) if not key.held_by(i) and i not in key.replicas]
         if lacking:
             replica = min(lacking, key=lambda i: self.history[i].load(now, self.load_signal))
             key.replicas = key.replicas | {replica}

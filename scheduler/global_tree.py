@@ -295,6 +295,12 @@ class GlobalPrefixTree:
 
     # ---- forgetting -----------------------------------------------------------------------
 
+    def forget(self, instance: int) -> None:
+        """Everything ``instance`` caches is gone (its engine died): evict each maximal
+        cached path; the last path through a shared node takes that node with it."""
+        evicted = [CacheEvent("evicted", seq, 0) for seq in self.cached_sequences(instance)]
+        self.apply_events(instance, evicted)
+
     def _note_unheld(self, node: GlobalNode) -> None:
         if node.cached or node.pending:
             return

@@ -77,10 +77,25 @@ class Policy(ABC):
             raise ValueError("a policy needs at least one instance")
         self.num_instances = num_instances
         self.clock = clock  # the simulator passes its own
+        self.live = set(range(num_instances))  # instances that take requests now
 
     @abstractmethod
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
-        """Pick the instance; the request is then dispatched there (and counted as such)."""
+        """Pick a live instance; the request is then dispatched there (and counted as such).
+        The router asks only while at least one instance is live."""
+
+    def instance_down(self, instance: int) -> None:
+        """The instance died or cannot be reached: route around it and forget what it
+        cached (an engine process that comes back starts with an empty cache)."""
+        self.live.discard(instance)
+        self.forget(instance)
+
+    def instance_up(self, instance: int) -> None:
+        self.live.add(instance)
+
+    def forget(self, instance: int) -> None:
+        """Drop what the policy believes ``instance`` caches. Stateless policies keep none."""
+        return None
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         """The request finished on ``instance``. Policies that keep no state ignore it."""
@@ -96,7 +111,9 @@ class RoundRobin(Policy):
 
     def select(self, request, loads):
         choice = self._next
-        self._next = (self._next + 1) % self.num_instances
+        while choice not in self.live:
+            choice = (choice + 1) % self.num_instances
+        self._next = (choice + 1) % self.num_instances
         return Decision(choice, "round_robin")
 
 
@@ -112,7 +129,7 @@ class LeastLoad(Policy):
 
     def select(self, request, loads):
         order = [(self._start + i) % self.num_instances for i in range(self.num_instances)]
-        choice = min(order, key=lambda i: (loads[i].in_flight, loads[i].queued))
+        choice = min((i for i in order if i in self.live), key=lambda i: (loads[i].in_flight, loads[i].queued))
         self._start = (choice + 1) % self.num_instances
         return Decision(choice, "least_load")
 
