@@ -163,8 +163,10 @@ async def _burst(cfg: BurstConfig, prompts: list[str]) -> tuple[list[Outcome], f
             kind = cfg.kinds[i % len(cfg.kinds)]
             start = time.monotonic()
             try:
-                call = _grpc(grpc_client, cfg, prompt) if kind == "grpc" else _http(
-                    session, cfg, prompt, kind == "sse"
+                call = (
+                    _grpc(grpc_client, cfg, prompt)
+                    if kind == "grpc"
+                    else _http(session, cfg, prompt, kind == "sse")
                 )
                 return await asyncio.wait_for(call, cfg.timeout_s)
             except Exception as exc:  # a transport failure is an outcome too

@@ -23,7 +23,7 @@ from preble_backend.model_runner import ModelRunner
 from preble_backend.priority_queue import PriorityWaitQueue
 from preble_backend.radix_cache import CacheEvent, RadixCache
 from preble_backend.request import Request, RequestOutput, Status
-from preble_backend.sampling import SamplerState, SamplingParams, sample
+from preble_backend.sampling import SamplerState, SamplingParams, sample_one
 from preble_backend.stop_checker import StopChecker
 
 log = logging.getLogger("preble.engine")
@@ -157,14 +157,19 @@ class Engine:
         try:
             logits, rows = self.runner.forward(batch, self.pool)
             self.scheduler.advance(batch)
-            sampled = [batch.requests[i] for i in rows]
-            tokens = sample(logits, [r.sampler for r in sampled], [self.stops.banned(r) for r in sampled])
         except Exception as exc:  # a broken batch must not take the engine down
             log.exception("iteration failed")
             for req in batch.requests:
                 self._finish(req, "error", error=f"engine iteration failed: {exc}")
             return
-        for req, token in zip(sampled, tokens):
+        for row, i in zip(logits, rows):
+            req = batch.requests[i]
+            try:
+                token = sample_one(row, req.sampler, self.stops.banned(req))
+            except Exception as exc:  # this request's sampling failed: it alone ends
+                log.exception("sampling request %s failed", req.request_id)
+                self._finish(req, "error", error=f"sampling failed: {exc}")
+                continue
             req.output_ids.append(token)
             reason = self.stops.finish_reason(req, self.model_config.max_context)
             if reason is None:

@@ -164,7 +164,8 @@ class RemoteEngine(EngineClient):
                     return
             raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
         except grpc.RpcError as exc:
-            raise EngineUnavailable(f"engine {self.name} is unreachable: {exc.code().name}: {exc.details()}") from None
+            reason = f"{exc.code().name}: {exc.details()}"
+            raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
         finally:
             call.cancel()  # a no-op once the stream is done; cancels the request otherwise
 

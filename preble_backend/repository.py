@@ -6,10 +6,11 @@ The checked-in ``model_repository/`` is ``write_repository(path, cpu_engines=2)`
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 
-from preble_backend.config import EngineConfig
+from preble_backend.config import EngineConfig, RouterConfig
 
 ENGINE_MODEL_PY = "from preble_backend.triton_engine import TritonPythonModel  # noqa: F401\n"
 ROUTER_MODEL_PY = "from preble_backend.triton_router import TritonPythonModel  # noqa: F401\n"
@@ -67,8 +68,12 @@ ROUTER_PARAMETER_NOTES = {
     "engines": "comma-separated engine model names in this server and grpc://host:port/model remotes",
     "policy": "e2 | round_robin | least_load | prefix_hash | cache_aware | kv_cost",
     "cost_model": "E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
-    "max_inflight": "requests the router forwards at once (worker threads)",
     "page_size": "the engines' KV page size: prompts are matched per page (must equal theirs)",
+    "max_inflight": "requests forwarded to engines at once",
+    "max_queue": "admitted requests waiting for a forwarding slot; beyond, requests get UNAVAILABLE",
+    "max_input_bytes": "a larger text_input is refused before tokenization",
+    "health_interval_s": "how often each engine is probed and its stub process checked",
+    "health_timeout_s": "an engine that leaves a health probe unanswered this long is down",
 }
 
 
@@ -95,21 +100,19 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
 
 
 def router_config_pbtxt(
-    model_path: str, engines: list[str], policy: str = "e2", cost_model: str = "tiny_cpu", page_size: int = 16
+    model_path: str,
+    engines: list[str],
+    policy: str = "e2",
+    cost_model: str = "tiny_cpu",
+    page_size: int = 16,
+    **overrides,
 ) -> str:
-    values = {
-        "model_path": model_path,
-        "engines": ",".join(engines),
-        "policy": policy,
-        "cost_model": cost_model,
-        "max_inflight": 1024,
-        "page_size": page_size,
-    }
+    config = RouterConfig(model_path, ",".join(engines), policy, cost_model, page_size, **overrides)
     return (
         'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
         f"{ROUTER_IO}instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n"
-        + _parameters(values, ROUTER_PARAMETER_NOTES)
+        + _parameters(asdict(config), ROUTER_PARAMETER_NOTES)
     )
 
 
@@ -128,9 +131,11 @@ def write_repository(
     cost_model: str = "tiny_cpu",
     remote_engines: list[str] | None = None,
     with_router: bool = True,
+    router_overrides: dict | None = None,
     **engine_overrides,
 ) -> Path:
-    """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines) and the router."""
+    """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines) and the router
+    (``router_overrides``: other ``RouterConfig`` settings)."""
     root = Path(path)
     slots: list[int | None] = list(gpus) if gpus else [None] * cpu_engines
     names = [f"preble_engine_{i}" for i in range(len(slots))]
@@ -141,6 +146,27 @@ def write_repository(
     if with_router:
         engines = names + list(remote_engines or [])
         page_size = engine_overrides.get("page_size", EngineConfig.page_size)
-        config = router_config_pbtxt(model_path, engines, policy, cost_model, page_size)
+        config = router_config_pbtxt(
+            model_path, engines, policy, cost_model, page_size, **(router_overrides or {})
+        )
         _write_model(root, "preble", config, ROUTER_MODEL_PY)
     return root
+
+
+def check_local_engines(repository: Path, names: list[str], page_size: int) -> None:
+    """Fail the router's load, naming the problem, when a local engine it forwards to is
+    not a decoupled model of this repository or pages its KV differently (the router
+    matches prompts per page: a different size would never match a prefix)."""
+    for name in names:
+        config = repository / name / "config.pbtxt"
+        if not config.is_file():
+            raise ValueError(f"engines: model {name!r} is not in the model repository {repository}")
+        text = config.read_text()
+        if not re.search(r"model_transaction_policy\s*\{\s*decoupled\s*:\s*true\s*\}", text):
+            raise ValueError(f"engines: model {name!r} is not decoupled (model_transaction_policy)")
+        found = re.search(r'key:\s*"page_size"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
+        theirs = found.group(1) if found else str(EngineConfig.page_size)
+        if theirs != str(page_size):
+            raise ValueError(
+                f"page_size={page_size} is invalid: engine {name!r} pages its KV cache by {theirs} tokens"
+            )

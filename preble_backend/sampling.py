@@ -120,26 +120,28 @@ class SamplerState:
 
 def sample(logits: torch.Tensor, states: list[SamplerState], banned: list[list[int]]) -> list[int]:
     """One token per row; ``banned`` ids (EOS/stops before ``min_tokens``) get -inf."""
-    out: list[int] = []
-    for row, state, ban in zip(logits, states, banned):
-        if ban:
-            row = row.clone()
-            row[ban] = float("-inf")
-        p = state.params
-        if p.greedy:
-            out.append(int(torch.argmax(row)))
-            continue
-        row = row / p.temperature
-        if p.top_k > 0 and p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
-            keep[0] = True
-            mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order[keep], True)
-            probs = torch.where(mask, probs, torch.zeros_like(probs))
-            probs = probs / probs.sum()
-        out.append(int(torch.multinomial(probs, 1, generator=state.generator)))
-    return out
+    return [sample_one(row, state, ban) for row, state, ban in zip(logits, states, banned)]
+
+
+def sample_one(row: torch.Tensor, state: SamplerState, ban: list[int]) -> int:
+    """One request's token: the engine samples each request on its own, so one that
+    fails fails alone."""
+    if ban:
+        row = row.clone()
+        row[ban] = float("-inf")
+    p = state.params
+    if p.greedy:
+        return int(torch.argmax(row))
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < p.top_p
+        keep[0] = True
+        mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order[keep], True)
+        probs = torch.where(mask, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return int(torch.multinomial(probs, 1, generator=state.generator))

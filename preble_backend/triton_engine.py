@@ -33,6 +33,7 @@ from preble_backend.triton_metrics import Metrics, MetricSpec
 
 INPUTS = ("input_ids", "sampling_parameters", "request_id", "control")
 CANCEL_POLL_S = 0.1
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GAUGES = {  # stats key -> (metric name, description)
     "kv_pages_used": ("preble_engine_kv_pages_used", "KV pages in use (running requests and cache)"),
     "kv_pages_free": ("preble_engine_kv_pages_free", "KV pages on the free list"),
@@ -99,24 +100,19 @@ class TritonPythonModel:
         self._responses.put((sender, out, report))
 
     def _control(self, op: dict, sender) -> None:
-        """``health`` answers from the engine loop (so a stuck loop does not pass) without
-        draining cache events: they belong to the routers' reports."""
+        """Answered from the engine loop, between iterations, by the response thread:
+        ``execute`` never waits for the loop. ``health`` drains no cache events: they
+        belong to the routers' reports."""
         if op["op"] == "abort":
             self.engine.abort(op["request_id"])
-        elif op["op"] == "flush_cache":
-            self.engine.run_in_loop(self.engine.flush_cache).result(timeout=60)
-        drain = op["op"] != "health"
-        report = self.engine.run_in_loop(
-            lambda: encode_report(self.engine.drain_events() if drain else [], self._stats())
-        )
-        sender.send(
-            pb_utils.InferenceResponse(
-                output_tensors=[
-                    pb_utils.Tensor("token_ids", np.zeros(0, dtype=np.int32)),
-                    string_tensor("report", [report.result(timeout=60)]),
-                ]
-            ),
-            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+
+        def report() -> str:
+            if op["op"] == "flush_cache":
+                self.engine.flush_cache()
+            return encode_report(self.engine.drain_events() if op["op"] != "health" else [], self._stats())
+
+        self.engine.run_in_loop(report).add_done_callback(
+            lambda done: self._responses.put((sender, None, done))
         )
 
     def _response_loop(self) -> None:
@@ -129,6 +125,9 @@ class TritonPythonModel:
             if item is None:
                 return
             sender, out, report = item
+            if out is None:  # a control operation's report (a Future)
+                self._send_report(sender, report)
+                continue
             try:
                 self._send(sender, out, report)
             except Exception as exc:  # the client is gone; the engine must not keep its pages
@@ -150,8 +149,18 @@ class TritonPythonModel:
                 pb_utils.Tensor("num_cached_tokens", np.asarray([out.num_cached_tokens], dtype=np.int32)),
                 string_tensor("report", [report or ""]),
             ]
-            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            flags = FINAL
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def _send_report(self, sender, done) -> None:
+        try:
+            tensors = [
+                pb_utils.Tensor("token_ids", np.zeros(0, dtype=np.int32)),
+                string_tensor("report", [done.result()]),
+            ]
+            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL)
+        except Exception as exc:
+            send_error(sender, f"control operation failed: {exc}")
 
     def _sweep(self) -> None:
         for request_id, sender in list(self._active.items()):

@@ -1,9 +1,14 @@
 """The router model ``preble``: Triton's vLLM-backend I/O in front of the engine instances.
 
-Each request is handled on a worker thread (decoupled BLS blocks while it streams): it is
-validated, tokenized, routed by the global scheduler's policy, forwarded to the chosen
-engine, and its tokens are detokenized incrementally and streamed back. Engine reports
-on final responses keep the policy's view of every engine's cache and load current.
+``execute`` reads and validates each request and admits it (or refuses it at once with
+``UNAVAILABLE`` when ``max_inflight + max_queue`` are admitted); a thread per request
+then tokenizes it, routes it with the global scheduler's policy, forwards it to the
+chosen engine (decoupled BLS blocks while it streams) and streams the detokenized text
+back. Engine reports on final responses keep the policy's view of every engine's cache
+and load current. An engine monitor watches the engines: one that dies is routed around,
+its requests end with an error at once, and its cache is forgotten.
+
+Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 """
 
 from __future__ import annotations
@@ -13,16 +18,25 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from preble_backend.config import RouterConfig
 from preble_backend.detokenizer import IncrementalDetokenizer
-from preble_backend.engine_client import EngineClient, EngineError, LocalEngine, make_engine_clients
+from preble_backend.engine_client import (
+    EngineClient,
+    EngineError,
+    EngineUnavailable,
+    LocalEngine,
+    make_engine_clients,
+)
+from preble_backend.engine_monitor import EngineMonitor
+from preble_backend.flights import Flight, Flights
 from preble_backend.protocol import BadRequest, GenerateRequest, decode_report, parse_generate
+from preble_backend.repository import check_local_engines
 from preble_backend.triton_common import (
-    Metrics,
     config_parameters,
     read_inputs,
     require_decoupled,
@@ -30,6 +44,7 @@ from preble_backend.triton_common import (
     send_error,
     string_tensor,
 )
+from preble_backend.triton_metrics import Metrics, MetricSpec
 from scheduler.cost_model import CostModel
 from scheduler.nvml_load import LoadView
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
@@ -43,151 +58,212 @@ INPUTS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
 )
-DEFAULTS = {"model_path": "tiny", "engines": "preble_engine_0,preble_engine_1", "policy": "e2",
-            "cost_model": "tiny_cpu", "max_inflight": "1024", "page_size": "16"}  # fmt: skip
-LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+METRICS = [
+    MetricSpec("preble_router_decisions_total", "counter", "routing decisions"),
+    MetricSpec("preble_router_rejected_total", "counter", "requests refused: the router was at capacity"),
+    MetricSpec(
+        "preble_router_request_latency_seconds", "histogram", "request latency at the router", LATENCY_BUCKETS
+    ),  # fmt: skip
+    MetricSpec("preble_router_engine_up", "gauge", "1 while the engine takes requests, 0 once it failed"),
+]
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         from transformers import AutoTokenizer
 
-        self.model_config = json.loads(args["model_config"])
-        require_decoupled(self.model_config)
-        params = {**DEFAULTS, **config_parameters(self.model_config)}
-        unknown = sorted(set(params) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"unknown router parameter(s): {', '.join(unknown)}")
-        model_path = resolve_model_path(params["model_path"], args["model_repository"])
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.engines: list[EngineClient] = make_engine_clients(params["engines"])
-        cost = CostModel.load(params["cost_model"]) if params["policy"] == "e2" else None
-        self.page_size = _positive_int(params, "page_size")
+        model_config = json.loads(args["model_config"])
+        require_decoupled(model_config)
+        self.config = config = RouterConfig.from_strings(config_parameters(model_config))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(config.model_path, args["model_repository"])
+        )
+        self.engines: list[EngineClient] = make_engine_clients(config.engines)
+        local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
+        check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
+        cost = CostModel.load(config.cost_model) if config.policy == "e2" else None
         self.policy = make_policy(
-            params["policy"], len(self.engines), cost_model=cost, page_size=self.page_size
+            config.policy, len(self.engines), cost_model=cost, page_size=config.page_size
         )
         self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
         self.load_view.start()
-        workers = _positive_int(params, "max_inflight")
         self.loads = [InstanceLoad() for _ in self.engines]
-        self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="preble-route")
-        self.metrics = Metrics({"model": args["model_name"]})
+        self.lock = threading.Lock()  # the policy and the load view
+        self.flights = Flights(config.max_inflight, config.max_queue)
+        self.metrics = Metrics({"model": args["model_name"]}, METRICS)
+        for engine in self.engines:
+            self.metrics.gauge("preble_router_engine_up", 1, {"instance": engine.name})
+        self.monitor = EngineMonitor(self.engines, self._engine_down, self._engine_up,
+                                     config.health_interval_s, config.health_timeout_s)  # fmt: skip
+        self.monitor.start()
         pb_utils.Logger.log_info(
-            f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}"
+            f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}, "
+            f"max_inflight {config.max_inflight}, max_queue {config.max_queue}"
         )
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self._handle, request, request.get_response_sender(), time.monotonic())
+            sender = request.get_response_sender()
+            try:
+                req = parse_generate(
+                    read_inputs(request, INPUTS), request.parameters(), self.config.max_input_bytes
+                )
+            except (BadRequest, ValueError) as exc:
+                send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                continue
+            flight = self.flights.admit(sender)
+            if flight is None:
+                self.metrics.count("preble_router_rejected_total", 1)
+                send_error(sender, self._capacity_message(), pb_utils.TritonError.UNAVAILABLE)
+                continue
+            threading.Thread(target=self._handle, args=(flight, req, time.monotonic()), daemon=True).start()
         return None
 
-    def _handle(self, request, sender, arrival: float) -> None:
+    def _capacity_message(self) -> str:
+        c = self.config
+        return (f"the preble router is at capacity: {c.max_inflight} requests in flight and {c.max_queue} "
+                "queued (max_inflight, max_queue in its config.pbtxt); retry later")  # fmt: skip
+
+    def _handle(self, flight: Flight, req: GenerateRequest, arrival: float) -> None:
         try:
-            req = parse_generate(read_inputs(request, INPUTS), request.parameters())
+            if not flight.wait_for_slot():
+                return
             ids = self.tokenizer(req.prompt).input_ids
             if not ids:
                 raise BadRequest("input 'text_input' encodes to no tokens")
             routing = RoutingRequest(uuid.uuid4().hex, ids, req.params)
-            routing.chain(self.page_size)  # hashed once, outside the policy's lock
+            routing.chain(self.config.page_size)  # hashed once, outside the policy's lock
             with self.lock:
+                if not self.policy.live:
+                    raise EngineUnavailable("no engine is available: every engine has failed")
                 decision = self.policy.select(routing, self.loads)
                 self.loads[decision.instance].in_flight += 1
+                flight.instance, flight.routing = decision.instance, routing
             engine = self.engines[decision.instance]
             labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
-            self.metrics.count("preble_router_decisions_total", "routing decisions", 1, labels)
-            finished = False
-            try:
-                finished = self._forward(req, routing, decision.instance, sender)
-            finally:
-                with self.lock:
-                    self.loads[decision.instance].in_flight -= 1
-                    if not finished:  # the engine refused or failed it: forget the placement
-                        self.policy.on_finish(decision.instance, routing, FinishInfo())
-            self.metrics.observe("preble_router_request_latency_seconds", "request latency at the router",
-                                 time.monotonic() - arrival, LATENCY_BUCKETS)  # fmt: skip
-        except (BadRequest, ValueError, EngineError) as exc:
-            send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+            self.metrics.count("preble_router_decisions_total", 1, labels)
+            self._forward(flight, req, routing, engine)
+            self.metrics.observe("preble_router_request_latency_seconds", time.monotonic() - arrival)
+        except (BadRequest, ValueError) as exc:
+            self._fail(flight, str(exc), pb_utils.TritonError.INVALID_ARG)
+        except EngineUnavailable as exc:
+            if flight.instance is not None:
+                self.monitor.suspect(flight.instance, str(exc))
+            self._fail(flight, str(exc), pb_utils.TritonError.UNAVAILABLE)
+        except EngineError as exc:
+            self._fail(flight, str(exc), pb_utils.TritonError.INTERNAL)
         except Exception as exc:
             pb_utils.Logger.log_error(f"preble router: {traceback.format_exc()}")
-            send_error(sender, f"internal error: {exc}")
+            self._fail(flight, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
+        finally:
+            self._settle(flight)
 
-    def _forward(self, req: GenerateRequest, routing: RoutingRequest, instance: int, sender) -> bool:
-        """Stream the engine's answer back; True once its final response was handled."""
-        engine = self.engines[instance]
+    def _forward(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine) -> None:
+        """Stream the engine's answer back to the client."""
+        instance = flight.instance
         detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
         num_output = sent_tokens = 0
-        cancelled = finished = False
+        cancelled = False
         start, ttft = time.monotonic(), None
         for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json):
+            if flight.closed:
+                return  # ended elsewhere (its engine was declared dead)
             if ttft is None and resp.token_ids:
                 ttft = time.monotonic() - start
-            if not cancelled and sender.is_cancelled():
+            if not cancelled and flight.sender.is_cancelled():
                 cancelled = True
                 engine.abort(routing.request_id)  # keep reading: the final response confirms it
             num_output += len(resp.token_ids)
             delta = detok.add(resp.token_ids, final=resp.final)
             if resp.final:
-                finished = True
                 events, load = decode_report(resp.report) if resp.report else ([], {})
-                self._learn_gpu(instance, engine, load)
+                self._learn(instance, engine, load)
                 with self.lock:
-                    self.load_view.report(instance, load)
-                    self.loads[instance].reported = self.load_view.snapshot(instance)
+                    flight.engine_finished = True
                     self.policy.on_finish(instance, routing, FinishInfo(events, load, ttft, num_output))
             if cancelled:
                 continue
             if req.stream and (delta or resp.final):
-                self._send(sender, req, routing, engine, delta, num_output - sent_tokens, resp)
+                self._send(flight, req, routing, engine, delta, num_output - sent_tokens, resp)
                 sent_tokens = num_output
             elif resp.final:
                 text = (req.prompt if req.prepend_input else "") + detok.text
-                self._send(sender, req, routing, engine, text, num_output, resp)
+                self._send(flight, req, routing, engine, text, num_output, resp)
         if cancelled:
-            send_error(sender, "request was cancelled", pb_utils.TritonError.CANCELLED)
-        return finished
+            self._fail(flight, "request was cancelled", pb_utils.TritonError.CANCELLED)
+        elif not flight.closed:
+            raise EngineError(f"engine {engine.name} ended the stream without a final response")
 
-    def _send(
-        self, sender, req: GenerateRequest, routing: RoutingRequest, engine, text, n_tokens, resp
-    ) -> None:
+    def _send(self, flight: Flight, req, routing, engine, text, n_tokens, resp) -> None:
         tensors = [string_tensor("text_output", [text])]
         if req.return_num_output_tokens:
             tensors.append(pb_utils.Tensor("num_output_tokens", np.asarray([n_tokens], dtype=np.uint32)))
-        flags = 0
         if resp.final:
             if req.return_finish_reason:
                 tensors.append(string_tensor("finish_reason", [resp.finish_reason or ""]))
             if req.return_num_input_tokens:
-                tensors.append(
-                    pb_utils.Tensor("num_input_tokens", np.asarray([len(routing.input_ids)], dtype=np.uint32))
-                )
-            tensors.append(
-                pb_utils.Tensor("num_cached_tokens", np.asarray([resp.num_cached_tokens], dtype=np.uint32))
-            )
-            tensors.append(string_tensor("instance", [engine.name]))
-            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+                n_input = np.asarray([len(routing.input_ids)], dtype=np.uint32)
+                tensors.append(pb_utils.Tensor("num_input_tokens", n_input))
+            cached = np.asarray([resp.num_cached_tokens], dtype=np.uint32)
+            tensors += [
+                pb_utils.Tensor("num_cached_tokens", cached),
+                string_tensor("instance", [engine.name]),
+            ]
+        flight.send(pb_utils.InferenceResponse(output_tensors=tensors), resp.final, FINAL)
 
-    def _learn_gpu(self, instance: int, engine: EngineClient, load: dict) -> None:
-        """A local engine on ``cuda:N`` gets its GPU sampled through NVML."""
-        device = str(load.get("device", ""))
-        if (
-            isinstance(engine, LocalEngine)
-            and device.startswith("cuda")
-            and self.load_view.gpus[instance] is None
-        ):
-            self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
-            self.load_view.start()
+    def _fail(self, flight: Flight, message: str, code) -> None:
+        flight.end(lambda: send_error(flight.sender, message, code))
+
+    def _settle(self, flight: Flight) -> None:
+        """The router's bookkeeping for a routed request, once, whoever ends it first."""
+        with self.lock:
+            if flight.instance is None or flight.settled:
+                return
+            flight.settled = True
+            self.loads[flight.instance].in_flight -= 1
+            if not flight.engine_finished:  # refused or failed: forget the placement
+                self.policy.on_finish(flight.instance, flight.routing, FinishInfo())
+
+    def _learn(self, instance: int, engine: EngineClient, load: dict) -> None:
+        """A report's load snapshot; a local engine on ``cuda:N`` gets its GPU sampled through NVML."""
+        self.monitor.learn_pid(instance, load)
+        with self.lock:
+            self.load_view.report(instance, load)
+            self.loads[instance].reported = self.load_view.snapshot(instance)
+            device = str(load.get("device", ""))
+            local = isinstance(engine, LocalEngine)
+            if local and device.startswith("cuda") and self.load_view.gpus[instance] is None:
+                self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
+                self.load_view.start()
+
+    # ---- engine health (the monitor's thread) -----------------------------------------------
+
+    def _engine_down(self, instance: int, reason: str) -> None:
+        name = self.engines[instance].name
+        pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
+        self.metrics.gauge("preble_router_engine_up", 0, {"instance": name})
+        with self.lock:
+            self.policy.instance_down(instance)
+        for flight in self.flights.on_instance(instance):
+            self._fail(flight, f"engine {name} failed while serving this request: {reason}",
+                       pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
+            self._settle(flight)
+
+    def _engine_up(self, instance: int) -> None:
+        name = self.engines[instance].name
+        pb_utils.Logger.log_info(f"preble router: engine {name} is back; routing to it again")
+        self.metrics.gauge("preble_router_engine_up", 1, {"instance": name})
+        with self.lock:
+            self.policy.instance_up(instance)
 
     def finalize(self) -> None:
+        """End what is still open (a worker blocked on a dead engine is not waited for)."""
+        self.monitor.stop()
+        for flight in self.flights.all():
+            self._fail(flight, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
         self.load_view.stop()
-        self.pool.shutdown(wait=True, cancel_futures=False)
-
-
-def _positive_int(params: dict[str, str], key: str) -> int:
-    try:
-        value = int(params[key])
-        assert value >= 1
-    except (ValueError, AssertionError):
-        raise ValueError(f"{key}={params[key]!r} is invalid: expected an integer >= 1") from None
-    return value
+        for engine in self.engines:
+            engine.close()
+        self.metrics.close()

@@ -205,10 +205,10 @@ class E2(Policy):
         return Decision(light, "rebalance")
 
     def _decode_balance(self) -> Decision | None:
-        ratios = {
-            i: self.history[i].decode_ratio() if len(self.history[i].in_flight) >= self.min_decode_units else 0.0
-            for i in sorted(self.live)
-        }
+        ratios = {}
+        for i in sorted(self.live):
+            h = self.history[i]
+            ratios[i] = h.decode_ratio() if len(h.in_flight) >= self.min_decode_units else 0.0
         best = max(ratios, key=lambda i: ratios[i])
         if ratios[best] > self.decode_ratio_threshold:
             return Decision(best, "explore_decode_balance")

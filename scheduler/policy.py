@@ -129,7 +129,8 @@ class LeastLoad(Policy):
 
     def select(self, request, loads):
         order = [(self._start + i) % self.num_instances for i in range(self.num_instances)]
-        choice = min((i for i in order if i in self.live), key=lambda i: (loads[i].in_flight, loads[i].queued))
+        live = [i for i in order if i in self.live]
+        choice = min(live, key=lambda i: (loads[i].in_flight, loads[i].queued))
         self._start = (choice + 1) % self.num_instances
         return Decision(choice, "least_load")
 

@@ -1,0 +1,114 @@
+"""Liveness of the engines a router forwards to.
+
+Two signals, checked every ``interval_s`` on the monitor's own thread:
+
+- a local engine's stub process (its pid comes with every engine report): one killed
+  with ``kill -9`` is seen within an interval. Triton 2.51 neither restarts a decoupled
+  model's stub nor ends the requests it held, so without this they would hang forever.
+- a ``health`` probe that the engine answers from its engine loop: a stuck loop, or a
+  remote server that went away, fails it or leaves it unanswered for ``timeout_s``.
+
+An engine is reported down once (``on_down(i, reason)``) and up once when a probe
+succeeds again (``on_up(i)``): a restarted remote server rejoins by itself. A request
+that finds an engine unreachable reports it through ``suspect`` without waiting for the
+next probe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from preble_backend.engine_client import EngineClient, EngineError, LocalEngine
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+class EngineMonitor:
+    def __init__(
+        self,
+        engines: list[EngineClient],
+        on_down: Callable[[int, str], None],
+        on_up: Callable[[int], None],
+        interval_s: float = 1.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.engines, self.on_down, self.on_up = engines, on_down, on_up
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.up = [True] * len(engines)
+        self._pids: list[int | None] = [None] * len(engines)
+        self._probing: dict[int, float] = {}  # engine -> when its outstanding probe started
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="preble-engine-monitor", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def learn_pid(self, instance: int, load: dict) -> None:
+        """A local engine's report names its stub's pid."""
+        pid = load.get("pid")
+        if isinstance(self.engines[instance], LocalEngine) and isinstance(pid, int):
+            self._pids[instance] = pid
+
+    def suspect(self, instance: int, reason: str) -> None:
+        """A request found the engine unreachable: down now; the probes bring it back."""
+        self._down(instance, reason)
+
+    # ---- the monitor thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            for i in range(len(self.engines)):
+                pid = self._pids[i]
+                if pid is not None and self.up[i] and not process_alive(pid):
+                    self._down(i, f"its stub process {pid} exited")
+                with self._lock:
+                    started = self._probing.get(i)
+                    if started is None:
+                        self._probing[i] = now
+                        threading.Thread(target=self._probe, args=(i,), daemon=True).start()
+                if started is not None and now - started > self.timeout_s:
+                    self._down(i, f"it has not answered a health probe for {now - started:.0f}s")
+
+    def _probe(self, instance: int) -> None:
+        try:
+            load = self.engines[instance].health()
+        except EngineError as exc:
+            self._down(instance, str(exc))
+        except Exception as exc:  # an unexpected answer is a failed probe too
+            self._down(instance, f"health probe failed: {type(exc).__name__}: {exc}")
+        else:
+            self.learn_pid(instance, load)
+            pid = self._pids[instance]
+            if pid is not None and not process_alive(pid):
+                return  # an answer sent just before the process died
+            with self._lock:
+                back = not self.up[instance]
+                self.up[instance] = True
+            if back:
+                self.on_up(instance)
+        finally:
+            with self._lock:
+                self._probing.pop(instance, None)
+
+    def _down(self, instance: int, reason: str) -> None:
+        with self._lock:
+            if not self.up[instance]:
+                return
+            self.up[instance] = False
+        self.on_down(instance, reason)
