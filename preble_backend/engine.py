@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -51,6 +52,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_finished = 0
+        self._last_step = time.monotonic()  # when the loop last finished an iteration
 
     def _num_pages(self) -> int:
         cfg = self.config
@@ -227,6 +229,14 @@ class Engine:
                 if self._stopping:
                     return
             self.step()
+            self._last_step = time.monotonic()
+
+    def loop_health(self) -> dict[str, object]:
+        """Whether the engine thread runs, and how long it has been inside one iteration
+        while work waits (0 when idle): a stuck loop shows here (any thread may ask)."""
+        alive = self._thread is not None and self._thread.is_alive()
+        busy = self.has_work() and alive
+        return {"loop_alive": alive, "step_age_s": time.monotonic() - self._last_step if busy else 0.0}
 
     def shutdown(self) -> None:
         """Stop the thread; every request still queued or running finishes as ``abort``."""

@@ -5,8 +5,11 @@ Two signals, checked every ``interval_s`` on the monitor's own thread:
 - a local engine's stub process (its pid comes with every engine report): one killed
   with ``kill -9`` is seen within an interval. Triton 2.51 neither restarts a decoupled
   model's stub nor ends the requests it held, so without this they would hang forever.
-- a ``health`` probe that the engine answers from its engine loop: a stuck loop, or a
-  remote server that went away, fails it or leaves it unanswered for ``timeout_s``.
+- a ``health`` probe, answered with the state of the engine loop: a loop that died or
+  has been inside one iteration for ``timeout_s`` fails it, and so does a remote server
+  that went away. A probe left unanswered for ``timeout_s`` counts only while the
+  engine's responses have stopped too: under a burst the probe's answer queues behind
+  thousands of token responses, and tokens arriving are proof of life.
 
 An engine is reported down once (``on_down(i, reason)``) and up once when a probe
 succeeds again (``on_up(i)``): a restarted remote server rejoins by itself. A request
@@ -41,12 +44,14 @@ class EngineMonitor:
         on_up: Callable[[int], None],
         interval_s: float = 1.0,
         timeout_s: float = 10.0,
+        warn: Callable[[str], None] = print,
     ) -> None:
-        self.engines, self.on_down, self.on_up = engines, on_down, on_up
+        self.engines, self.on_down, self.on_up, self._warn = engines, on_down, on_up, warn
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.up = [True] * len(engines)
         self._pids: list[int | None] = [None] * len(engines)
         self._probing: dict[int, float] = {}  # engine -> when its outstanding probe started
+        self._progress = [0.0] * len(engines)  # engine -> when a response of it last arrived
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="preble-engine-monitor", daemon=True)
@@ -63,6 +68,10 @@ class EngineMonitor:
         pid = load.get("pid")
         if isinstance(self.engines[instance], LocalEngine) and isinstance(pid, int):
             self._pids[instance] = pid
+
+    def progress(self, instance: int) -> None:
+        """A response of the engine arrived (any thread; a plain store)."""
+        self._progress[instance] = time.monotonic()
 
     def suspect(self, instance: int, reason: str) -> None:
         """A request found the engine unreachable: down now; the probes bring it back."""
@@ -82,21 +91,32 @@ class EngineMonitor:
                     if started is None:
                         self._probing[i] = now
                         threading.Thread(target=self._probe, args=(i,), daemon=True).start()
-                if started is not None and now - started > self.timeout_s:
-                    self._down(i, f"it has not answered a health probe for {now - started:.0f}s")
+                silent = now - max(started or now, self._progress[i])
+                if silent > self.timeout_s:
+                    self._down(i, f"it has answered nothing, not even a health probe, for {silent:.0f}s")
 
     def _probe(self, instance: int) -> None:
         try:
             load = self.engines[instance].health()
         except EngineError as exc:
             self._down(instance, str(exc))
-        except Exception as exc:  # an unexpected answer is a failed probe too
-            self._down(instance, f"health probe failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # not proof of death: silence past the timeout is
+            self._warn(
+                f"health probe of engine {self.engines[instance].name} failed: {type(exc).__name__}: {exc}"
+            )
         else:
             self.learn_pid(instance, load)
             pid = self._pids[instance]
             if pid is not None and not process_alive(pid):
                 return  # an answer sent just before the process died
+            if not load.get("loop_alive", True):
+                self._down(instance, "its engine loop thread has died")
+                return
+            if load.get("step_age_s", 0.0) > self.timeout_s:
+                self._down(
+                    instance, f"its engine loop has been in one iteration for {load['step_age_s']:.0f}s"
+                )
+                return
             with self._lock:
                 back = not self.up[instance]
                 self.up[instance] = True

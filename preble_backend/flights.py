@@ -46,6 +46,13 @@ class Flight:
                 self.flights._forwarding += 1
             return True
 
+    def is_cancelled(self) -> bool:
+        """The client cancelled or went away; an ended flight counts as cancelled. Asked
+        under the lock: ``is_cancelled`` on a sender whose final response was sent reads
+        a response factory Triton has freed (a SIGSEGV in the server, seen under load)."""
+        with self._lock:
+            return self._closed or self.sender.is_cancelled()
+
     def send(self, response, final: bool, final_flag: int) -> bool:
         """Send unless already ended; a final response ends the flight."""
         with self._lock:

@@ -11,6 +11,7 @@ virtual environment's ``bin/`` goes first; the bundled libraries and libpython g
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +23,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
+BENIGN = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned memory|CUDA driver")
+EXIT_TIMEOUT_S = 5  # Triton's default is 30: see start_server
 
 
 class LaunchError(RuntimeError):
@@ -73,12 +78,23 @@ class TritonServer:
         raise LaunchError(f"tritonserver was not ready after {timeout:.0f}s: {self.failure()}")
 
     def failure(self) -> str:
-        """The most telling line of the server log."""
+        """Why the server failed, from its log: each model that failed to load and the
+        reason it gave; else the last error line that is not one of the warnings a CPU
+        machine always logs (CUDA, NVML, DCGM)."""
         lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
-        for marker in ("failed to load", "Invalid argument", "error:", "E1", "Error"):
-            hits = [ln for ln in lines if marker in ln]
-            if hits:
-                return hits[-1].strip()[-600:]
+        models: dict[str, str] = {}
+        for line in lines:
+            found = LOAD_FAILURE.search(line)
+            if found:
+                models[found.group(1)] = found.group(2).replace('\\"', '"').strip()
+        if models:
+            return "; ".join(
+                f"model {name} failed to load: {reason[-400:]}" for name, reason in models.items()
+            )
+        errors = [ln for ln in lines if ln.startswith("E") and not BENIGN.search(ln)]
+        errors += [ln for ln in lines if "Signal (" in ln or "terminate called" in ln]
+        if errors:
+            return errors[-1].strip()[-600:]
         return lines[-1].strip() if lines else "no log output"
 
     def stop(self, timeout: float = 60.0) -> int:
@@ -154,8 +170,14 @@ def start_server(
     ports: ServerPorts | None = None,
     log_path: str | Path | None = None,
     extra_args: list[str] | None = None,
+    exit_timeout_s: int = EXIT_TIMEOUT_S,
 ) -> TritonServer:
-    """Launch tritonserver (not yet waiting for readiness)."""
+    """Launch tritonserver (not yet waiting for readiness).
+
+    ``exit_timeout_s`` bounds how long a stopping server waits for models to unload.
+    Healthy engines unload in about a second; but an engine whose stub process died
+    never unloads in Triton 2.51 (the requests it held are never released), and the
+    server would wait out Triton's 30 s default before exiting."""
     repo = Path(model_repository)
     if not repo.is_dir():
         raise LaunchError(f"model repository {repo} does not exist")
@@ -180,6 +202,7 @@ def start_server(
         f"--metrics-port={ports.metrics}",
         "--allow-metrics=true",
         "--log-verbose=0",
+        f"--exit-timeout-secs={exit_timeout_s}",
         *backend_args,
         *(extra_args or []),
     ]

@@ -8,11 +8,13 @@ which frees their pages, and it publishes the engine's load as custom metrics.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
 import threading
 import uuid
+from concurrent.futures import Future
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -34,6 +36,7 @@ from preble_backend.triton_metrics import Metrics, MetricSpec
 INPUTS = ("input_ids", "sampling_parameters", "request_id", "control")
 CANCEL_POLL_S = 0.1
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CONTROL, TOKENS, LAST = 0, 1, 2  # response-queue priorities: control answers go first
 GAUGES = {  # stats key -> (metric name, description)
     "kv_pages_used": ("preble_engine_kv_pages_used", "KV pages in use (running requests and cache)"),
     "kv_pages_free": ("preble_engine_kv_pages_free", "KV pages on the free list"),
@@ -59,7 +62,8 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
-        self._responses: queue.Queue = queue.Queue()
+        self._responses: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, item)
+        self._order = itertools.count()
         self._response_thread = threading.Thread(target=self._response_loop, name="preble-responses")
         self.engine.start()
         self._response_thread.start()
@@ -97,28 +101,37 @@ class TritonPythonModel:
         """Engine thread: hand the output over; a final one carries the report, drained here
         so that events and the load snapshot are consistent with the cache."""
         report = encode_report(self.engine.drain_events(), self._stats()) if out.finished else None
-        self._responses.put((sender, out, report))
+        self._put(TOKENS, (sender, out, report))
 
     def _control(self, op: dict, sender) -> None:
-        """Answered from the engine loop, between iterations, by the response thread:
-        ``execute`` never waits for the loop. ``health`` drains no cache events: they
-        belong to the routers' reports."""
+        """Every answer is sent by the response thread, ahead of token responses (under a
+        burst thousands queue: a prober must not mistake that for death). ``health`` is
+        answered at once and drains no cache events: they belong to the routers' reports.
+        The others run in the engine loop, between iterations: ``execute`` never waits."""
+        if op["op"] == "health":
+            answer: Future = Future()
+            answer.set_result(encode_report([], {**self._stats(), **self.engine.loop_health()}))
+            self._put(CONTROL, (sender, None, answer))
+            return
         if op["op"] == "abort":
             self.engine.abort(op["request_id"])
 
         def report() -> str:
             if op["op"] == "flush_cache":
                 self.engine.flush_cache()
-            return encode_report(self.engine.drain_events() if op["op"] != "health" else [], self._stats())
+            return encode_report(self.engine.drain_events(), self._stats())
 
         self.engine.run_in_loop(report).add_done_callback(
-            lambda done: self._responses.put((sender, None, done))
+            lambda done: self._put(CONTROL, (sender, None, done))
         )
+
+    def _put(self, priority: int, item) -> None:
+        self._responses.put((priority, next(self._order), item))
 
     def _response_loop(self) -> None:
         while True:
             try:
-                item = self._responses.get(timeout=CANCEL_POLL_S)
+                _, _, item = self._responses.get(timeout=CANCEL_POLL_S)
             except queue.Empty:
                 self._sweep()
                 continue
@@ -154,10 +167,7 @@ class TritonPythonModel:
 
     def _send_report(self, sender, done) -> None:
         try:
-            tensors = [
-                pb_utils.Tensor("token_ids", np.zeros(0, dtype=np.int32)),
-                string_tensor("report", [done.result()]),
-            ]
+            tensors = [string_tensor("report", [done.result()])]
             sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL)
         except Exception as exc:
             send_error(sender, f"control operation failed: {exc}")
@@ -182,6 +192,6 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.shutdown()  # pending requests finish as "abort" and reach the queue
-        self._responses.put(None)
+        self._put(LAST, None)
         self._response_thread.join()
         self.metrics.close()

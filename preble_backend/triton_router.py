@@ -95,8 +95,10 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"instance": engine.name})
-        self.monitor = EngineMonitor(self.engines, self._engine_down, self._engine_up,
-                                     config.health_interval_s, config.health_timeout_s)  # fmt: skip
+        self.monitor = EngineMonitor(
+            self.engines, self._engine_down, self._engine_up,
+            config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
+        )  # fmt: skip
         self.monitor.start()
         pb_utils.Logger.log_info(
             f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}, "
@@ -168,11 +170,10 @@ class TritonPythonModel:
         cancelled = False
         start, ttft = time.monotonic(), None
         for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json):
-            if flight.closed:
-                return  # ended elsewhere (its engine was declared dead)
+            self.monitor.progress(instance)
             if ttft is None and resp.token_ids:
                 ttft = time.monotonic() - start
-            if not cancelled and flight.sender.is_cancelled():
+            if not cancelled and flight.is_cancelled():  # or ended elsewhere
                 cancelled = True
                 engine.abort(routing.request_id)  # keep reading: the final response confirms it
             num_output += len(resp.token_ids)

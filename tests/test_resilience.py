@@ -1,0 +1,243 @@
+"""The router under production traffic: bursts of simultaneous clients, clients that vanish
+mid-stream, a router at capacity, an engine stub killed under load, a remote engine's
+server killed and restarted. Every request finishes or gets an error naming the cause;
+nothing hangs; every KV page comes back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+
+from client.stress import BurstConfig, run_burst
+from client.triton_client import PrebleError
+from preble_backend.launcher import ServerPorts, start_server
+
+pytestmark = pytest.mark.server
+ENGINES = ("preble_engine_0", "preble_engine_1")
+SHARED = " ".join(f"tool_{i}(query, limit)" for i in range(80))  # a long prefix to exploit
+
+
+def _burst(server, **kw) -> BurstConfig:
+    return BurstConfig(f"127.0.0.1:{server.ports.http}", f"127.0.0.1:{server.ports.grpc}", **kw)
+
+
+def _metric(server, line_start: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith(line_start)]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+def _rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1]) / 1024
+
+
+def _router_stub(server) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub") and b"/preble/1/" in cmd[1]:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server.process.pid:
+                    return int(entry.name)
+    raise AssertionError("no router stub")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("burst")
+    srv = launch(write_test_repository(root / "repo"), root / "server.log")
+    yield srv
+    srv.stop()
+
+
+def test_bursts_of_200_mixed_clients_all_finish_and_every_page_comes_back(server):
+    cfg = _burst(server, requests=200, max_tokens=64, prefix_words=300)
+    for _ in range(3):
+        report, outcomes = run_burst(cfg)
+        assert report.completed == 200, report.errors
+        assert report.by_kind == {"sse": 67, "generate": 67, "grpc": 66}
+        assert {o.finish_reason for o in outcomes} == {"length"}
+    assert server.process.poll() is None
+    client = client_for(server)
+    for engine in ENGINES:
+        assert_engine_pages_free(client, engine)
+
+
+def test_clients_that_vanish_mid_stream_leave_the_server_serving(server):
+    client = client_for(server)
+    params = {"max_tokens": 2000, "ignore_eos": True}
+    outcomes: list[object] = []
+
+    def vanish_grpc(i: int) -> None:
+        outcomes.append(len(client.stream_grpc(f"{SHARED} grpc {i}", params, cancel_after=2).responses))
+
+    def vanish_sse(i: int) -> None:
+        events = client.generate_stream(f"{SHARED} sse {i}", params)
+        outcomes.append(next(events))
+        events.close()  # the connection closes mid-stream
+
+    threads = [threading.Thread(target=f, args=(i,)) for i in range(20) for f in (vanish_grpc, vanish_sse)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(outcomes) == 40
+    report, _ = run_burst(_burst(server, requests=30, max_tokens=16, prefix_words=100))
+    assert report.completed == 30, report.errors
+    for engine in ENGINES:
+        assert_engine_pages_free(client, engine)
+
+
+# ---- a small router: admission, and an engine killed under load ------------------------------
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("small")
+    overrides = {"max_inflight": 4, "max_queue": 4, "health_interval_s": 0.2}
+    repo = write_test_repository(root / "repo", router_overrides=overrides)
+    srv = launch(repo, root / "server.log")
+    yield srv
+    srv.stop()
+
+
+def test_beyond_max_inflight_and_max_queue_requests_are_refused_at_once(small):
+    rss = []
+    for _ in range(3):  # sustained overload: memory stays flat
+        report, outcomes = run_burst(_burst(small, requests=60, max_tokens=32, prefix_words=50))
+        refused = [o for o in outcomes if o.error and "at capacity" in o.error]
+        assert report.completed + len(refused) == 60, report.errors
+        assert report.completed >= 8 and len(refused) >= 20
+        assert max(o.latency_s for o in refused) < min(o.latency_s for o in outcomes if not o.error)
+        rss.append(_rss_mib(_router_stub(small)))
+    assert rss[-1] - rss[0] < 20, rss
+    assert _metric(small, "preble_router_rejected_total") >= 60
+
+
+def test_killed_engine_fails_its_requests_fast_and_is_routed_around(small):
+    client = client_for(small)
+    first = client.generate(SHARED, {"max_tokens": 2})["instance"]
+    assert client.generate(f"{SHARED} again", {"max_tokens": 2})["instance"] == first  # exploited
+    other = next(e for e in ENGINES if e != first)
+    pid = client.engine_control(first, "health")["load"]["pid"]
+    results: dict[int, object] = {}
+
+    def stream(i: int) -> None:
+        start = time.monotonic()
+        try:
+            result = client.stream_grpc(f"{SHARED} q{i}", {"max_tokens": 400, "ignore_eos": True}, timeout=60)
+            results[i] = ("ok", result.final["instance"], time.monotonic() - start)
+        except PrebleError as exc:
+            results[i] = ("error", str(exc), time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while client.engine_control(first, "stats")["load"]["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 3
+    failed = [r for r in results.values() if r[0] == "error"]
+    assert failed, results  # the prefix lives on the killed engine: its requests were there
+    for _, message, at in failed:
+        assert first in message and at - killed_at < 5, (message, at - killed_at)
+    assert all(r[1] == other for r in results.values() if r[0] == "ok")
+    # The shared prefix was cached only on the dead engine: it goes to the live one now.
+    for i in range(6):
+        assert client.generate(f"{SHARED} after {i}", {"max_tokens": 4})["instance"] == other
+    assert _metric(small, f'preble_router_engine_up{{instance="{first}"') == 0
+    assert f"engine {first} is down" in small.log_path.read_text()
+    stubs = _stub_pids(small)
+    started = time.monotonic()
+    small.stop()
+    assert time.monotonic() - started < 15
+    assert not [p for p in stubs if Path(f"/proc/{p}").exists()]
+
+
+def _stub_pids(server) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server.process.pid:
+                    out.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+# ---- a remote engine's server killed and restarted ---------------------------------------
+
+
+def test_remote_engine_server_killed_then_restarted_rejoins(tmp_path, tiny_model):
+    from server_utils import fresh_ports
+
+    ports = fresh_ports()
+    engine_repo = write_test_repository(tmp_path / "engine", cpu_engines=1, with_router=False)
+    remote = f"grpc://127.0.0.1:{ports.grpc}/preble_engine_0"
+    front_repo = write_test_repository(
+        tmp_path / "front", cpu_engines=1, remote_engines=[remote], policy="round_robin",
+        router_overrides={"health_interval_s": 0.2},
+    )  # fmt: skip
+    engine_server = _start(engine_repo, ports, tmp_path / "engine.log")
+    front = launch(front_repo, tmp_path / "front.log")
+    try:
+        client = client_for(front)
+        assert {client.generate(f"warm {i}", {"max_tokens": 2})["instance"] for i in range(2)} == {
+            "preble_engine_0",
+            remote,
+        }
+        results: list[tuple] = []
+
+        def stream(i: int) -> None:
+            try:
+                r = client.stream_grpc(f"long {i}", {"max_tokens": 300, "ignore_eos": True}, timeout=60)
+                results.append(("ok", r.final["instance"]))
+            except PrebleError as exc:
+                results.append(("error", str(exc), time.monotonic()))
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        os.killpg(engine_server.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for t in threads:
+            t.join(60)
+        errors = [r for r in results if r[0] == "error"]
+        assert len(results) == 4 and errors, results
+        assert all(remote in r[1] and r[2] - killed_at < 5 for r in errors), errors
+        assert all(r[1] == "preble_engine_0" for r in results if r[0] == "ok")
+        for i in range(4):  # routed around the lost server
+            assert client.generate(f"meanwhile {i}", {"max_tokens": 2})["instance"] == "preble_engine_0"
+        engine_server.stop()
+        engine_server = _start(engine_repo, ports, tmp_path / "engine2.log")
+        deadline = time.monotonic() + 30
+        seen = set()
+        while remote not in seen and time.monotonic() < deadline:
+            seen.add(client.generate("rejoin?", {"max_tokens": 2})["instance"])
+            time.sleep(0.2)
+        assert remote in seen
+    finally:
+        front.stop()
+        engine_server.stop()
+
+
+def _start(repo: Path, ports: ServerPorts, log: Path):
+    server = start_server(repo, ports, log_path=log)
+    server.wait_ready(300)
+    return server

@@ -1,0 +1,186 @@
+"""Router pieces for surviving failure, without a server: bounded admission and the
+single writer of each response sender, the engine monitor's verdicts, and every policy
+routing around a dead instance and forgetting what it cached."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+from test_e2 import e2, route, stored
+
+from preble_backend.engine_client import EngineError, LocalEngine, RemoteEngine
+from preble_backend.engine_monitor import EngineMonitor, process_alive
+from preble_backend.flights import Flights
+from preble_backend.radix_cache import CacheEvent
+from preble_backend.sampling import SamplingParams
+from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[object, int]] = []
+
+    def send(self, response, flags=0) -> None:
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return False
+
+
+def test_admission_refuses_past_inflight_plus_queue_and_slots_come_back():
+    flights = Flights(max_inflight=2, max_queue=1)
+    admitted = [flights.admit(Sender()) for _ in range(3)]
+    assert all(admitted) and flights.admit(Sender()) is None
+    assert admitted[0].wait_for_slot() and admitted[1].wait_for_slot()
+    assert flights.counts() == (3, 1)  # the third waits for a slot
+    waiter = threading.Thread(target=admitted[2].wait_for_slot)
+    waiter.start()
+    admitted[0].send("last", final=True, final_flag=1)  # ends the flight: its slot goes on
+    waiter.join(5)
+    assert not waiter.is_alive() and flights.counts() == (2, 0)
+    assert flights.admit(Sender()) is not None
+
+
+def test_a_flight_answers_once_whoever_ends_it():
+    flights = Flights(1, 0)
+    sender = Sender()
+    flight = flights.admit(sender)
+    assert flight.wait_for_slot()
+    assert flight.send("token", final=False, final_flag=1)
+    assert flight.end(lambda: sender.send("engine died", 1))  # the monitor ends it
+    assert not flight.send("late token", final=True, final_flag=1)  # the worker, later
+    assert not flight.end(lambda: sender.send("second error", 1))
+    assert [r for r, _ in sender.sent] == ["token", "engine died"]
+    assert flight.is_cancelled() and flights.counts() == (0, 0)
+    # A flight ended while it waited for a slot never takes one.
+    flights = Flights(1, 1)
+    first, second = flights.admit(Sender()), flights.admit(Sender())
+    assert first.wait_for_slot()
+    second.end(lambda: None)
+    first.end(lambda: None)
+    assert not second.wait_for_slot() and flights.admit(Sender()).wait_for_slot()
+
+
+class FakeEngine(LocalEngine):
+    def __init__(self, name: str, pid: int) -> None:
+        super().__init__(name)
+        self.pid, self.fail, self.hang = pid, None, False
+
+    def health(self) -> dict:
+        while self.hang:
+            time.sleep(0.01)
+        if self.fail:
+            raise EngineError(self.fail)
+        return {"pid": self.pid, "loop_alive": True, "step_age_s": 0.0}
+
+
+def wait_for(condition, timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_monitor_sees_a_killed_stub_a_failed_probe_and_a_return():
+    child = subprocess.Popen(["sleep", "60"])
+    engines = [FakeEngine("e0", child.pid), FakeEngine("e1", os.getpid())]
+    events: list[tuple] = []
+    monitor = EngineMonitor(engines, lambda i, why: events.append(("down", i, why)),
+                            lambda i: events.append(("up", i)), interval_s=0.02, timeout_s=0.5)  # fmt: skip
+    monitor.start()
+    try:
+        assert wait_for(lambda: monitor._pids[0] == child.pid)
+        child.kill()
+        child.wait()
+        assert wait_for(lambda: events) and events[0][:2] == ("down", 0)
+        assert f"stub process {child.pid} exited" in events[0][2]
+        engines[1].fail = "Stub process 'e1' is not healthy."
+        assert wait_for(lambda: len(events) == 2) and events[1] == ("down", 1, engines[1].fail)
+        engines[1].fail = None  # the engine answers again: it rejoins, once
+        assert wait_for(lambda: len(events) == 3) and events[2] == ("up", 1)
+        time.sleep(0.1)
+        assert len(events) == 3
+    finally:
+        monitor.stop()
+
+
+def test_monitor_waits_for_a_silent_engine_only_while_its_tokens_stop_too():
+    engine = FakeEngine("e0", os.getpid())
+    downs: list[str] = []
+    monitor = EngineMonitor([engine], lambda i, why: downs.append(why), lambda i: None, 0.02, 0.3)
+    engine.hang = True  # the probe's answer queues behind a burst of token responses...
+    monitor.start()
+    try:
+        for _ in range(40):  # ...while tokens keep arriving: alive
+            monitor.progress(0)
+            time.sleep(0.02)
+        assert downs == []
+        assert wait_for(lambda: downs)  # nothing at all for longer than the timeout: down
+        assert "answered nothing" in downs[0]
+    finally:
+        engine.hang = False
+        monitor.stop()
+
+
+def test_process_alive():
+    assert process_alive(os.getpid())
+    child = subprocess.Popen(["true"])
+    time.sleep(0.2)  # exited but not reaped: a zombie is not alive
+    assert not process_alive(child.pid)
+    child.wait()
+    assert not process_alive(child.pid)
+
+
+def request(i: int, tokens=(1, 2, 3)) -> RoutingRequest:
+    return RoutingRequest(str(i), list(tokens), SamplingParams())
+
+
+@pytest.mark.parametrize("name", ["e2", "round_robin", "least_load", "prefix_hash", "cache_aware", "kv_cost"])
+def test_every_policy_routes_only_to_live_instances(name):
+    policy = make_policy(name, 3, page_size=1)
+    loads = [InstanceLoad() for _ in range(3)]
+    policy.instance_down(1)
+    chosen = {policy.select(request(i, range(i, i + 40)), loads).instance for i in range(30)}
+    assert chosen <= {0, 2} and chosen
+    policy.instance_up(1)
+    policy.instance_down(0)
+    policy.instance_down(2)
+    assert {policy.select(request(i, range(i, i + 40)), loads).instance for i in range(10)} == {1}
+
+
+def test_e2_forgets_a_dead_instance_and_sends_its_prefix_elsewhere():
+    policy, _ = e2(n=2)
+    r, d = route(policy, range(100))
+    policy.on_finish(d.instance, r, stored(range(100)))
+    _, again = route(policy, list(range(90)) + [7] * 10)
+    assert (again.instance, again.branch) == (d.instance, "exploit")
+    policy.instance_down(d.instance)
+    assert policy.tree.cached_sequences(d.instance) == set()
+    assert policy.tree.cached_tokens[d.instance] == 0
+    _, after = route(policy, list(range(90)) + [8] * 10)
+    assert after.instance != d.instance
+
+
+def test_kv_cost_forgets_what_a_dead_instance_cached():
+    policy = make_policy("kv_cost", 2, page_size=16)
+    r = request(0, range(64))
+    policy.select(r, [InstanceLoad(), InstanceLoad()])
+    policy.on_finish(0, r, FinishInfo([CacheEvent.of("stored", range(64), 0, 16)]))
+    assert policy.tree.cached_sequences(0)
+    policy.instance_down(0)
+    assert policy.tree.cached_sequences(0) == set()
+
+
+def test_remote_engine_refuses_fast_when_nothing_listens():
+    from preble_backend.launcher import free_port
+
+    engine = RemoteEngine(f"127.0.0.1:{free_port()}", "preble_engine_0")
+    started = time.monotonic()
+    with pytest.raises(EngineError, match="unreachable: UNAVAILABLE"):
+        engine.health()
+    assert time.monotonic() - started < 5
+    engine.close()
