@@ -155,7 +155,8 @@ async def _burst(cfg: BurstConfig, prompts: list[str]) -> tuple[list[Outcome], f
     import tritonclient.grpc.aio as grpcaio
 
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0)  # every client at once, no pool queueing
+    # Every client at once and on a connection of its own, as distinct clients arrive.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         grpc_client = grpcaio.InferenceServerClient(cfg.grpc_url)
 

@@ -28,7 +28,7 @@ def engine(tiny_model, make_engine):
         ([5, -1], {}, "token id -1 is outside the vocabulary"),
         ([5], {"max_tokens": 0}, "max_tokens must be >= 1"),
         ([5], {"max_tokens": -1}, "max_tokens must be >= 1"),
-        ([5], {"temperature": -0.5}, "temperature must be >= 0"),
+        ([5], {"temperature": -0.5}, "temperature must be a finite number >= 0"),
         ([5], {"top_p": 0}, "top_p must be in (0, 1]"),
         ([5], {"top_p": 1.5}, "top_p must be in (0, 1]"),
         ([5], {"top_k": 0}, "top_k must be -1 (off) or >= 1"),
