@@ -67,3 +67,14 @@ def test_serve_fails_with_one_line_when_the_repository_is_missing(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert err.strip() == f"preble serve: model repository {tmp_path / 'nowhere'} does not exist"
+
+
+def test_serve_names_the_model_that_failed_to_load_and_why(tmp_path, tiny_model):
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
+    config = repo / "preble" / "config.pbtxt"
+    config.write_text(config.read_text().replace('"preble_engine_0"', '"preble_engine_0,preble_engine_9"'))
+    proc = serve(repo, fresh_ports())
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "preble serve: tritonserver exited: model preble failed to load:" in err, err
+    assert f"engines: model 'preble_engine_9' is not in the model repository {repo}" in err, err

@@ -22,7 +22,7 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
-MODEL = '''
+MODEL = """
 import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -57,7 +57,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.metrics.close()
-'''
+"""
 
 
 def test_metrics_from_sixteen_threads_at_once_are_all_counted(tmp_path):

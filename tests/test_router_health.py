@@ -184,3 +184,57 @@ def test_remote_engine_refuses_fast_when_nothing_listens():
         engine.health()
     assert time.monotonic() - started < 5
     engine.close()
+
+
+def test_router_load_checks_its_local_engines(tmp_path):
+    from preble_backend.repository import check_local_engines, write_repository
+
+    repo = write_repository(tmp_path / "repo", cpu_engines=2, page_size=32)
+    check_local_engines(repo, ["preble_engine_0", "preble_engine_1"], 32)
+    with pytest.raises(ValueError, match="model 'preble_engine_7' is not in the model repository"):
+        check_local_engines(repo, ["preble_engine_7"], 32)
+    with pytest.raises(
+        ValueError, match="page_size=16 is invalid: engine 'preble_engine_0' pages its KV cache by 32"
+    ):
+        check_local_engines(repo, ["preble_engine_0"], 16)
+    config = repo / "preble_engine_1" / "config.pbtxt"
+    config.write_text(config.read_text().replace("decoupled: true", "decoupled: false"))
+    with pytest.raises(ValueError, match="model 'preble_engine_1' is not decoupled"):
+        check_local_engines(repo, ["preble_engine_1"], 32)
+
+
+def test_server_failure_names_each_model_and_skips_cpu_warnings(tmp_path):
+    from preble_backend.launcher import ServerPorts, TritonServer
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        'E1123 02:11:31.417073 5192 server.cc:241] "CudaDriverHelper has not been initialized."\n'
+        "E1123 02:11:40.1 5192 model_lifecycle.cc:654] \"failed to load 'preble' version 1: "
+        "Invalid argument: ValueError: policy='nope' is invalid\"\n"
+        'E1123 02:11:40.2 5192 model_repository_manager.cc:703] "failed to load all models"\n'
+    )
+    server = TritonServer(None, ServerPorts(), log, tmp_path)
+    assert server.failure() == (
+        "model preble failed to load: Invalid argument: ValueError: policy='nope' is invalid"
+    )
+
+
+def test_one_request_whose_sampling_fails_ends_alone(tiny_model, make_engine):
+    engine = make_engine(tiny_model, page_size=8, chunk_size=64, max_num_tokens=2048)
+    outputs: dict[str, list] = {}
+    for rid in ("a", "bad", "b"):
+        engine.add_request(rid, [5, 6, 7, 8], {"max_tokens": 6, "temperature": 0},
+                           lambda out: outputs.setdefault(out.request_id, []).append(out))  # fmt: skip
+
+    class Broken:  # a sampler state that fails mid-generation, as a bad value would
+        params = SamplingParams(temperature=0.5)
+        generator = "not a generator"
+
+    engine._requests["bad"].sampler = Broken()
+    while engine.has_work():
+        engine.step()
+    assert outputs["bad"][-1].error is not None and "sampling failed" in outputs["bad"][-1].error
+    for rid in ("a", "b"):
+        assert outputs[rid][-1].finish_reason == "length"
+        assert sum(len(o.token_ids) for o in outputs[rid]) == 6
+    assert engine.pool.num_used == engine.cache.num_pages  # every private page came back
