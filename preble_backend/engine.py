@@ -19,7 +19,7 @@ import torch
 
 from preble_backend.block_manager import BlockManager
 from preble_backend.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from preble_backend.local_scheduler import LocalScheduler
+from preble_backend.local_scheduler import LocalScheduler, ScheduledBatch
 from preble_backend.model_runner import ModelRunner
 from preble_backend.priority_queue import PriorityWaitQueue
 from preble_backend.radix_cache import CacheEvent, RadixCache
@@ -156,28 +156,45 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return
+        for part, logits, rows in self._forward_isolating(batch):
+            self.scheduler.advance(part)
+            for row, i in zip(logits, rows):
+                self._sample(part.requests[i], row)
+
+    def _forward_isolating(
+        self, batch: ScheduledBatch
+    ) -> list[tuple[ScheduledBatch, torch.Tensor, list[int]]]:
+        """Run the batch; if the pass fails, halve it until the requests that make it fail
+        are found: they end with the error, the rest run (re-running a pass rewrites the
+        same KV slots with the same values). A bad request never fails its batch-mates."""
         try:
             logits, rows = self.runner.forward(batch, self.pool)
-            self.scheduler.advance(batch)
-        except Exception as exc:  # a broken batch must not take the engine down
-            log.exception("iteration failed")
-            for req in batch.requests:
-                self._finish(req, "error", error=f"engine iteration failed: {exc}")
+            return [(batch, logits, rows)]
+        except Exception as exc:
+            if len(batch) == 1:
+                log.exception("iteration failed for request %s", batch.requests[0].request_id)
+                self._finish(batch.requests[0], "error", error=f"engine iteration failed: {exc}")
+                return []
+        half = len(batch) // 2
+        parts = (
+            ScheduledBatch(batch.requests[:half], batch.num_new_tokens[:half]),
+            ScheduledBatch(batch.requests[half:], batch.num_new_tokens[half:]),
+        )
+        return [run for part in parts for run in self._forward_isolating(part)]
+
+    def _sample(self, req: Request, row: torch.Tensor) -> None:
+        try:
+            token = sample_one(row, req.sampler, self.stops.banned(req))
+        except Exception as exc:  # this request's sampling failed: it alone ends
+            log.exception("sampling request %s failed", req.request_id)
+            self._finish(req, "error", error=f"sampling failed: {exc}")
             return
-        for row, i in zip(logits, rows):
-            req = batch.requests[i]
-            try:
-                token = sample_one(row, req.sampler, self.stops.banned(req))
-            except Exception as exc:  # this request's sampling failed: it alone ends
-                log.exception("sampling request %s failed", req.request_id)
-                self._finish(req, "error", error=f"sampling failed: {exc}")
-                continue
-            req.output_ids.append(token)
-            reason = self.stops.finish_reason(req, self.model_config.max_context)
-            if reason is None:
-                self._emit(req, [token])
-            else:
-                self._finish(req, reason, new_tokens=[token])
+        req.output_ids.append(token)
+        reason = self.stops.finish_reason(req, self.model_config.max_context)
+        if reason is None:
+            self._emit(req, [token])
+        else:
+            self._finish(req, reason, new_tokens=[token])
 
     def _finish(self, req: Request, reason: str, new_tokens=(), error: str | None = None) -> None:
         self.scheduler.finish(req)

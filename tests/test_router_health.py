@@ -238,3 +238,30 @@ def test_one_request_whose_sampling_fails_ends_alone(tiny_model, make_engine):
         assert outputs[rid][-1].finish_reason == "length"
         assert sum(len(o.token_ids) for o in outputs[rid]) == 6
     assert engine.pool.num_used == engine.cache.num_pages  # every private page came back
+
+
+def test_a_request_that_breaks_the_forward_pass_fails_alone(tiny_model, make_engine):
+    engine = make_engine(tiny_model, page_size=8, chunk_size=64, max_num_tokens=2048)
+    reference = make_engine(tiny_model, page_size=8, chunk_size=64, max_num_tokens=2048)
+    prompts = {"a": [5, 6, 7, 8], "bad": [9, 10, 11], "b": [12, 13, 14, 15, 16]}
+    greedy = {"max_tokens": 5, "temperature": 0}
+    expected = dict(zip(("a", "b"), reference.generate([prompts["a"], prompts["b"]], greedy)))
+    forward = engine.runner.forward
+
+    def breaks_with_bad(batch, pool):
+        if any(r.request_id == "bad" for r in batch.requests) and any(r.output_ids for r in batch.requests):
+            raise RuntimeError("kernel failed")
+        return forward(batch, pool)
+
+    engine.runner.forward = breaks_with_bad
+    outputs: dict[str, list] = {}
+    for rid, prompt in prompts.items():
+        engine.add_request(
+            rid, prompt, greedy, lambda out: outputs.setdefault(out.request_id, []).append(out)
+        )
+    while engine.has_work():
+        engine.step()
+    assert "engine iteration failed: kernel failed" in outputs["bad"][-1].error
+    for rid in ("a", "b"):
+        assert [t for o in outputs[rid] for t in o.token_ids] == expected[rid]
+    assert engine.pool.num_used == engine.cache.num_pages
