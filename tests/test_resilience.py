@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
 
-from client.stress import BurstConfig, run_burst
+from client.stress import BurstConfig, process_tree, run_burst
 from client.triton_client import PrebleError
 from preble_backend.engine_monitor import process_alive
 from preble_backend.launcher import ServerPorts, start_server
@@ -41,15 +41,9 @@ def _rss_mib(pid: int) -> float:
 
 
 def _router_stub(server) -> int:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if len(cmd) > 1 and cmd[0].endswith(b"triton_python_backend_stub") and b"/preble/1/" in cmd[1]:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server.process.pid:
-                    return int(entry.name)
+    for pid in process_tree(server.process.pid):
+        if b"/preble/1/model.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
     raise AssertionError("no router stub")
 
 
@@ -162,23 +156,11 @@ def test_killed_engine_fails_its_requests_fast_and_is_routed_around(small):
         assert client.generate(f"{SHARED} after {i}", {"max_tokens": 4})["instance"] == other
     assert _metric(small, f'preble_router_engine_up{{instance="{first}"') == 0
     assert f"engine {first} is down" in small.log_path.read_text()
-    stubs = _stub_pids(small)
+    stubs = process_tree(small.process.pid)[1:]
     started = time.monotonic()
     small.stop()
     assert time.monotonic() - started < 15
     assert not [p for p in stubs if process_alive(p)]  # the killed one may linger as a zombie
-
-
-def _stub_pids(server) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server.process.pid:
-                    out.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-    return out
 
 
 # ---- a remote engine's server killed and restarted ---------------------------------------
