@@ -277,3 +277,13 @@ def test_perf_analyzer_streaming_run_has_no_errors(server):
     assert "Request count: 16" in result.stdout
     assert "Successful request count: 16" in result.stdout
     assert "error" not in (result.stdout + result.stderr).lower()
+
+
+def test_engine_refuses_a_control_op_sent_with_input_ids(client):
+    inputs = {
+        "control": np.array([b'{"op": "stats"}'], dtype=np.object_),
+        "input_ids": np.array([5, 6, 7], dtype=np.int32),
+    }
+    with pytest.raises(PrebleError, match="'control' cannot be sent together with 'input_ids'"):
+        client.infer_grpc(inputs, model=ENGINES[0])
+    assert client.engine_control(ENGINES[0], "stats")["load"]["kv_pages_total"] > 0
