@@ -3,6 +3,9 @@ Imported only inside Triton's Python backend stub."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +61,18 @@ def send_error(sender, message: str, code=None) -> None:
 def string_tensor(name: str, values: list[str | bytes]) -> pb_utils.Tensor:
     data = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
     return pb_utils.Tensor(name, np.array(data, dtype=np.object_))
+
+
+def exit_with_server(poll_s: float = 0.5) -> None:
+    """End this stub process when its tritonserver dies. The stub's own check (exit on a
+    dead parent) deadlocks when the server dies during a metric update (the update holds
+    the stub's message lock, which the exit path takes), leaving a stub that holds its
+    model's memory forever; a changed parent pid is proof enough."""
+    server = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == server:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="preble-exit-with-server", daemon=True).start()

@@ -25,6 +25,7 @@ from preble_backend.protocol import encode_report, parse_engine_call
 from preble_backend.request import RequestOutput
 from preble_backend.triton_common import (
     config_parameters,
+    exit_with_server,
     read_inputs,
     require_decoupled,
     resolve_model_path,
@@ -52,6 +53,7 @@ METRICS = [MetricSpec(name, "gauge", text) for name, text in GAUGES.values()] + 
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        exit_with_server()
         self.model_config = json.loads(args["model_config"])
         require_decoupled(self.model_config)
         params = config_parameters(self.model_config)
@@ -64,7 +66,9 @@ class TritonPythonModel:
         self._active: dict[str, object] = {}  # request id -> response sender
         self._responses: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, item)
         self._order = itertools.count()
-        self._response_thread = threading.Thread(target=self._response_loop, name="preble-responses")
+        self._response_thread = threading.Thread(
+            target=self._response_loop, name="preble-responses", daemon=True  # joined in finalize
+        )
         self.engine.start()
         self._response_thread.start()
         pb_utils.Logger.log_info(

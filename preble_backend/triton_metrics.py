@@ -9,6 +9,10 @@ SIGSEGV or ``boost::interprocess::lock_exception``. The router updates metrics f
 thread per request, so callers here only enqueue; the publisher thread owns every
 ``MetricFamily`` and ``Metric`` object, creates them, updates them and deletes them
 (metrics before their family, as ``pb_utils`` requires).
+
+Gauges are moved with ``increment(delta)``, never ``set``: ``set`` waits for the server
+while holding the GIL, which stalls every Python thread of the stub for the round trip,
+and if the server dies meanwhile the GIL is never released and the stub cannot exit.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Metrics:
         self.base_labels = base_labels
         self.specs = {spec.name: spec for spec in specs}
         self._updates: queue.SimpleQueue = queue.SimpleQueue()
+        self._gauges: dict[tuple[str, str], float] = {}  # each gauge's value as published
         self._thread = threading.Thread(target=self._publish_loop, name="preble-metrics", daemon=True)
         self._thread.start()
 
@@ -94,13 +99,16 @@ class Metrics:
                 stop = True
                 batch = [u for u in batch if u is not None]
             if enabled:
-                self._apply(batch, families, metrics)
+                try:
+                    self._apply(batch, families, metrics)
+                except Exception as exc:  # a metric lost, never the thread (the queue would grow)
+                    pb_utils.Logger.log_error(f"preble metrics: {type(exc).__name__}: {exc}")
         metrics.clear()  # Metric objects go before their MetricFamily
         families.clear()
 
     def _apply(self, batch, families: dict, metrics: dict) -> None:
-        sums: dict[tuple[str, str], float] = {}
-        last: dict[tuple[str, str], float] = {}
+        sums: dict[tuple[str, str], float] = {}  # counters: what to add
+        last: dict[tuple[str, str], float] = {}  # gauges: the latest value
         observed: list[tuple[tuple[str, str], float]] = []
         for name, labels, value in batch:
             kind = self.specs[name].kind
@@ -113,7 +121,10 @@ class Metrics:
         for key, value in sums.items():
             self._metric(key, families, metrics).increment(value)
         for key, value in last.items():
-            self._metric(key, families, metrics).set(value)
+            delta = value - self._gauges.get(key, 0.0)
+            if delta or key not in self._gauges:
+                self._metric(key, families, metrics).increment(delta)
+            self._gauges[key] = value
         for key, value in observed:
             self._metric(key, families, metrics).observe(value)
 

@@ -38,6 +38,7 @@ from preble_backend.protocol import BadRequest, GenerateRequest, decode_report, 
 from preble_backend.repository import check_local_engines
 from preble_backend.triton_common import (
     config_parameters,
+    exit_with_server,
     read_inputs,
     require_decoupled,
     resolve_model_path,
@@ -74,6 +75,7 @@ class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         from transformers import AutoTokenizer
 
+        exit_with_server()
         model_config = json.loads(args["model_config"])
         require_decoupled(model_config)
         self.config = config = RouterConfig.from_strings(config_parameters(model_config))

@@ -40,6 +40,13 @@ def _rss_mib(pid: int) -> float:
     return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1]) / 1024
 
 
+def _wait_running(client, engine: str) -> None:
+    """Until the engine runs a request (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while client.engine_control(engine, "stats")["load"]["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _router_stub(server) -> int:
     for pid in process_tree(server.process.pid):
         if b"/preble/1/model.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -138,9 +145,7 @@ def test_killed_engine_fails_its_requests_fast_and_is_routed_around(small):
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while client.engine_control(first, "stats")["load"]["running"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_running(client, first)
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     for t in threads:
@@ -224,3 +229,22 @@ def _start(repo: Path, ports: ServerPorts, log: Path):
     server = start_server(repo, ports, log_path=log)
     server.wait_ready(300)
     return server
+
+
+def test_stubs_exit_when_their_server_is_killed_under_load(tmp_path, tiny_model):
+    from preble_backend.launcher import _group_running
+
+    server = launch(write_test_repository(tmp_path / "repo"), tmp_path / "server.log")
+    try:
+        burst = threading.Thread(target=run_burst, args=(_burst(server, requests=60, max_tokens=64),))
+        burst.start()
+        _wait_running(client_for(server), ENGINES[0])
+        os.kill(server.process.pid, signal.SIGKILL)  # the server alone: its stubs are orphaned
+        server.process.wait()
+        deadline = time.monotonic() + 10
+        while _group_running(server.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_running(server.process.pid)
+        burst.join(60)
+    finally:
+        server.stop()
