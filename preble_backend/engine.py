@@ -52,7 +52,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_finished = 0
-        self._last_step = time.monotonic()  # when the loop last finished an iteration
+        self._step_started: float | None = None  # when the running iteration began
 
     def _num_pages(self) -> int:
         cfg = self.config
@@ -245,15 +245,18 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     return
+            self._step_started = time.monotonic()
             self.step()
-            self._last_step = time.monotonic()
+            self._step_started = None
 
     def loop_health(self) -> dict[str, object]:
-        """Whether the engine thread runs, and how long it has been inside one iteration
-        while work waits (0 when idle): a stuck loop shows here (any thread may ask)."""
-        alive = self._thread is not None and self._thread.is_alive()
-        busy = self.has_work() and alive
-        return {"loop_alive": alive, "step_age_s": time.monotonic() - self._last_step if busy else 0.0}
+        """Whether the engine thread runs, and how long it has been inside the current
+        iteration (0 between iterations): a stuck loop shows here (any thread may ask)."""
+        started = self._step_started
+        return {
+            "loop_alive": self._thread is not None and self._thread.is_alive(),
+            "step_age_s": time.monotonic() - started if started is not None else 0.0,
+        }
 
     def shutdown(self) -> None:
         """Stop the thread; every request still queued or running finishes as ``abort``."""

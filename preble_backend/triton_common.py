@@ -4,8 +4,7 @@ Imported only inside Triton's Python backend stub."""
 from __future__ import annotations
 
 import os
-import threading
-import time
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -64,15 +63,16 @@ def string_tensor(name: str, values: list[str | bytes]) -> pb_utils.Tensor:
 
 
 def exit_with_server(poll_s: float = 0.5) -> None:
-    """End this stub process when its tritonserver dies. The stub's own check (exit on a
-    dead parent) deadlocks when the server dies during a metric update (the update holds
-    the stub's message lock, which the exit path takes), leaving a stub that holds its
-    model's memory forever; a changed parent pid is proof enough."""
-    server = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == server:
-            time.sleep(poll_s)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="preble-exit-with-server", daemon=True).start()
+    """End this stub process when its tritonserver dies. The stub's own exit on a dead
+    parent deadlocks when the server dies during a metric update (the update holds the
+    stub's message lock, which the exit path takes), leaving a stub that holds its model's
+    memory forever. A shell process watches the stub's parent pid: a Python thread could
+    not, since a thread stuck in a call into the dead server may hold the GIL."""
+    stub, server = os.getpid(), os.getppid()
+    script = (
+        f'while [ "$(cut -d" " -f4 /proc/{stub}/stat 2>/dev/null)" = "{server}" ]; do sleep {poll_s}; done; '
+        f"[ -e /proc/{stub} ] && kill -9 {stub}"
+    )
+    subprocess.Popen(
+        ["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )

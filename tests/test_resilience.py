@@ -120,7 +120,7 @@ def test_beyond_max_inflight_and_max_queue_requests_are_refused_at_once(small):
         refused = [o for o in outcomes if o.error and "at capacity" in o.error]
         assert report.completed + len(refused) == 60, report.errors
         assert report.completed >= 8 and len(refused) >= 20
-        assert max(o.latency_s for o in refused) < min(o.latency_s for o in outcomes if not o.error)
+        assert max(o.latency_s for o in refused) < 2  # at once, not after queueing
         rss.append(_rss_mib(_router_stub(small)))
     assert rss[-1] - rss[0] < 20, rss
     assert _metric(small, "preble_router_rejected_total") >= 60
