@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from preble_backend.procfs import process_tree
+
 KINDS = ("sse", "generate", "grpc")
 
 
@@ -196,24 +198,6 @@ def peak_rss_mib(pids: list[int]) -> dict[str, float]:
             name = f"stub:{Path(cmdline[1].decode()).parent.parent.name}"  # the model's directory
         peaks[f"{name}[{pid}]"] = int(fields.get("VmHWM", "0 kB").split()[0]) / 1024
     return peaks
-
-
-def process_tree(root: int) -> list[int]:
-    """``root`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def run_burst(cfg: BurstConfig, server_pid: int | None = None) -> tuple[BurstReport, list[Outcome]]:

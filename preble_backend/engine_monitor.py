@@ -22,18 +22,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from preble_backend.engine_client import EngineClient, EngineError, LocalEngine
-
-
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+from preble_backend.procfs import process_alive
 
 
 class EngineMonitor:

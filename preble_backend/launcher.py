@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from preble_backend.procfs import group_running
+
 LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
 BENIGN = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned memory|CUDA driver")
 EXIT_TIMEOUT_S = 5  # Triton's default is 30: see start_server
@@ -112,23 +114,10 @@ class TritonServer:
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + 10  # a killed process takes a moment to die
-        while _group_running(self.process.pid) and time.monotonic() < deadline:
+        while group_running(self.process.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return self.process.returncode
-
-
-def _group_running(pgid: int) -> bool:
-    """Whether a process of the group still runs (a zombie, dead but not reaped, does not)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                return True
-    return False
 
 
 def _wheel_root() -> Path | None:

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from preble_backend.config import RouterConfig
 from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
 
 ROUTER_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 CONTROL_OPS = ("stats", "health", "abort", "flush_cache")
-MAX_TEXT_INPUT_BYTES = 4 << 20  # a prompt larger than this is refused before tokenization
 
 
 class BadRequest(ValueError):
@@ -72,7 +72,7 @@ class GenerateRequest:
 def parse_generate(
     inputs: dict[str, np.ndarray | None],
     request_parameters: str | None,
-    max_text_bytes: int = MAX_TEXT_INPUT_BYTES,
+    max_text_bytes: int = RouterConfig.max_input_bytes,
 ) -> GenerateRequest:
     """Validate a router request the way the vLLM backend reads it; a prompt over
     ``max_text_bytes`` is refused before anyone tokenizes it.

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
 
-from client.stress import BurstConfig, process_tree, run_burst
+from client.stress import BurstConfig, run_burst
 from client.triton_client import PrebleError
-from preble_backend.engine_monitor import process_alive
 from preble_backend.launcher import ServerPorts, start_server
+from preble_backend.procfs import group_running, process_alive, process_tree
 
 pytestmark = pytest.mark.server
 ENGINES = ("preble_engine_0", "preble_engine_1")
@@ -232,8 +232,6 @@ def _start(repo: Path, ports: ServerPorts, log: Path):
 
 
 def test_stubs_exit_when_their_server_is_killed_under_load(tmp_path, tiny_model):
-    from preble_backend.launcher import _group_running
-
     server = launch(write_test_repository(tmp_path / "repo"), tmp_path / "server.log")
     try:
         burst = threading.Thread(target=run_burst, args=(_burst(server, requests=60, max_tokens=64),))
@@ -242,9 +240,9 @@ def test_stubs_exit_when_their_server_is_killed_under_load(tmp_path, tiny_model)
         os.kill(server.process.pid, signal.SIGKILL)  # the server alone: its stubs are orphaned
         server.process.wait()
         deadline = time.monotonic() + 10
-        while _group_running(server.process.pid) and time.monotonic() < deadline:
+        while group_running(server.process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _group_running(server.process.pid)
+        assert not group_running(server.process.pid)
         burst.join(60)
     finally:
         server.stop()

@@ -13,8 +13,9 @@ import pytest
 from test_e2 import e2, route, stored
 
 from preble_backend.engine_client import EngineError, LocalEngine, RemoteEngine
-from preble_backend.engine_monitor import EngineMonitor, process_alive
+from preble_backend.engine_monitor import EngineMonitor
 from preble_backend.flights import Flights
+from preble_backend.procfs import process_alive
 from preble_backend.radix_cache import CacheEvent
 from preble_backend.sampling import SamplingParams
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy

@@ -1,0 +1,47 @@
+"""What ``/proc`` says about processes: whether one runs, a server's process tree and
+process group. The launcher, the router's engine monitor and the burst tool all ask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _stat(pid: int | str) -> tuple[str, int, int] | None:
+    """(state, parent pid, process group) of a process, or None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _all() -> dict[int, tuple[str, int, int]]:
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(entry.name)) is not None:
+            stats[int(entry.name)] = stat
+    return stats
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of the group still runs."""
+    return any(state not in ("Z", "X") and group == pgid for state, _, group in _all().values())
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _) in _all().items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
