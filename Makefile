@@ -25,4 +25,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) -m client.bench_prefix_cache
+	$(PY) -m preble_backend.engine.bench_prefix_cache

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from preble_backend.procfs import process_tree
+from preble_backend.common.procfs import process_tree
 
 KINDS = ("sse", "generate", "grpc")
 

@@ -299,7 +299,7 @@ def _stable_seed(text: str) -> int:
 
 def summarize(prompts: list[list[int]], output_lens: list[int]) -> dict[str, tuple[float, float]]:
     """Table 1's statistics over the prefix tree of all prompts (an infinite cache)."""
-    from preble_backend.block_hash import chain_hashes
+    from preble_backend.common.block_hash import chain_hashes
     from scheduler.global_tree import GlobalPrefixTree
 
     tree = GlobalPrefixTree(1, window_s=math.inf, page_size=1)  # token-exact, as Table 1

@@ -107,7 +107,7 @@ def run(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> tuple[list[
     del src, dst, a, b
     fi = None
     if device.type == "cuda":
-        from preble_backend.attention_flashinfer import FlashInferAttention
+        from preble_backend.model.attention_flashinfer import FlashInferAttention
 
         try:
             fi = FlashInferAttention(device)

@@ -9,11 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-from preble_backend.config import EngineConfig
-from preble_backend.engine import Engine
-from preble_backend.launcher import LaunchError, ServerPorts, start_server
-from preble_backend.repository import write_repository
-from preble_backend.tiny_model import tiny_model_path
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.model.tiny_model import tiny_model_path
+from preble_backend.serving.launcher import LaunchError, ServerPorts, start_server
+from preble_backend.serving.repository import write_repository
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -106,7 +106,7 @@ def repo(args: argparse.Namespace) -> int:
 
 
 def profile_cmd(args: argparse.Namespace) -> int:
-    from scheduler.profile import profile
+    from scheduler.sim.profile import profile
 
     model = profile(args.model_path or str(tiny_model_path()), device=args.device)
     model.save(args.output)
@@ -147,8 +147,8 @@ def workload_cmd(args: argparse.Namespace) -> int:
 
 def simulate_cmd(args: argparse.Namespace) -> int:
     from scheduler.cost_model import CostModel
-    from scheduler.simulator import SimConfig
-    from scheduler.sweep import ALL_POLICIES, sweep, write
+    from scheduler.sim.simulator import SimConfig
+    from scheduler.sim.sweep import ALL_POLICIES, sweep, write
 
     cost = CostModel.load(args.cost_model)
     cfg = SimConfig(num_instances=args.instances, capacity_tokens=args.capacity_tokens)

@@ -1,6 +1,6 @@
 """The global prefix tree (paper §4.2): one radix tree of the cluster's prompts.
 
-Keys are page chain hashes (``preble_backend/block_hash.py``), one per full KV page, so the
+Keys are page chain hashes (``preble_backend/common/block_hash.py``), one per full KV page, so the
 tree has the engines' own granularity (they share whole pages only) and a prompt is a
 list of a few hundred numbers instead of thousands of tokens. A node is a run of pages
 (``tree_node.py``).
@@ -29,7 +29,7 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 
-from preble_backend.radix_cache import CacheEvent
+from preble_backend.engine.radix_cache import CacheEvent
 from scheduler.tree_node import GlobalNode, Match, common_pages
 
 WATCH_LIMIT = 64  # changed nodes a watcher is told of before it must rebuild

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from preble_backend.block_hash import chain_hashes
-from preble_backend.radix_cache import CacheEvent
+from preble_backend.common.block_hash import chain_hashes
+from preble_backend.engine.radix_cache import CacheEvent
 
 if TYPE_CHECKING:  # the router's policies need no torch
-    from preble_backend.sampling import SamplingParams
+    from preble_backend.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The global prefix tree's nodes and what matching a prompt against them yields.
 
-A node is a run of KV pages named by their chain hashes (``preble_backend/block_hash.py``).
+A node is a run of KV pages named by their chain hashes (``preble_backend/common/block_hash.py``).
 Each chain hash names its whole prefix, so one comparison of a node's last hash tells
 whether the whole node matches, and a partial match is a binary search (``common_pages``).
 """

@@ -24,7 +24,7 @@ def _preble_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(_preble_cache) -> str:
-    from preble_backend.tiny_model import tiny_model_path
+    from preble_backend.model.tiny_model import tiny_model_path
 
     return str(tiny_model_path())
 
@@ -114,8 +114,8 @@ def hf_reference():
 def make_engine():
     """Build engines; at teardown each must hold no request and, after the unreferenced
     cache is flushed, have every KV page back on the free list."""
-    from preble_backend.config import EngineConfig
-    from preble_backend.engine import Engine
+    from preble_backend.engine.config import EngineConfig
+    from preble_backend.engine.engine import Engine
 
     engines: list[Engine] = []
 
@@ -147,8 +147,8 @@ def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[lis
 
 
 def make_request(tokens: list[int], rid: int | str = 0):
-    from preble_backend.request import Request
-    from preble_backend.sampling import SamplerState, SamplingParams
+    from preble_backend.engine.request import Request
+    from preble_backend.engine.sampling import SamplerState, SamplingParams
 
     params = SamplingParams(max_tokens=1)
     return Request(str(rid), list(tokens), params, SamplerState.create(params, "cpu"))
@@ -156,7 +156,7 @@ def make_request(tokens: list[int], rid: int | str = 0):
 
 def tiny_pool(num_pages: int = 24, page_size: int = 4):
     """A KV pool with one-number pages: for tests of page bookkeeping alone."""
-    from preble_backend.kv_pool import KVPool
+    from preble_backend.model.kv_pool import KVPool
 
     return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
 

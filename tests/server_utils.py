@@ -9,8 +9,8 @@ import urllib.request
 from pathlib import Path
 
 from client.triton_client import PrebleClient
-from preble_backend.launcher import ServerPorts, free_port, start_server
-from preble_backend.repository import write_repository
+from preble_backend.serving.launcher import ServerPorts, free_port, start_server
+from preble_backend.serving.repository import write_repository
 
 
 def fresh_ports() -> ServerPorts:

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from conftest import assert_cached_kids_counted
 
-from preble_backend.block_hash import chain_hashes
-from preble_backend.protocol import decode_report, encode_report
-from preble_backend.radix_cache import CacheEvent
-from preble_backend.sampling import SamplingParams
+from preble_backend.common.block_hash import chain_hashes
+from preble_backend.engine.radix_cache import CacheEvent
+from preble_backend.engine.sampling import SamplingParams
+from preble_backend.serving.protocol import decode_report, encode_report
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree

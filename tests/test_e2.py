@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from preble_backend.block_hash import chain_hashes
-from preble_backend.radix_cache import CacheEvent
-from preble_backend.sampling import SamplingParams
-from scheduler.bench_decisions import bench_isolated
+from preble_backend.common.block_hash import chain_hashes
+from preble_backend.engine.radix_cache import CacheEvent
+from preble_backend.engine.sampling import SamplingParams
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
+from scheduler.sim.bench_decisions import bench_isolated
 
 UNIT = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
                  attention_ms_per_context_token=0, decode_step_ms=1)  # fmt: skip

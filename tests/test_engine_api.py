@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from preble_backend.config import EngineConfig
-from preble_backend.sampling import SamplerState, SamplingParams, sample
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.sampling import SamplerState, SamplingParams, sample
 
 GREEDY = {"temperature": 0}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import make_request, random_prompts, tiny_pool
 
-from preble_backend.block_manager import BlockManager
-from preble_backend.local_scheduler import LocalScheduler
-from preble_backend.priority_queue import PriorityWaitQueue
-from preble_backend.radix_cache import RadixCache
+from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.local_scheduler import LocalScheduler
+from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.radix_cache import RadixCache
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ MODEL = """
 import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from preble_backend.triton_metrics import Metrics, MetricSpec
+from preble_backend.serving.metrics import Metrics, MetricSpec
 
 
 class TritonPythonModel:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import random_prompts
 
-from preble_backend.model_config import ModelConfig
+from preble_backend.model.model_config import ModelConfig
 
 GREEDY = {"temperature": 0}
 

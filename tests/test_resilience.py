@@ -17,8 +17,8 @@ from server_utils import assert_engine_pages_free, client_for, launch, write_tes
 
 from client.stress import BurstConfig, run_burst
 from client.triton_client import PrebleError
-from preble_backend.launcher import ServerPorts, start_server
-from preble_backend.procfs import group_running, process_alive, process_tree
+from preble_backend.common.procfs import group_running, process_alive, process_tree
+from preble_backend.serving.launcher import ServerPorts, start_server
 
 pytestmark = pytest.mark.server
 ENGINES = ("preble_engine_0", "preble_engine_1")

@@ -12,12 +12,12 @@ import time
 import pytest
 from test_e2 import e2, route, stored
 
-from preble_backend.engine_client import EngineError, LocalEngine, RemoteEngine
-from preble_backend.engine_monitor import EngineMonitor
-from preble_backend.flights import Flights
-from preble_backend.procfs import process_alive
-from preble_backend.radix_cache import CacheEvent
-from preble_backend.sampling import SamplingParams
+from preble_backend.common.procfs import process_alive
+from preble_backend.engine.radix_cache import CacheEvent
+from preble_backend.engine.sampling import SamplingParams
+from preble_backend.serving.engine_client import EngineError, LocalEngine, RemoteEngine
+from preble_backend.serving.engine_monitor import EngineMonitor
+from preble_backend.serving.flights import Flights
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
 
 
@@ -177,7 +177,7 @@ def test_kv_cost_forgets_what_a_dead_instance_cached():
 
 
 def test_remote_engine_refuses_fast_when_nothing_listens():
-    from preble_backend.launcher import free_port
+    from preble_backend.serving.launcher import free_port
 
     engine = RemoteEngine(f"127.0.0.1:{free_port()}", "preble_engine_0")
     started = time.monotonic()
@@ -188,7 +188,7 @@ def test_remote_engine_refuses_fast_when_nothing_listens():
 
 
 def test_router_load_checks_its_local_engines(tmp_path):
-    from preble_backend.repository import check_local_engines, write_repository
+    from preble_backend.serving.repository import check_local_engines, write_repository
 
     repo = write_repository(tmp_path / "repo", cpu_engines=2, page_size=32)
     check_local_engines(repo, ["preble_engine_0", "preble_engine_1"], 32)
@@ -205,7 +205,7 @@ def test_router_load_checks_its_local_engines(tmp_path):
 
 
 def test_server_failure_names_each_model_and_skips_cpu_warnings(tmp_path):
-    from preble_backend.launcher import ServerPorts, TritonServer
+    from preble_backend.serving.launcher import ServerPorts, TritonServer
 
     log = tmp_path / "server.log"
     log.write_text(

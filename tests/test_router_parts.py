@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from preble_backend.detokenizer import IncrementalDetokenizer
-from preble_backend.engine_client import LocalEngine, RemoteEngine, make_engine_clients
-from preble_backend.sampling import SamplingParams
+from preble_backend.engine.sampling import SamplingParams
+from preble_backend.serving.detokenizer import IncrementalDetokenizer
+from preble_backend.serving.engine_client import LocalEngine, RemoteEngine, make_engine_clients
 from scheduler.policy import InstanceLoad, RoutingRequest, make_policy
 
 TEXT = "Prefix caché: 日本語のテキスト, emoji 🙂 and ASCII."

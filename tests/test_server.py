@@ -52,8 +52,8 @@ def direct_text(tiny_model):
     """What the engine itself produces for PROMPT, decoded: the answer every path must give."""
     from transformers import AutoTokenizer
 
-    from preble_backend.config import EngineConfig
-    from preble_backend.engine import Engine
+    from preble_backend.engine.config import EngineConfig
+    from preble_backend.engine.engine import Engine
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     engine = Engine(EngineConfig(model_path=tiny_model))

@@ -6,11 +6,11 @@ from __future__ import annotations
 from conftest import assert_cached_kids_counted
 
 from client.workloads import Materializer, generate, poisson_arrivals, summarize
-from preble_backend.block_hash import chain_hashes
+from preble_backend.common.block_hash import chain_hashes
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
-from scheduler.simulator import SimConfig, SimRequest, metrics, simulate
-from scheduler.sweep import run, trace
+from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
+from scheduler.sim.sweep import run, trace
 
 COST = CostModel.load("mistral7b_a6000")
 

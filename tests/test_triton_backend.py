@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import random_prompts
 
-from preble_backend.attention import shared_prefix_groups
+from preble_backend.model.attention import shared_prefix_groups
 
 SHARED = 300  # above CASCADE_MIN_SHARED_TOKENS, not a multiple of the page size
 
@@ -75,7 +75,7 @@ def test_shared_prefix_groups_follow_cached_pages():
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(one_layer_model, monkeypatch):
-    from preble_backend.attention_triton import TritonAttention
+    from preble_backend.model.attention_triton import TritonAttention
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -102,7 +102,7 @@ def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend)
 
 
 def test_auto_backend_is_torch_on_cpu_and_unknown_names_are_refused():
-    from preble_backend.attention import TorchAttention, make_attention_backend
+    from preble_backend.model.attention import TorchAttention, make_attention_backend
 
     assert isinstance(make_attention_backend("auto", torch.device("cpu")), TorchAttention)
     with pytest.raises(ValueError, match="accepted: auto, torch, triton, flashinfer"):

@@ -1,1 +1,1 @@
-from preble_backend.triton_router import TritonPythonModel  # noqa: F401
+from preble_backend.serving.router_model import TritonPythonModel  # noqa: F401

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from preble_backend.config import EngineConfig
-from preble_backend.engine import Engine
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
 from scheduler.cost_model import CostModel, fit
 
 PREFILL_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from preble_backend.attention import AttentionBackend
+from preble_backend.model.attention import AttentionBackend
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 

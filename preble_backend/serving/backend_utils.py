@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.tiny_model import tiny_model_path
+from preble_backend.model.tiny_model import tiny_model_path
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:

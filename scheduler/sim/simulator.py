@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from preble_backend.block_manager import BlockManager
-from preble_backend.kv_pool import KVPool
-from preble_backend.local_scheduler import LocalScheduler, ScheduledBatch
-from preble_backend.priority_queue import PriorityWaitQueue
-from preble_backend.radix_cache import RadixCache
-from preble_backend.request import Request
-from preble_backend.sampling import SamplerState, SamplingParams
+from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.local_scheduler import LocalScheduler, ScheduledBatch
+from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.engine.request import Request
+from preble_backend.engine.sampling import SamplerState, SamplingParams
+from preble_backend.model.kv_pool import KVPool
 from scheduler.cost_model import CostModel
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
 

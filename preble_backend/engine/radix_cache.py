@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from preble_backend.block_hash import chain_hashes
+from preble_backend.common.block_hash import chain_hashes
 
 _clock = itertools.count(1)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from preble_backend.block_manager import BlockManager
-from preble_backend.priority_queue import PriorityWaitQueue
-from preble_backend.request import Request, Status
+from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.request import Request, Status
 
 
 @dataclass

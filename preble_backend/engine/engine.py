@@ -17,15 +17,15 @@ from concurrent.futures import Future
 
 import torch
 
-from preble_backend.block_manager import BlockManager
-from preble_backend.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from preble_backend.local_scheduler import LocalScheduler, ScheduledBatch
-from preble_backend.model_runner import ModelRunner
-from preble_backend.priority_queue import PriorityWaitQueue
-from preble_backend.radix_cache import CacheEvent, RadixCache
-from preble_backend.request import Request, RequestOutput, Status
-from preble_backend.sampling import SamplerState, SamplingParams, sample_one
-from preble_backend.stop_checker import StopChecker
+from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from preble_backend.engine.local_scheduler import LocalScheduler, ScheduledBatch
+from preble_backend.engine.model_runner import ModelRunner
+from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.radix_cache import CacheEvent, RadixCache
+from preble_backend.engine.request import Request, RequestOutput, Status
+from preble_backend.engine.sampling import SamplerState, SamplingParams, sample_one
+from preble_backend.engine.stop_checker import StopChecker
 
 log = logging.getLogger("preble.engine")
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preble_backend.config import RouterConfig
-from preble_backend.radix_cache import CacheEvent
-from preble_backend.sampling import SamplingParams
+from preble_backend.engine.config import RouterConfig
+from preble_backend.engine.radix_cache import CacheEvent
+from preble_backend.engine.sampling import SamplingParams
 
 ROUTER_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
 CONTROL_OPS = ("stats", "health", "abort", "flush_cache")

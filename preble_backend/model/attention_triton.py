@@ -13,7 +13,7 @@ import torch
 from kernels.cascade import cascade_attention_planned, plan_cascade
 from kernels.kv_write import kv_write
 from kernels.tuning import interpreting
-from preble_backend.attention import AttentionBackend
+from preble_backend.model.attention import AttentionBackend
 
 # Below this the shared pass costs more than reading the prefix once per request.
 CASCADE_MIN_SHARED_TOKENS = 256

@@ -10,7 +10,7 @@ reported beside the rate. Each trace runs in a fresh interpreter: run after a la
 in the same process, VideoQA 1500 measured ~10% slower (and its hashing ~40% slower), an
 effect of the process's heap, not of the policy. Usage:
 
-    python -m scheduler.bench_decisions --instances 8 --requests 10000
+    python -m scheduler.sim.bench_decisions --instances 8 --requests 10000
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from client.workloads import WORKLOADS, Materializer, poisson_arrivals
-from preble_backend.block_hash import chain_hashes
+from preble_backend.common.block_hash import chain_hashes
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.policy import InstanceLoad
-from scheduler.simulator import SimConfig, SimRequest, simulate
+from scheduler.sim.simulator import SimConfig, SimRequest, simulate
 
 PAPER = {"toolbench": 245, "videoqa": 2931}
 PAGE_SIZE = 16

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from preble_backend.attention import AttentionBatch, make_attention_backend, shared_prefix_groups
-from preble_backend.kv_pool import KVPool
-from preble_backend.llama import LlamaForCausalLM
-from preble_backend.local_scheduler import ScheduledBatch
+from preble_backend.engine.local_scheduler import ScheduledBatch
+from preble_backend.model.attention import AttentionBatch, make_attention_backend, shared_prefix_groups
+from preble_backend.model.kv_pool import KVPool
+from preble_backend.model.llama import LlamaForCausalLM
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

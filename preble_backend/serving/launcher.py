@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from preble_backend.procfs import group_running
+from preble_backend.common.procfs import group_running
 
 LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
 BENIGN = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned memory|CUDA driver")

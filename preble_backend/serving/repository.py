@@ -10,10 +10,10 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from preble_backend.config import EngineConfig, RouterConfig
+from preble_backend.engine.config import EngineConfig, RouterConfig
 
-ENGINE_MODEL_PY = "from preble_backend.triton_engine import TritonPythonModel  # noqa: F401\n"
-ROUTER_MODEL_PY = "from preble_backend.triton_router import TritonPythonModel  # noqa: F401\n"
+ENGINE_MODEL_PY = "from preble_backend.serving.engine_model import TritonPythonModel  # noqa: F401\n"
+ROUTER_MODEL_PY = "from preble_backend.serving.router_model import TritonPythonModel  # noqa: F401\n"
 
 ROUTER_IO = """\
 input [

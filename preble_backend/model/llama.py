@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from preble_backend.attention import AttentionBackend, AttentionBatch
-from preble_backend.kv_pool import KVPool
-from preble_backend.model_config import ModelConfig
+from preble_backend.model.attention import AttentionBackend, AttentionBatch
+from preble_backend.model.kv_pool import KVPool
+from preble_backend.model.model_config import ModelConfig
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from client.workloads import Materializer, generate, poisson_arrivals
 from scheduler.cost_model import CostModel
 from scheduler.policy import make_policy
-from scheduler.simulator import SimConfig, SimRequest, metrics, simulate
+from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
 BASELINES = ("round_robin", "least_load", "prefix_hash", "cache_aware", "kv_cost")
 ALL_POLICIES = ("e2", *BASELINES)

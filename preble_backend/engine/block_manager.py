@@ -10,9 +10,9 @@ The three moments of a request's memory life:
 
 from __future__ import annotations
 
-from preble_backend.kv_pool import KVPool
-from preble_backend.radix_cache import RadixCache
-from preble_backend.request import Request
+from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.engine.request import Request
+from preble_backend.model.kv_pool import KVPool
 
 
 class BlockManager:

@@ -19,11 +19,10 @@ from concurrent.futures import Future
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.config import EngineConfig
-from preble_backend.engine import Engine
-from preble_backend.protocol import encode_report, parse_engine_call
-from preble_backend.request import RequestOutput
-from preble_backend.triton_common import (
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.engine.request import RequestOutput
+from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
     read_inputs,
@@ -32,7 +31,8 @@ from preble_backend.triton_common import (
     send_error,
     string_tensor,
 )
-from preble_backend.triton_metrics import Metrics, MetricSpec
+from preble_backend.serving.metrics import Metrics, MetricSpec
+from preble_backend.serving.protocol import encode_report, parse_engine_call
 
 INPUTS = ("input_ids", "sampling_parameters", "request_id", "control")
 CANCEL_POLL_S = 0.1

@@ -23,20 +23,8 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.config import RouterConfig
-from preble_backend.detokenizer import IncrementalDetokenizer
-from preble_backend.engine_client import (
-    EngineClient,
-    EngineError,
-    EngineUnavailable,
-    LocalEngine,
-    make_engine_clients,
-)
-from preble_backend.engine_monitor import EngineMonitor
-from preble_backend.flights import Flight, Flights
-from preble_backend.protocol import BadRequest, GenerateRequest, decode_report, parse_generate
-from preble_backend.repository import check_local_engines
-from preble_backend.triton_common import (
+from preble_backend.engine.config import RouterConfig
+from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
     read_inputs,
@@ -45,7 +33,19 @@ from preble_backend.triton_common import (
     send_error,
     string_tensor,
 )
-from preble_backend.triton_metrics import Metrics, MetricSpec
+from preble_backend.serving.detokenizer import IncrementalDetokenizer
+from preble_backend.serving.engine_client import (
+    EngineClient,
+    EngineError,
+    EngineUnavailable,
+    LocalEngine,
+    make_engine_clients,
+)
+from preble_backend.serving.engine_monitor import EngineMonitor
+from preble_backend.serving.flights import Flight, Flights
+from preble_backend.serving.metrics import Metrics, MetricSpec
+from preble_backend.serving.protocol import BadRequest, GenerateRequest, decode_report, parse_generate
+from preble_backend.serving.repository import check_local_engines
 from scheduler.cost_model import CostModel
 from scheduler.nvml_load import LoadView
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy

@@ -23,8 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from preble_backend.engine_client import EngineClient, EngineError, LocalEngine
-from preble_backend.procfs import process_alive
+from preble_backend.common.procfs import process_alive
+from preble_backend.serving.engine_client import EngineClient, EngineError, LocalEngine
 
 
 class EngineMonitor:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from kernels.reference import extend_attention_ref, kv_write_ref
-from preble_backend.config import ATTENTION_BACKENDS
-from preble_backend.kv_pool import KVPool
+from preble_backend.engine.config import ATTENTION_BACKENDS
+from preble_backend.model.kv_pool import KVPool
 
 
 @dataclass
@@ -112,11 +112,11 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        from preble_backend.attention_triton import TritonAttention
+        from preble_backend.model.attention_triton import TritonAttention
 
         return TritonAttention(device)
     if name == "flashinfer":
-        from preble_backend.attention_flashinfer import FlashInferAttention
+        from preble_backend.model.attention_flashinfer import FlashInferAttention
 
         return FlashInferAttention(device)
     raise ValueError(

@@ -3,7 +3,7 @@
 Reports prompt tokens computed vs served from cache, wall time, and mean time to first
 token, for both settings in the same run, and their ratio. Usage:
 
-    python -m client.bench_prefix_cache --num-requests 8 --prefix-len 2048
+    python -m preble_backend.engine.bench_prefix_cache --num-requests 8 --prefix-len 2048
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from preble_backend.config import EngineConfig
-from preble_backend.engine import Engine
-from preble_backend.tiny_model import tiny_model_path
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.model.tiny_model import tiny_model_path
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:

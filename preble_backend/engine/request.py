@@ -7,8 +7,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from preble_backend.radix_cache import TreeNode
-from preble_backend.sampling import SamplerState, SamplingParams
+from preble_backend.engine.radix_cache import TreeNode
+from preble_backend.engine.sampling import SamplerState, SamplingParams
 
 
 class Status(enum.Enum):
