@@ -4,10 +4,10 @@ streaming, plus the engine models' control operations (stats, abort, cache flush
 from __future__ import annotations
 
 import json
-import queue
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -108,35 +108,28 @@ class PrebleClient:
         model: str | None = None,
     ) -> StreamResult:
         """Send raw tensors to a decoupled model over a gRPC stream; gather its responses."""
-        import tritonclient.grpc as grpcclient
+        import grpc
 
-        client = grpcclient.InferenceServerClient(self.grpc_url)
-        results: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        channel, stub = open_grpc(self.grpc_url)
         out = StreamResult()
         try:
-            client.async_stream_infer(
-                model or self.model, grpc_inputs(inputs), enable_empty_final_response=True
-            )
-            while True:
-                result, error = results.get(timeout=timeout)
-                if error is not None:
-                    raise PrebleError(error.message() if hasattr(error, "message") else str(error))
-                response = result.get_response()
-                outputs = {o.name: _decode(result.as_numpy(o.name)) for o in response.outputs}
-                if outputs:
-                    out.responses.append(outputs)
-                    out.final = outputs
-                    text = outputs.get("text_output")
-                    out.text += text if isinstance(text, str) else ""
-                if response.parameters["triton_final_response"].bool_param:
-                    return out
-                if cancel_after is not None and len(out.responses) >= cancel_after:
-                    client.stop_stream(cancel_requests=True)
-                    return out
+            with closing(stream_infer(stub, model or self.model, inputs, timeout)) as responses:
+                for outputs, final in responses:
+                    if outputs:
+                        decoded = {name: _decode(value) for name, value in outputs.items()}
+                        out.responses.append(decoded)
+                        out.final = decoded
+                        text = decoded.get("text_output")
+                        out.text += text if isinstance(text, str) else ""
+                    if final or (cancel_after is not None and len(out.responses) >= cancel_after):
+                        return out  # closing the stream early cancels the request
+            raise PrebleError("the server closed the stream before its final response")
+        except StreamError as exc:
+            raise PrebleError(str(exc)) from None
+        except grpc.RpcError as exc:
+            raise PrebleError(f"{exc.code().name}: {exc.details()}") from None
         finally:
-            client.stop_stream(cancel_requests=True)
-            client.close()
+            channel.close()
 
     # ---- engine control -------------------------------------------------------------------
 
@@ -147,17 +140,57 @@ class PrebleClient:
         return json.loads(result.final["report"])
 
 
-def grpc_inputs(inputs: dict[str, np.ndarray]) -> list:
-    """numpy tensors as tritonclient gRPC inputs."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import np_to_triton_dtype
+class StreamError(RuntimeError):
+    """The server answered a streamed request with an error; the message is the server's."""
 
-    tensors = []
+
+def open_grpc(url: str):
+    """A channel to a Triton gRPC endpoint (no message size limits) and its stub."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    channel = grpc.insecure_channel(url, options=options)
+    return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def stream_infer(
+    stub, model: str, inputs: dict[str, np.ndarray], timeout: float | None = None
+) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
+    """One request on its own bidirectional ``ModelStreamInfer`` stream (errors on a shared
+    stream would not say which request they belong to): yield each response's outputs and
+    whether it is the final one. An error response raises ``StreamError``; a lost server,
+    ``grpc.RpcError``. Closing the generator early cancels the request on the server."""
+    from tritonclient.grpc import InferResult
+
+    call = stub.ModelStreamInfer(iter([_infer_request(model, inputs)]), timeout=timeout)
+    try:
+        for message in call:
+            if message.error_message:
+                raise StreamError(message.error_message)
+            result = InferResult(message.infer_response)
+            outputs = {o.name: result.as_numpy(o.name) for o in message.infer_response.outputs}
+            final = message.infer_response.parameters["triton_final_response"].bool_param
+            yield outputs, final
+            if final:
+                return
+    finally:
+        call.cancel()  # a no-op once the stream is done; cancels the request otherwise
+
+
+def _infer_request(model: str, inputs: dict[str, np.ndarray]):
+    """A ``ModelInferRequest`` with raw tensor contents, asking for an empty final response."""
+    from tritonclient.grpc import service_pb2
+    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
     for name, value in inputs.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
-        tensor.set_data_from_numpy(value)
-        tensors.append(tensor)
-    return tensors
+        tensor = request.inputs.add(name=name, datatype=np_to_triton_dtype(value.dtype))
+        tensor.shape.extend(value.shape)
+        raw = serialize_byte_tensor(value).item() if value.dtype == np.object_ else value.tobytes()
+        request.raw_input_contents.append(raw)
+    return request
 
 
 def _decode(array):

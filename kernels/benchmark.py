@@ -26,6 +26,7 @@ import torch
 import triton
 
 from kernels import cascade_attention, decode_attention, extend_attention, kv_write, merge_state
+from kernels.flashinfer_paged import FlashInferPaged
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 
@@ -107,10 +108,8 @@ def run(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> tuple[list[
     del src, dst, a, b
     fi = None
     if device.type == "cuda":
-        from preble_backend.model.attention_flashinfer import FlashInferAttention
-
         try:
-            fi = FlashInferAttention(device)
+            fi = FlashInferPaged(device)
         except ValueError as err:
             notes.append(f"FlashInfer unavailable ({err}): its columns are empty")
     num_heads, num_kv_heads, head_dim = shapes.heads

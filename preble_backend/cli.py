@@ -4,16 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
 from pathlib import Path
 
+from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.tiny_model import tiny_model_path
 from preble_backend.serving.launcher import LaunchError, ServerPorts, start_server
 from preble_backend.serving.repository import write_repository
+from scheduler.cost_model import CostModel
+from scheduler.sim.profile import profile
+from scheduler.sim.simulator import SimConfig
+from scheduler.sim.sweep import ALL_POLICIES, sweep, write
+from scheduler.sim.workload_stats import summarize, summary_table
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -106,8 +113,6 @@ def repo(args: argparse.Namespace) -> int:
 
 
 def profile_cmd(args: argparse.Namespace) -> int:
-    from scheduler.sim.profile import profile
-
     model = profile(args.model_path or str(tiny_model_path()), device=args.device)
     model.save(args.output)
     print(f"wrote {args.output}: {model}")
@@ -115,9 +120,6 @@ def profile_cmd(args: argparse.Namespace) -> int:
 
 
 def workload_cmd(args: argparse.Namespace) -> int:
-    import json
-
-    from client.workloads import Materializer, generate, poisson_arrivals, summarize, summary_table
 
     reqs = poisson_arrivals(
         generate(args.workload, args.num_requests, args.seed, args.scale), args.rps, args.seed
@@ -146,12 +148,9 @@ def workload_cmd(args: argparse.Namespace) -> int:
 
 
 def simulate_cmd(args: argparse.Namespace) -> int:
-    from scheduler.cost_model import CostModel
-    from scheduler.sim.simulator import SimConfig
-    from scheduler.sim.sweep import ALL_POLICIES, sweep, write
 
     cost = CostModel.load(args.cost_model)
-    cfg = SimConfig(num_instances=args.instances, capacity_tokens=args.capacity_tokens)
+    cfg = SimConfig.of(args.instances, args.capacity_tokens)
     policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
     records = sweep(args.workload, args.instances, args.requests, cost, cfg, policies, seed=args.seed)
     write(records, args.output, f"{args.workload}_{args.instances}")

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import time
+from collections.abc import Callable
 
 import numpy as np
 
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
 
@@ -29,8 +32,14 @@ def _hash(data: bytes) -> int:
 class PrefixHash(Policy):
     name = "prefix_hash"
 
-    def __init__(self, num_instances: int, prefix_tokens: int = 512, virtual_nodes: int = 160, **options):
-        super().__init__(num_instances, **options)
+    def __init__(
+        self,
+        num_instances: int,
+        prefix_tokens: int = 512,
+        virtual_nodes: int = 160,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(num_instances, clock)
         self.prefix_tokens = prefix_tokens
         ring = sorted(
             (_hash(f"instance-{i}-{v}".encode()), i)
@@ -58,10 +67,10 @@ class CacheAware(Policy):
         balance_abs_threshold: int = 64,
         balance_rel_threshold: float = 1.5,
         max_tree_tokens: int = 1 << 22,
-        page_size: int = 16,
-        **options,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(num_instances, **options)
+        super().__init__(num_instances, clock)
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs_threshold
         self.balance_rel = balance_rel_threshold
@@ -86,26 +95,24 @@ class CacheAware(Policy):
                 choice, branch = least, "cache_miss"
         tree = self.trees[choice]
         tree.route(request.chain(self.page_size), 0, self.clock())
-        self._evict(tree)
+        tree.drop_oldest_leaves(0, self.max_tree_tokens)
         return Decision(choice, branch)
 
     def forget(self, instance: int) -> None:
         self.trees[instance] = GlobalPrefixTree(1, float("inf"), self.page_size)
 
-    def _evict(self, tree: GlobalPrefixTree) -> None:
-        """Drop least recently routed leaves past the size cap (SGLang's tree eviction)."""
-        lru = tree.lru[0]
-        while tree.held_tokens[0] > self.max_tree_tokens and lru:
-            leaf = next(node for node in lru if not node.children)
-            del lru[leaf], leaf.parent.children[leaf.hashes[0]]
-            tree.held_tokens[0] -= len(leaf.hashes) * tree.page_size
-
 
 class KVCost(Policy):
     name = "kv_cost"
 
-    def __init__(self, num_instances: int, overlap_weight: float = 1.0, page_size: int = 16, **options):
-        super().__init__(num_instances, **options)
+    def __init__(
+        self,
+        num_instances: int,
+        overlap_weight: float = 1.0,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(num_instances, clock)
         self.overlap_weight = overlap_weight
         self.block_size = page_size  # Dynamo's KV block is the engine's page
         self.tree = GlobalPrefixTree(num_instances, page_size=page_size)  # fed by KV events only

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.load_cost import InstanceHistory, VirtualEviction
+from scheduler.load_cost import InstanceHistory, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
@@ -76,18 +79,17 @@ class E2(Policy):
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
         prune_every: int = 200,
-        page_size: int = 16,
+        page_size: int = DEFAULT_PAGE_SIZE,
         load_signal: str = "in_flight",
         rebalance_signal: str = "history",
-        **options,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(num_instances, **options)
+        super().__init__(num_instances, clock)
         self.cost = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
         caps = capacity_tokens if isinstance(capacity_tokens, list) else [capacity_tokens] * num_instances
         self.capacity = list(caps)
         self.page_size = page_size  # the engines' KV page size: prompts are hashed per page
         self.tree = GlobalPrefixTree(num_instances, window_s, page_size)
-        self.evictions = [VirtualEviction(self.tree, i, self.cost) for i in range(num_instances)]
         self.history = [
             InstanceHistory(window_s, default_decode_len, self.cost) for _ in range(num_instances)
         ]
@@ -102,132 +104,112 @@ class E2(Policy):
         self.load_signal = load_signal
         self.rebalance_signal = rebalance_signal
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
-        self._loads: list[InstanceLoad] = []  # the router's view during the current select
         self._next = 0  # where round-robin tie-breaking starts
-        # Decisions are immutable: the usual ones are made once, not per request.
-        self._exploit = [Decision(i, "exploit") for i in range(num_instances)]
-        self._explore = [Decision(i, "explore") for i in range(num_instances)]
         self._decisions = 0
         self._page_size_warned = False
-
-    # ---- Algorithm 2 ----------------------------------------------------------------------
-
-    def _load_and_prefill(
-        self, instance: int, match: Match, prompt_len: int, now: float
-    ) -> tuple[float, int]:
-        missed = prompt_len - match.cached_on(instance) if match.nodes else prompt_len
-        load = self.history[instance].load(now, self.load_signal)
-        return load + self.cost.prefill_time(missed), missed
-
-    def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
-        """L + M + P of sending this request to ``instance`` (milliseconds)."""
-        partial, missed = self._load_and_prefill(instance, match, prompt_len, now)
-        return partial + self._memory_cost(instance, match, missed, now)
-
-    def _memory_cost(self, instance: int, match: Match, missed: int, now: float) -> float:
-        need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
-        return self.evictions[instance](need, match, now) if need > 0 else 0.0  # fits: nothing evicted
-
-    def _busy(self, instance: int) -> float:
-        """The live GPU utilization NVML reported for the instance (0 without NVML)."""
-        return float(self._loads[instance].reported.get("gpu_utilization", 0.0)) if self._loads else 0.0
-
-    def _tie_break(self, instance: int) -> tuple[float, int]:
-        return self._busy(instance), (instance - self._next) % self.num_instances
-
-    def _cheapest(self, candidates, match: Match, prompt_len: int, now: float) -> int:
-        """Lowest L + M + P; equal costs go to the less busy GPU (NVML), then round-robin,
-        so an idle cluster spreads work (and cache) instead of piling it on instance 0.
-        M (a virtual eviction walk) is the costly term and never negative, so instances are
-        costed in order of L + P and the search stops once L + P alone cannot beat the best
-        total (same answer, less work)."""
-        if len(candidates) == 1:
-            return next(iter(candidates))  # nothing to compare
-        bounds = sorted((*self._load_and_prefill(i, match, prompt_len, now), i) for i in candidates)
-        best, best_total = None, math.inf
-        for partial, missed, i in bounds:
-            if partial > best_total:
-                break
-            total = partial + self._memory_cost(i, match, missed, now)
-            if total < best_total or (total == best_total and self._tie_break(i) < self._tie_break(best)):
-                best, best_total = i, total
-        self._next = (best + 1) % self.num_instances
-        return best
 
     # ---- Algorithm 1 ----------------------------------------------------------------------
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         now = self.clock()
-        self._loads = loads
         prompt_len = len(request.input_ids)
-        chain = request.chain(self.page_size)
-        match = self.tree.match(chain)
+        match = self.tree.match(request.chain(self.page_size))
         cached = match.matched
-        key = match.key
-        candidates = set()
-        if cached > prompt_len - cached and key is not None:
-            candidates = key.holders()
-            for node in match.nodes:  # autoscaled replicas of the path serve it too
-                if node.replicas:
-                    candidates |= node.replicas
-            candidates &= self.live
-        if candidates:
-            choice = self._cheapest(candidates, match, prompt_len, now)
-            # Nothing queues on an instance with nothing in flight: reusing its cache there
-            # costs nothing extra, so only a busy choice is worth a rebalancing look.
-            rebalanced = self.history[choice].in_flight and self._rebalance(choice, match, now)
-            decision = rebalanced or self._exploit[choice]
-        else:
-            decision = (
-                self._decode_balance()
-                or self._explore[self._cheapest(self.live, match, prompt_len, now)]
-            )
-        self._record(request, chain, decision.instance, match, key, now)
+        missed = prompt_len - cached
+        holders = self._key_holders(match) if cached > missed else set()
+        if holders:  # exploit: among the instances holding the key portion
+            choice = self._cheapest(holders, match, prompt_len, loads, now)
+            lighter = self._rebalance_target(choice, match, loads, now)
+            if lighter is None:
+                decision = Decision(choice, "exploit")
+            else:
+                decision = Decision(lighter, "rebalance")
+        else:  # explore
+            decode_heavy = self._decode_heavy_instance()
+            if decode_heavy is not None:
+                decision = Decision(decode_heavy, "explore_decode_balance")
+            else:
+                decision = Decision(self._cheapest(self.live, match, prompt_len, loads, now), "explore")
+        self._record(request, decision.instance, match, now)
         return decision
 
-    def _rebalance(self, choice: int, match: Match, now: float) -> Decision | None:
-        """For a choice with requests in flight. Cheapest tests first: most exploit
-        decisions fail one of the O(1) ones."""
-        if self.th_bal == math.inf:
-            return None  # rebalancing off
-        signal, history = self.rebalance_signal, self.history
-        mine = history[choice].load(now, signal)
-        recompute = self.cost.prefill_time(match.cached_on(choice))
-        if mine <= recompute:
-            return None  # no gap to the lightest can exceed the recompute the move costs
-        loads = {i: history[i].load(now, signal) for i in self.live}
-        for i, load in loads.items():  # is the choice the heaviest (first of equals)?
-            if load > mine or (load == mine and i < choice):
-                return None
-        light = min(loads, key=lambda i: (loads[i], self._busy(i), i))
-        if light == choice or mine <= self.th_bal * loads[light] or mine - loads[light] <= recompute:
-            return None
-        return Decision(light, "rebalance")
+    def _key_holders(self, match: Match) -> set[int]:
+        """The live instances that hold the prompt's key portion, and the autoscaled
+        replicas of any node on its path."""
+        if match.key is None:
+            return set()
+        holders = match.key.holders()
+        for node in match.nodes:
+            holders |= node.replicas
+        return holders & self.live
 
-    def _decode_balance(self) -> Decision | None:
+    def _cheapest(self, candidates: set[int], match: Match, prompt_len: int, loads, now: float) -> int:
+        """Lowest L + M + P; equal costs go to the less busy GPU (NVML), then round-robin
+        from the last choice, so an idle cluster spreads work (and cache) instead of piling
+        it on instance 0. A single candidate needs no costing (and moves no round-robin)."""
+        if len(candidates) == 1:
+            return next(iter(candidates))
+        start, n = self._next, self.num_instances
+        best = min(
+            candidates,
+            key=lambda i: (self.load_cost(i, match, prompt_len, now), _busy(loads, i), (i - start) % n),
+        )
+        self._next = (best + 1) % n
+        return best
+
+    def _rebalance_target(self, choice: int, match: Match, loads, now: float) -> int | None:
+        """Post-assignment rebalancing (§4.2): when the choice is the most loaded instance
+        (the first of equals) and its load exceeds ``th_bal`` × the lightest's, the request
+        goes to the lightest. Two guards of ours: only a choice with requests in flight
+        (nothing queues on an idle one, so its cache serves best), and only when the load
+        gap exceeds the recompute of the cached tokens the move throws away."""
+        if self.th_bal == math.inf or not self.history[choice].in_flight:
+            return None
+        load = {i: self.history[i].load(now, self.rebalance_signal) for i in self.live}
+        heaviest = max(self.live, key=lambda i: (load[i], -i))
+        lightest = min(self.live, key=lambda i: (load[i], _busy(loads, i), i))
+        gap = load[choice] - load[lightest]
+        recompute = self.cost.prefill_time(match.cached_on(choice))
+        if choice == heaviest != lightest and load[choice] > self.th_bal * load[lightest] and gap > recompute:
+            return lightest
+        return None
+
+    def _decode_heavy_instance(self) -> int | None:
+        """Explore's first rule: an instance whose in-flight requests are mostly decoding
+        (mean cached fraction above the threshold) takes the prefill-heavy request."""
         ratios = {}
         for i in sorted(self.live):
             h = self.history[i]
             ratios[i] = h.decode_ratio() if len(h.in_flight) >= self.min_decode_units else 0.0
         best = max(ratios, key=lambda i: ratios[i])
-        if ratios[best] > self.decode_ratio_threshold:
-            return Decision(best, "explore_decode_balance")
-        return None
+        return best if ratios[best] > self.decode_ratio_threshold else None
 
-    def _record(
-        self, request: RoutingRequest, chain, instance: int, match: Match, key: GlobalNode | None, now: float
-    ) -> None:
+    # ---- Algorithm 2 ----------------------------------------------------------------------
+
+    def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
+        """L + M + P of sending this request to ``instance`` (milliseconds)."""
+        missed = prompt_len - match.cached_on(instance)
+        load = self.history[instance].load(now, self.load_signal)
+        prefill = self.cost.prefill_time(missed)
+        need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
+        evicted = memory_cost(self.tree, instance, need, match, now, self.cost) if need > 0 else 0.0
+        return load + prefill + evicted
+
+    # ---- recording a decision ---------------------------------------------------------------
+
+    def _record(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
+        """Count the request in the instance's load and route it in the tree."""
         prompt_len = len(request.input_ids)
         cached = match.cached_on(instance)
-        missed = prompt_len - cached
         self.history[instance].add(
-            request.request_id, now, self.cost.prefill_time(missed), cached / prompt_len
+            request.request_id, now, self.cost.prefill_time(prompt_len - cached), cached / prompt_len
         )
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the
         # lower half: the key portion is then its new parent.
+        key = match.key
         split_key = key is not None and key is match.nodes[-1] and match.lengths[-1] < len(key.hashes)
-        end = self.tree.route(chain, instance, now, match)
+        end = self.tree.route(request.chain(self.page_size), instance, now)
         self._routed[request.request_id] = (end, key.parent if split_key else key)
         self._decisions += 1
         if self._decisions % self.prune_every == 0:
@@ -281,3 +263,8 @@ class E2(Policy):
                 len(key.hashes) * self.page_size,
                 replica,
             )
+
+
+def _busy(loads: list[InstanceLoad], instance: int) -> float:
+    """The live GPU utilization NVML reported for the instance (0 without NVML)."""
+    return float(loads[instance].reported.get("gpu_utilization", 0.0)) if loads else 0.0

@@ -15,10 +15,9 @@ finishes, its pending marks go and the engine's events say exactly what stayed c
 the tree mirrors the engines' radix caches. A node no instance has and no request used
 within W is removed.
 
-A derived view of one instance's part (the virtual eviction order of ``load_cost``) can
-``watch`` it: the tree then collects the nodes whose state on that instance changes (a
-split changes both halves) and counts in ``shape`` every merge and removal, so the view is
-rebuilt only when a change reaches the part it has already worked out.
+Reading (``match``, ``eviction_order``, ``requests_in_window``) and changing (``route``,
+``finish``, ``apply_events``, ``prune``) are separate methods: a policy may read freely
+while it decides and changes the tree only to record what it decided.
 """
 
 from __future__ import annotations
@@ -28,15 +27,17 @@ import itertools
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Iterator
 
-from preble_backend.engine.radix_cache import CacheEvent
-from scheduler.tree_node import GlobalNode, Match, common_pages
-
-WATCH_LIMIT = 64  # changed nodes a watcher is told of before it must rebuild
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from scheduler.tree_node import GlobalNode, Match, common_prefix
 
 
 class GlobalPrefixTree:
-    def __init__(self, num_instances: int, window_s: float = 180.0, page_size: int = 16) -> None:
+    def __init__(
+        self, num_instances: int, window_s: float = 180.0, page_size: int = DEFAULT_PAGE_SIZE
+    ) -> None:
         self.root = GlobalNode(array("Q"))
         self.num_instances = num_instances
         self.window_s = window_s
@@ -45,88 +46,85 @@ class GlobalPrefixTree:
         self.held_tokens = [0] * num_instances  # confirmed or pending
         # Per instance, nodes it holds in least-recently-used order (oldest first).
         self.lru: list[OrderedDict[GlobalNode, None]] = [OrderedDict() for _ in range(num_instances)]
-        self._watched: list[set[GlobalNode] | None] = [None] * num_instances  # see watch()
-        self.shape = 0  # bumped when nodes merge or go
         # Nodes nobody holds, by when their last request leaves the window: what prune checks.
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
 
-    def watch(self, instance: int, changes: set[GlobalNode]) -> None:
-        """Collect in ``changes``, from now on, every node whose state on ``instance``
-        changes (its holding, cached pages, requests or place in the LRU). Past
-        ``WATCH_LIMIT`` nodes the watcher would rather rebuild than sift them, so the
-        tree stops collecting (``watching`` turns false) and costs nothing more."""
-        self._watched[instance] = changes
-
-    def watching(self, instance: int, changes: set[GlobalNode]) -> bool:
-        return self._watched[instance] is changes
-
-    def _touched(self, instance: int, nodes) -> None:
-        watched = self._watched[instance]
-        if watched is not None:
-            watched.update(nodes)
-            if len(watched) > WATCH_LIMIT:
-                self._watched[instance] = None
-
     # ---- matching -------------------------------------------------------------------------
 
     def match(self, chain: array) -> Match:
-        """Read-only walk over nodes some instance holds."""
+        """How far the prompt's ``chain`` runs through nodes some instance holds, and its
+        key portion. Read-only."""
         nodes, lengths, node, pos, n, key = [], [], self.root, 0, len(chain), None
         while pos < n and (child := node.children.get(chain[pos])) is not None:
             if not child.cached and not child.pending:
                 break
-            hashes = child.hashes
-            m = len(hashes)
-            whole = pos + m <= n and chain[pos + m - 1] == hashes[-1]
-            if not whole:
-                m = common_pages(hashes, chain, pos)
+            m = common_prefix(child.hashes, chain, pos)
             nodes.append(child)
             lengths.append(m)
             if m > pos:  # more pages than all before it: the key portion so far
                 key = child
             pos += m
-            if not whole:
+            if m < len(child.hashes):
                 break
             node = child
         return Match(nodes, lengths, self.page_size, pos * self.page_size, key)
 
-    def _walk(
-        self, chain, create: bool, split_end: bool, known: Match | None = None
-    ) -> list[GlobalNode] | None:
-        """The nodes along ``chain``, splitting one where the chain branches off inside it
-        (adding the branch with ``create``; without, None when the chain is not all there).
-        With ``split_end`` a node the chain ends inside is split there too; otherwise it
-        is returned whole, extending past the chain. A ``known`` match of the same chain,
-        with the tree unchanged since, saves walking the nodes it matched whole and the
-        search inside the one it matched in part."""
-        path, node, pos, n = [], self.root, 0, len(chain)
-        partial, partial_pages = None, 0
-        if known is not None:
-            for child, m in zip(known.nodes, known.lengths):
-                if m < len(child.hashes):
-                    partial, partial_pages = child, m
+    def eviction_order(self, instance: int) -> Iterator[GlobalNode]:
+        """The instance's nodes in the order its engine's LRU eviction would take them:
+        least recently used first, a node only once no child it holds is left (a node
+        passed while it still has one goes right after that child's turn)."""
+        taken: set[GlobalNode] = set()
+        waiting: set[GlobalNode] = set()
+
+        def is_leaf(node: GlobalNode) -> bool:
+            return not any(c.held_by(instance) and c not in taken for c in node.children.values())
+
+        for node in self.lru[instance]:
+            if node in taken:
+                continue
+            if not is_leaf(node):
+                waiting.add(node)
+                continue
+            while True:
+                taken.add(node)
+                yield node
+                node = node.parent
+                if node not in waiting or not is_leaf(node):
                     break
-                path.append(child)
-                pos += m
-                node = child
+                waiting.discard(node)
+
+    def _find(self, chain) -> list[GlobalNode] | None:
+        """The nodes along ``chain`` (the last may extend past its end), or None when the
+        tree does not hold all of it. Read-only."""
+        path, node, pos, n = [], self.root, 0, len(chain)
         while pos < n:
             child = node.children.get(chain[pos])
             if child is None:
-                if not create:
-                    return None
+                return None
+            m = common_prefix(child.hashes, chain, pos)
+            if pos + m < n and m < len(child.hashes):
+                return None  # the chain branches off inside the node
+            path.append(child)
+            pos += m
+            node = child
+        return path
+
+    def _insert(self, chain, split_end: bool) -> list[GlobalNode]:
+        """The nodes along ``chain``, adding what is missing: a node the chain branches off
+        inside is split there and the branch added. With ``split_end`` a node the chain
+        ends inside is split there too; otherwise it is returned whole."""
+        path, node, pos, n = [], self.root, 0, len(chain)
+        while pos < n:
+            child = node.children.get(chain[pos])
+            if child is None:
                 child = GlobalNode(chain[pos:] if isinstance(chain, array) else array("Q", chain[pos:]), node)
                 node.children[chain[pos]] = child
                 path.append(child)
                 break
-            hashes = child.hashes
-            m = len(hashes)
-            if pos + m > n or chain[pos + m - 1] != hashes[-1]:
-                m = partial_pages if child is partial else common_pages(hashes, chain, pos)
-                if pos + m < n and not create:
-                    return None
-                if pos + m < n or split_end:
-                    child = self._split(child, m)
+            m = common_prefix(child.hashes, chain, pos)
+            if m < len(child.hashes) and (pos + m < n or split_end):
+                child = self._split(child, m)
             path.append(child)
             pos += m
             node = child
@@ -150,17 +148,15 @@ class GlobalPrefixTree:
             lru[upper] = None  # an ancestor is never older than its descendants
             if not node.held_by(i):
                 del lru[node]
-            self._touched(i, (node, upper))
         self._note_unheld(node)
         return upper
 
     # ---- routing bookkeeping ----------------------------------------------------------------
 
-    def route(self, chain: array, instance: int, now: float, match: Match | None = None) -> GlobalNode:
+    def route(self, chain: array, instance: int, now: float) -> GlobalNode:
         """Record that a request whose prompt has ``chain`` goes to ``instance``; return its
-        end node (hand it back to ``finish``). ``match``: the chain's match, if the tree has
-        not changed since it was made."""
-        path = self._walk(chain, create=True, split_end=True, known=match)
+        end node (hand it back to ``finish``)."""
+        path = self._insert(chain, split_end=True)
         lru, size = self.lru[instance], self.page_size
         for node in reversed(path):  # the root side ends up most recent
             pending = node.pending.get(instance, 0)
@@ -176,17 +172,15 @@ class GlobalPrefixTree:
                 lru.move_to_end(node)
             else:
                 lru[node] = None
-        self._touched(instance, path)
         return path[-1] if path else self.root
 
     def finish(self, end: GlobalNode, instance: int) -> None:
-        node, lru, done = self.live(end), self.lru[instance], []
+        node, lru = self.live(end), self.lru[instance]
         while node.parent is not None:
             left = node.pending[instance] - 1
             if left > 0:
                 node.pending[instance] = left
-            else:
-                done.append(node)  # no longer in flight there
+            else:  # no longer in flight there
                 del node.pending[instance]
                 cached = node.cached.get(instance, 0)
                 self.held_tokens[instance] -= (len(node.hashes) - cached) * self.page_size
@@ -194,7 +188,6 @@ class GlobalPrefixTree:
                     lru.pop(node, None)
                     self._note_unheld(node)
             node = node.parent
-        self._touched(instance, done)
 
     def requests_in_window(self, node: GlobalNode, instance: int, now: float) -> int:
         times = node.hits.get(instance)
@@ -220,12 +213,11 @@ class GlobalPrefixTree:
     def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
         already were): extend the instance's extent of every node the span reaches."""
-        begin, n, size, changed = 0, len(chain), self.page_size, []
-        for node in self._walk(chain, create=True, split_end=False):
+        begin, n, size = 0, len(chain), self.page_size
+        for node in self._insert(chain, split_end=False):
             length = len(node.hashes)
             old, new = node.cached.get(instance, 0), min(length, n - begin)
             if begin + length > start and new > old:
-                changed.append(node)
                 if not old:
                     kids = node.parent.cached_kids
                     kids[instance] = kids.get(instance, 0) + 1
@@ -235,16 +227,15 @@ class GlobalPrefixTree:
                     self.held_tokens[instance] += (new - old) * size
                     self.lru[instance][node] = None
             begin += length
-        self._touched(instance, changed)
 
     def _evict(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` left ``instance``'s cache. The tree merges
         every engine's branches, so a node can have children another branch of this
         engine still caches: the eviction stops at such a node (deepest first)."""
-        path = self._walk(chain, create=False, split_end=False)
+        path = self._find(chain)
         if not path:
             return  # a path this tree never saw stored
-        size, lru, changed = self.page_size, self.lru[instance], []
+        size, lru = self.page_size, self.lru[instance]
         end = sum(len(node.hashes) for node in path)
         for node in reversed(path):
             begin = end - len(node.hashes)
@@ -256,7 +247,6 @@ class GlobalPrefixTree:
             old, keep = node.cached.get(instance, 0), max(0, start - begin)
             if keep >= old:
                 continue
-            changed.append(node)
             self.cached_tokens[instance] -= (old - keep) * size
             if keep:
                 node.cached[instance] = keep
@@ -272,7 +262,6 @@ class GlobalPrefixTree:
                 if not keep:
                     lru.pop(node, None)
                     self._note_unheld(node)
-        self._touched(instance, changed)
 
     def cached_sequences(self, instance: int) -> set[tuple[int, ...]]:
         """Maximal cached paths of one instance, as chain hashes (comparable with an
@@ -292,6 +281,16 @@ class GlobalPrefixTree:
                     out.add(seq)
                 stack.append((child, seq))
         return out
+
+    def drop_oldest_leaves(self, instance: int, max_tokens: int) -> None:
+        """Remove the instance's least recently routed leaves until it holds at most
+        ``max_tokens``: how SGLang's router trims its approximate per-worker trees (for a
+        tree that routing alone fills, with no engine events to mirror)."""
+        lru = self.lru[instance]
+        while self.held_tokens[instance] > max_tokens and lru:
+            leaf = next(node for node in lru if not node.children)
+            del lru[leaf], leaf.parent.children[leaf.hashes[0]]
+            self.held_tokens[instance] -= len(leaf.hashes) * self.page_size
 
     # ---- forgetting -----------------------------------------------------------------------
 
@@ -339,8 +338,6 @@ class GlobalPrefixTree:
                 node = parent
         for node in later:
             self._note_unheld(node)
-        if removed:
-            self.shape += 1
         return removed
 
     def _same_state(self, a: GlobalNode, b: GlobalNode, now: float) -> bool:

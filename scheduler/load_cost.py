@@ -12,13 +12,11 @@
 
 from __future__ import annotations
 
-import itertools
-from bisect import bisect_left
 from collections import deque
 
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.tree_node import GlobalNode, Match
+from scheduler.tree_node import Match
 
 
 class InstanceHistory:
@@ -90,107 +88,24 @@ class InstanceHistory:
         return self.in_flight_cached / len(self.in_flight)
 
 
-class VirtualEviction:
-    """M of Algorithm 2 for one instance: the recompute cost of what an LRU eviction there
-    would remove to make room.
-
-    The eviction order is the engines' (least recently used leaf first; a node becomes a
-    leaf when its last held child goes) and is built lazily, as far as a question needs,
-    with running sums of freed tokens and cost. The walk is kept while the changes the
-    tree reports (``watch``) stay outside the part already walked, and until a request
-    counted in it leaves the window: the engines evict the old end of the order while
-    routing and storing touch the new end, so many requests share one walk. Nodes the
-    new request reuses (its matched path) are never evicted; they are an ancestor chain,
-    so skipping them leaves the order of the rest unchanged, and their tokens and cost
-    are taken back out of the sums.
-    """
-
-    def __init__(self, tree: GlobalPrefixTree, instance: int, cost: CostModel) -> None:
-        self.tree, self.instance, self.cost = tree, instance, cost
-        self.changed: set[GlobalNode] = set()  # what the tree reports (watch)
-        self.shape: int | None = None  # the tree's shape the walk was made in
-
-    def _reset(self, now: float) -> None:
-        self.shape = self.tree.shape
-        self.changed.clear()
-        self.tree.watch(self.instance, self.changed)
-        self.now = now
-        self.valid_until = float("inf")
-        self.order: dict[GlobalNode, int] = {}  # node -> its place in the eviction order
-        self.freed: list[int] = []  # tokens freed after evicting order[0..k]
-        self.spent: list[float] = []  # their recompute cost
-        self.parked: set[GlobalNode] = set()  # passed while a held child remained
-        self.lru_walk = iter(self.tree.lru[self.instance])
-        self.exhausted = False
-
-    def _catch_up(self, now: float) -> None:
-        """Keep the walk if no change reached it: a changed node it has not passed (and
-        whose parent it has not passed: a new or dropped child changes when the parent
-        is a leaf) sits after everything it has passed in the LRU, so the walk resumes
-        where it stopped."""
-        if (
-            self.shape != self.tree.shape  # (also before the first walk)
-            or now >= self.valid_until
-            or not self.tree.watching(self.instance, self.changed)  # too much changed to sift
-        ):
-            return self._reset(now)
-        if not self.changed:
-            return
-        seen, parked = self.order, self.parked
-        for node in self.changed:
-            if node in seen or node in parked or node.parent in seen or node.parent in parked:
-                return self._reset(now)
-        self.changed.clear()
-        passed = len(seen) + len(parked)  # the LRU's oldest nodes, in order, are these
-        self.lru_walk = itertools.islice(iter(self.tree.lru[self.instance]), passed, None)
-        self.exhausted = False
-
-    def _emit(self, node: GlobalNode) -> None:
-        tree, i = self.tree, self.instance
-        tokens = node.held_pages(i) * tree.page_size
-        users = tree.requests_in_window(node, i, self.now)
-        spent = self.cost.prefill_time(tokens) * users if users else 0.0
-        if users:
-            self.valid_until = min(self.valid_until, node.hits[i][0] + tree.window_s)
-        self.order[node] = len(self.freed)
-        self.freed.append((self.freed[-1] if self.freed else 0) + tokens)
-        self.spent.append((self.spent[-1] if self.spent else 0.0) + spent)
-
-    def _has_held_child(self, node: GlobalNode) -> bool:
-        i, order = self.instance, self.order
-        return any(c.held_by(i) and c not in order for c in node.children.values())
-
-    def _extend(self, tokens: int) -> None:
-        """Walk the LRU until ``tokens`` are freed or nothing is left."""
-        while not self.exhausted and (not self.freed or self.freed[-1] < tokens):
-            node = next(self.lru_walk, None)
-            if node is None:
-                self.exhausted = True
-            elif node not in self.order:
-                if self._has_held_child(node):
-                    self.parked.add(node)
-                    continue
-                self._emit(node)
-                parent = node.parent
-                while parent in self.parked and not self._has_held_child(parent):
-                    self.parked.discard(parent)  # older than where the walk is: goes next
-                    self._emit(parent)
-                    parent = parent.parent
-
-    def __call__(self, need: int, match: Match, now: float) -> float:
-        if need <= 0:
-            return 0.0
-        self._catch_up(now)
-        self.now = now  # what the walk adds from here is counted as of now
-        extra = 0
-        while True:  # the kept nodes inside the evicted run free nothing: evict further
-            self._extend(need + extra)
-            k = min(bisect_left(self.freed, need + extra), len(self.freed) - 1)
-            kept = [p for node in match.nodes if (p := self.order.get(node)) is not None and p <= k]
-            more = sum(self.freed[p] - (self.freed[p - 1] if p else 0) for p in kept)
-            if more == extra:
-                break
-            extra = more
-        if k < 0:
-            return 0.0
-        return self.spent[k] - sum(self.spent[p] - (self.spent[p - 1] if p else 0.0) for p in kept)
+def memory_cost(
+    tree: GlobalPrefixTree, instance: int, need: int, match: Match, now: float, cost: CostModel
+) -> float:
+    """M of Algorithm 2: the recompute cost of what an LRU eviction on ``instance`` would
+    remove to free ``need`` tokens. Each evicted node costs PREFILLTIME(its tokens) × the
+    requests that used it there within W. The nodes this request reuses (its matched
+    path) are never evicted; they are an ancestor chain, so skipping them leaves the order
+    of the rest unchanged. Walked afresh per request, and only when the request does not
+    fit: the walk stops as soon as enough is freed, so it visits the oldest few nodes."""
+    reused = set(match.nodes)
+    freed, spent = 0, 0.0
+    for node in tree.eviction_order(instance):
+        if freed >= need:
+            break
+        if node in reused:
+            continue
+        tokens = node.held_pages(instance) * tree.page_size
+        users = tree.requests_in_window(node, instance, now)
+        spent += cost.prefill_time(tokens) * users if users else 0.0
+        freed += tokens
+    return spent

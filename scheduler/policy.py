@@ -13,13 +13,10 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from preble_backend.common.block_hash import chain_hashes
-from preble_backend.engine.radix_cache import CacheEvent
-
-if TYPE_CHECKING:  # the router's policies need no torch
-    from preble_backend.engine.sampling import SamplingParams
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -70,9 +67,7 @@ class InstanceLoad:
 class Policy(ABC):
     name: str
 
-    def __init__(
-        self, num_instances: int, clock: Callable[[], float] = time.monotonic, **_other_options
-    ) -> None:
+    def __init__(self, num_instances: int, clock: Callable[[], float] = time.monotonic) -> None:
         if num_instances < 1:
             raise ValueError("a policy needs at least one instance")
         self.num_instances = num_instances
@@ -105,8 +100,8 @@ class Policy(ABC):
 class RoundRobin(Policy):
     name = "round_robin"
 
-    def __init__(self, num_instances: int, **kw) -> None:
-        super().__init__(num_instances, **kw)
+    def __init__(self, num_instances: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(num_instances, clock)
         self._next = 0
 
     def select(self, request, loads):
@@ -123,8 +118,8 @@ class LeastLoad(Policy):
 
     name = "least_load"
 
-    def __init__(self, num_instances: int, **kw) -> None:
-        super().__init__(num_instances, **kw)
+    def __init__(self, num_instances: int, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(num_instances, clock)
         self._start = 0
 
     def select(self, request, loads):
@@ -133,19 +128,3 @@ class LeastLoad(Policy):
         choice = min(live, key=lambda i: (loads[i].in_flight, loads[i].queued))
         self._start = (choice + 1) % self.num_instances
         return Decision(choice, "least_load")
-
-
-def policies() -> dict[str, type[Policy]]:
-    from scheduler.baselines import CacheAware, KVCost, PrefixHash
-    from scheduler.e2 import E2
-
-    return {p.name: p for p in (E2, RoundRobin, LeastLoad, PrefixHash, CacheAware, KVCost)}
-
-
-def make_policy(name: str, num_instances: int, **options) -> Policy:
-    """Build a policy by name; ``options`` go to the policies that take them (E2's cost
-    model and capacity, the simulator's clock)."""
-    table = policies()
-    if name not in table:
-        raise ValueError(f"policy={name!r} is invalid: expected one of {', '.join(table)}")
-    return table[name](num_instances, **options)

@@ -2,13 +2,15 @@
 
 A node is a run of KV pages named by their chain hashes (``preble_backend/common/block_hash.py``).
 Each chain hash names its whole prefix, so one comparison of a node's last hash tells
-whether the whole node matches, and a partial match is a binary search (``common_pages``).
+whether the whole node matches, and a partial match is a binary search (``common_prefix``).
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+
+from preble_backend.common.prefix import longest_match
 
 NO_REPLICAS: frozenset[int] = frozenset()  # shared: most nodes never get a replica
 
@@ -76,19 +78,8 @@ class Match:
         return pages * self.page_size
 
 
-def common_pages(hashes: array, chain, pos: int) -> int:
-    """How many of a node's pages ``chain[pos:]`` matches, given that its first does. A
-    chain hash names its whole prefix, so the pages match up to some point and never
-    after it: check the last page, else binary search. (Callers check the whole node,
-    the usual case, themselves: it saves this call.)"""
-    n = min(len(hashes), len(chain) - pos)
-    if chain[pos + n - 1] == hashes[n - 1]:
-        return n
-    lo, hi = 1, n - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if chain[pos + mid - 1] == hashes[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def common_prefix(hashes: array, chain, pos: int) -> int:
+    """How many of a node's pages ``chain[pos:]`` matches. A chain hash names its whole
+    prefix, so the first ``n`` pages agree exactly when the ``n``-th hashes do."""
+    limit = min(len(hashes), len(chain) - pos)
+    return longest_match(limit, lambda n: n == 0 or chain[pos + n - 1] == hashes[n - 1])

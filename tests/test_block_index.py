@@ -12,13 +12,13 @@ import pytest
 from conftest import assert_cached_kids_counted
 
 from preble_backend.common.block_hash import chain_hashes
-from preble_backend.engine.radix_cache import CacheEvent
-from preble_backend.engine.sampling import SamplingParams
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.protocol import decode_report, encode_report
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.load_cost import VirtualEviction
+from scheduler.load_cost import memory_cost
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 from scheduler.tree_node import Match
 
@@ -78,11 +78,9 @@ def brute_force_memory_cost(
 
 @pytest.mark.parametrize("seed", range(3))
 def test_virtual_eviction_matches_a_brute_force_lru_eviction(seed):
-    """Asked after every kind of change, a walk the changes did not reach is reused; one
-    they reached is rebuilt. Both must give the brute-force answer."""
+    """M, asked after every kind of change the tree sees, is the brute-force LRU answer."""
     rng = random.Random(seed)
     tree = GlobalPrefixTree(2, window_s=50.0, page_size=1)
-    evictions = VirtualEviction(tree, 0, UNIT)
     prompts = [[rng.randrange(4) for _ in range(rng.randrange(1, 4))] + list(range(100 * k, 100 * k + 20))
                for k in range(40)]  # fmt: skip
     in_flight = []
@@ -102,10 +100,11 @@ def test_virtual_eviction_matches_a_brute_force_lru_eviction(seed):
             tree.apply_events(
                 rng.randrange(2), [CacheEvent("evicted", tuple(tail), rng.randrange(len(tail)))]
             )
-        for _ in range(3):  # later questions reuse the first one's walk
+        for _ in range(3):
             probe = tree.match(chain_hashes(rng.choice(prompts), 1))
             need = rng.randrange(1, 200)
-            assert evictions(need, probe, now) == brute_force_memory_cost(tree, 0, probe, need, now)
+            expected = brute_force_memory_cost(tree, 0, probe, need, now)
+            assert memory_cost(tree, 0, need, probe, now, UNIT) == expected
         if step % 25 == 0:
             tree.prune(now)
             assert_cached_kids_counted(tree)

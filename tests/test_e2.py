@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 
 from preble_backend.common.block_hash import chain_hashes
-from preble_backend.engine.radix_cache import CacheEvent
-from preble_backend.engine.sampling import SamplingParams
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.sampling_params import SamplingParams
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
+from scheduler.policies import make_policy
+from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 from scheduler.sim.bench_decisions import bench_isolated
 
 UNIT = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
@@ -183,7 +184,7 @@ def test_prefix_hash_sends_equal_leading_tokens_to_one_instance():
 
 
 def test_cache_aware_branches():
-    policy = make_policy("cache_aware", 2, page_size=1)
+    policy = make_policy("cache_aware", 2, {"page_size": 1})
     idle = [InstanceLoad(), InstanceLoad()]
     assert policy.select(req(range(100)), idle).branch == "cache_miss"  # match rate 0
     d = policy.select(req(list(range(40)) + [5] * 60), [InstanceLoad(3), InstanceLoad(0)])
@@ -193,7 +194,7 @@ def test_cache_aware_branches():
 
 
 def test_kv_cost_counts_blocks_to_prefill_plus_active_blocks():
-    policy = make_policy("kv_cost", 2, page_size=16)
+    policy = make_policy("kv_cost", 2, {"page_size": 16})
     loads = [InstanceLoad(), InstanceLoad()]
     r, d = route(policy, range(64))  # 4 blocks on either: tie -> 0; instance 0 now 4 active
     assert d.instance == 0

@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import random_prompts
 
+from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
-from preble_backend.engine.sampling import SamplerState, SamplingParams, sample
+from preble_backend.engine.sampling import SamplerState, sample
 
 GREEDY = {"temperature": 0}
 

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.cache_event import CacheEvent
 from preble_backend.engine.block_manager import BlockManager
-from preble_backend.engine.radix_cache import CacheEvent, RadixCache
+from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.engine.request import Request
 from scheduler.global_tree import GlobalPrefixTree
 

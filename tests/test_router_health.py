@@ -12,13 +12,14 @@ import time
 import pytest
 from test_e2 import e2, route, stored
 
+from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.procfs import process_alive
-from preble_backend.engine.radix_cache import CacheEvent
-from preble_backend.engine.sampling import SamplingParams
+from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.engine_client import EngineError, LocalEngine, RemoteEngine
 from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.flights import Flights
-from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
+from scheduler.policies import make_policy
+from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 
 
 class Sender:
@@ -142,7 +143,7 @@ def request(i: int, tokens=(1, 2, 3)) -> RoutingRequest:
 
 @pytest.mark.parametrize("name", ["e2", "round_robin", "least_load", "prefix_hash", "cache_aware", "kv_cost"])
 def test_every_policy_routes_only_to_live_instances(name):
-    policy = make_policy(name, 3, page_size=1)
+    policy = make_policy(name, 3, {"page_size": 1})
     loads = [InstanceLoad() for _ in range(3)]
     policy.instance_down(1)
     chosen = {policy.select(request(i, range(i, i + 40)), loads).instance for i in range(30)}
@@ -167,7 +168,7 @@ def test_e2_forgets_a_dead_instance_and_sends_its_prefix_elsewhere():
 
 
 def test_kv_cost_forgets_what_a_dead_instance_cached():
-    policy = make_policy("kv_cost", 2, page_size=16)
+    policy = make_policy("kv_cost", 2, {"page_size": 16})
     r = request(0, range(64))
     policy.select(r, [InstanceLoad(), InstanceLoad()])
     policy.on_finish(0, r, FinishInfo([CacheEvent.of("stored", range(64), 0, 16)]))

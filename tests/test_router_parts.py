@@ -3,12 +3,17 @@ simplest policies, the engines parameter."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from preble_backend.engine.sampling import SamplingParams
+from preble_backend.common.sampling_params import SamplingParams
+from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.detokenizer import IncrementalDetokenizer
 from preble_backend.serving.engine_client import LocalEngine, RemoteEngine, make_engine_clients
-from scheduler.policy import InstanceLoad, RoutingRequest, make_policy
+from preble_backend.serving.repository import write_repository
+from scheduler.policies import make_policy
+from scheduler.policy import InstanceLoad, RoutingRequest
 
 TEXT = "Prefix caché: 日本語のテキスト, emoji 🙂 and ASCII."
 
@@ -67,6 +72,19 @@ def test_unknown_policy_is_named():
         make_policy("e3", 2)
 
 
+def test_policies_refuse_unknown_options():
+    """A misspelt tunable is an error naming it and the policy's real ones; cluster facts
+    go only to the policies that take them."""
+    with pytest.raises(ValueError, match=r"policy e2 takes no option\(s\) th_bla; its options: .*th_bal"):
+        make_policy("e2", 2, th_bla=2.0)
+    with pytest.raises(ValueError, match="policy round_robin takes no option"):
+        make_policy("round_robin", 2, page_size=16)
+    with pytest.raises(ValueError, match="unknown cluster fact"):
+        make_policy("round_robin", 2, {"pages": 16})
+    assert make_policy("round_robin", 2, {"page_size": 16, "cost_model": "tiny_cpu"}).name == "round_robin"
+    assert make_policy("kv_cost", 2, {"page_size": 32}).block_size == 32
+
+
 def test_engines_parameter():
     local, remote = make_engine_clients("preble_engine_0, grpc://10.0.0.2:8001/preble_engine_3")
     assert isinstance(local, LocalEngine) and local.name == "preble_engine_0"
@@ -78,3 +96,28 @@ def test_engines_parameter():
                          ("http://h:1/m", "only grpc://")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             make_engine_clients(bad)
+
+
+def test_checked_in_repository_is_the_writers(tmp_path):
+    """The tensor specs and settings are declared once (protocol, configs) and rendered by
+    the repository writer: the checked-in repository is exactly its output."""
+    written = write_repository(tmp_path / "repo", cpu_engines=2)
+    checked_in = Path(__file__).resolve().parent.parent / "model_repository"
+    files = sorted(p.relative_to(checked_in) for p in checked_in.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
+    for name in files:
+        assert (written / name).read_text() == (checked_in / name).read_text(), name
+
+
+def test_router_config_names_each_bad_parameter():
+    config = RouterConfig.from_strings({"policy": "kv_cost", "page_size": "32", "health_timeout_s": "2.5"})
+    assert (config.policy, config.page_size, config.health_timeout_s) == ("kv_cost", 32, 2.5)
+    for values, message in (
+        ({"polcy": "e2"}, "unknown router parameter.*polcy"),
+        ({"policy": "e3"}, "policy='e3' is invalid: expected one of e2, round_robin"),
+        ({"max_queue": "many"}, "max_queue='many' is invalid: expected an integer"),
+        ({"max_inflight": "0"}, "max_inflight=0 is invalid"),
+        ({"health_interval_s": "0"}, "health_interval_s=0.0 is invalid"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            RouterConfig.from_strings(values)

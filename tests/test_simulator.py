@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from conftest import assert_cached_kids_counted
 
-from client.workloads import Materializer, generate, poisson_arrivals, summarize
+from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.block_hash import chain_hashes
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 from scheduler.sim.sweep import run, trace
+from scheduler.sim.workload_stats import summarize
 
 COST = CostModel.load("mistral7b_a6000")
 
@@ -22,7 +23,7 @@ def small_trace(workload: str, n: int, rps: float, scale: float) -> list[SimRequ
 
 
 def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
-    cfg = SimConfig(num_instances=3, capacity_tokens=4096, page_size=16, chunk_size=256)
+    cfg = SimConfig.of(3, capacity_tokens=4096, page_size=16, chunk_size=256)
     requests = small_trace("toolbench", 300, rps=40, scale=0.3)
     built: list[E2] = []
     evicted = []
@@ -51,7 +52,7 @@ def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
 
 
 def test_every_request_finishes_and_metrics_are_consistent():
-    cfg = SimConfig(num_instances=2, capacity_tokens=50_000)
+    cfg = SimConfig.of(2, capacity_tokens=50_000)
     requests = small_trace("videoqa", 60, rps=2, scale=0.1)
     result = simulate(requests, lambda clock: E2(2, cost_model=COST, clock=clock), cfg, COST)
     m = metrics(result)
@@ -66,7 +67,7 @@ def test_every_request_finishes_and_metrics_are_consistent():
 
 
 def test_e2_keeps_more_of_the_prefix_cache_than_round_robin():
-    cfg = SimConfig(num_instances=4, capacity_tokens=60_000)
+    cfg = SimConfig.of(4, capacity_tokens=60_000)
     requests = trace("toolbench", 400, 30.0, seed=1)
     e2 = run(requests, "e2", cfg, COST)
     rr = run(requests, "round_robin", cfg, COST)

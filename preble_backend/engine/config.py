@@ -1,15 +1,16 @@
-"""Engine and router configuration: every tunable, its default, and the range it must
-fall in.
+"""Engine configuration: every tunable, its default, and the range it must fall in.
 
-The Triton models build these from their ``config.pbtxt`` parameters, so each check names
-the parameter key exactly as a user writes it there.
+The engine model builds it from its ``config.pbtxt`` parameters, so each check names the
+parameter key exactly as a user writes it there.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings
+from preble_backend.model.attention import ATTENTION_BACKENDS
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEFAULT_CPU_KV_TOKENS = 32768
 
@@ -19,7 +20,7 @@ class EngineConfig:
     model_path: str
     dtype: str = "auto"
     device: str = "cpu"
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     max_num_tokens: int = 0  # KV capacity in tokens; 0 = derive from kv_memory_fraction
     kv_memory_fraction: float = 0.85  # of free GPU memory after weights (CUDA only)
     chunk_size: int = 512  # prefill token budget per iteration
@@ -54,57 +55,4 @@ class EngineConfig:
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> EngineConfig:
         """Parse string parameters (as config.pbtxt holds them), naming any bad key."""
-        return cls(**_parse_strings(cls, values, "engine"))
-
-
-@dataclass
-class RouterConfig:
-    model_path: str = "tiny"  # the tokenizer: the engines' model
-    engines: str = "preble_engine_0,preble_engine_1"  # local names and grpc://host:port/model
-    policy: str = "e2"
-    cost_model: str = "tiny_cpu"
-    page_size: int = 16  # the engines' KV page size: prompts are matched per page
-    max_inflight: int = 1024  # requests forwarded to engines at once
-    max_queue: int = 1024  # admitted requests waiting for a forwarding slot; past it, UNAVAILABLE
-    max_input_bytes: int = 4 << 20  # a larger text_input is refused before tokenization
-    health_interval_s: float = 1.0  # how often each engine is probed and its process checked
-    health_timeout_s: float = 10.0  # an engine that does not answer a probe this long is down
-
-    def __post_init__(self) -> None:
-        for key in ("page_size", "max_inflight", "max_input_bytes"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 1")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue={self.max_queue!r} is invalid: expected an integer >= 0")
-        for key in ("health_interval_s", "health_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected a number > 0")
-
-    @classmethod
-    def from_strings(cls, values: dict[str, str]) -> RouterConfig:
-        return cls(**_parse_strings(cls, values, "router"))
-
-
-def _parse_strings(cls, values: dict[str, str], what: str) -> dict[str, object]:
-    """String parameters as the dataclass's types, naming any unknown or bad key."""
-    types = {f.name: f.type for f in fields(cls)}
-    unknown = sorted(set(values) - set(types))
-    if unknown:
-        raise ValueError(f"unknown {what} parameter(s): {', '.join(unknown)}")
-    parsed: dict[str, object] = {}
-    for key, raw in values.items():
-        kind = types[key]
-        try:
-            if kind == "int":
-                parsed[key] = int(raw)
-            elif kind == "float":
-                parsed[key] = float(raw)
-            elif kind == "bool":
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                parsed[key] = raw.lower() in ("true", "1")
-            else:
-                parsed[key] = raw
-        except ValueError:
-            raise ValueError(f"{key}={raw!r} is invalid: expected a {kind}") from None
-    return parsed
+        return cls(**parse_strings(cls, values, "engine"))

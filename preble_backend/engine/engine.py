@@ -17,14 +17,13 @@ from concurrent.futures import Future
 
 import torch
 
-from preble_backend.engine.block_manager import BlockManager
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from preble_backend.engine.local_scheduler import LocalScheduler, ScheduledBatch
+from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.model_runner import ModelRunner
-from preble_backend.engine.priority_queue import PriorityWaitQueue
-from preble_backend.engine.radix_cache import CacheEvent, RadixCache
 from preble_backend.engine.request import Request, RequestOutput, Status
-from preble_backend.engine.sampling import SamplerState, SamplingParams, sample_one
+from preble_backend.engine.sampling import SamplerState, sample_one
 from preble_backend.engine.stop_checker import StopChecker
 
 log = logging.getLogger("preble.engine")
@@ -36,13 +35,8 @@ class Engine:
         self.runner = ModelRunner(config.model_path, config.dtype, config.device, config.attention_backend)
         self.model_config = self.runner.cfg
         self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
-        self.cache = RadixCache(config.page_size) if config.enable_prefix_caching else None
-        self.scheduler = LocalScheduler(
-            BlockManager(self.pool, self.cache),
-            PriorityWaitQueue(config.priority_groups, config.priority_quota),
-            config.chunk_size,
-            config.max_running_requests,
-        )
+        self.scheduler = make_local_scheduler(self.pool, config)
+        self.cache = self.scheduler.blocks.cache
         self.stops = StopChecker(config.model_path, self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._inbox: deque[Request] = deque()

@@ -13,8 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.engine.request import Request, Status
+from preble_backend.model.kv_pool import KVPool
 
 
 @dataclass
@@ -130,3 +133,15 @@ class LocalScheduler:
         else:
             self.waiting.remove(req)
         req.status = Status.FINISHED
+
+
+def make_local_scheduler(pool: KVPool, config: EngineConfig) -> LocalScheduler:
+    """The local scheduler an engine with ``config`` runs over ``pool``. The engine and the
+    simulator both build it here, so a simulated instance schedules as a real one does."""
+    cache = RadixCache(config.page_size) if config.enable_prefix_caching else None
+    return LocalScheduler(
+        BlockManager(pool, cache),
+        PriorityWaitQueue(config.priority_groups, config.priority_quota),
+        config.chunk_size,
+        config.max_running_requests,
+    )

@@ -22,25 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.prefix import longest_match
 
 _clock = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class CacheEvent:
-    """Pages ``start`` onwards of a path from the root were stored in, or evicted from, the
-    cache; the pages before ``start`` stay cached above them. The path is named by its page
-    chain hashes (``block_hash``), the currency the global scheduler matches prompts in."""
-
-    kind: Literal["stored", "evicted"]
-    hashes: tuple[int, ...]  # chain hash of every page of the path, root first
-    start: int  # first page of the span
-
-    @classmethod
-    def of(cls, kind: Literal["stored", "evicted"], tokens, start: int, page_size: int) -> CacheEvent:
-        """The event for ``tokens[start:]`` (``start`` in tokens, page-aligned)."""
-        return cls(kind, tuple(chain_hashes(tokens, page_size)), start // page_size)
 
 
 @dataclass(frozen=True)
@@ -87,16 +72,7 @@ class RadixCache:
         """Whole pages of ``node`` that match ``tokens[pos:]`` (slice compares run in C)."""
         ps = self.page_size
         limit = min(len(node.pages), (len(tokens) - pos) // ps)
-        if node.key[: limit * ps] == tokens[pos : pos + limit * ps]:
-            return limit
-        lo, hi = 0, limit - 1  # the first page always matches: it is the child's key
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if node.key[: mid * ps] == tokens[pos : pos + mid * ps]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return longest_match(limit, lambda n: node.key[: n * ps] == tokens[pos : pos + n * ps])
 
     def cached_len(self, tokens: list[int]) -> int:
         """How many leading tokens are cached (page-aligned), touching nothing."""

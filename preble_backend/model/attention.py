@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from kernels.reference import extend_attention_ref, kv_write_ref
-from preble_backend.engine.config import ATTENTION_BACKENDS
+from preble_backend.common.prefix import longest_match
 from preble_backend.model.kv_pool import KVPool
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 @dataclass
@@ -94,12 +96,7 @@ def shared_prefix_groups(
         common = min(len(tree_pages[b]) for b in members)
         for b in members[1:]:
             other = tree_pages[b]
-            if other[:common] != first[:common]:
-                lo, hi = 1, common  # first[:lo] matches; find the longest matching run
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    lo, hi = (mid, hi) if other[:mid] == first[:mid] else (lo, mid - 1)
-                common = lo
+            common = longest_match(common, lambda n, a=other, b=first: a[:n] == b[:n])
         if common * page_size >= min_shared_tokens:
             groups.append((members, common * page_size))
     return groups

@@ -8,11 +8,15 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 import numpy as np
 
-ENGINE_OUTPUTS = ("token_ids", "finish_reason", "num_cached_tokens", "report")
+from client.triton_client import StreamError, open_grpc, stream_infer
+from preble_backend.serving.protocol import ENGINE_OUTPUTS, names
+
+OUTPUTS = names(ENGINE_OUTPUTS)
 
 
 class EngineError(RuntimeError):
@@ -104,7 +108,7 @@ class LocalEngine(EngineClient):
 
         request = pb_utils.InferenceRequest(
             model_name=self.name,
-            requested_output_names=list(ENGINE_OUTPUTS),
+            requested_output_names=list(OUTPUTS),
             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
         )
         error = None
@@ -116,7 +120,7 @@ class LocalEngine(EngineClient):
                 if "is not healthy" in error:  # the stub process is gone (Triton's words)
                     raise EngineUnavailable(f"engine {self.name}: {error}")
             elif error is None:
-                yield {name: _output(pb_utils, response, name) for name in ENGINE_OUTPUTS}
+                yield {name: _output(pb_utils, response, name) for name in OUTPUTS}
         if error is not None:
             raise EngineError(error)
 
@@ -128,9 +132,8 @@ def _output(pb_utils, response, name: str):
 
 class RemoteEngine(EngineClient):
     """An engine model on another tritonserver: one gRPC channel per engine, kept for the
-    router's life, and a bidirectional stream per request on it (errors on a shared
-    stream would not say which request they belong to). A lost server fails the stream
-    at once with UNAVAILABLE; the channel reconnects by itself when it is back."""
+    router's life, and a stream per request on it. A lost server fails the stream at once
+    with UNAVAILABLE; the channel reconnects by itself when it is back."""
 
     def __init__(self, url: str, model: str) -> None:
         super().__init__(f"grpc://{url}/{model}")
@@ -138,55 +141,27 @@ class RemoteEngine(EngineClient):
         self._channel = None
         self._stub = None
 
-    def _connect(self):
-        if self._stub is None:
-            import grpc
-            from tritonclient.grpc import service_pb2_grpc
-
-            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-            self._channel = grpc.insecure_channel(self.url, options=options)
-            self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
-        return self._stub
-
     def _call(self, inputs):
         import grpc
-        from tritonclient.grpc import InferResult
 
-        call = self._connect().ModelStreamInfer(iter([_infer_request(self.model, inputs)]))
+        if self._stub is None:
+            self._channel, self._stub = open_grpc(self.url)
         try:
-            for message in call:
-                if message.error_message:
-                    raise EngineError(message.error_message)
-                result = InferResult(message.infer_response)
-                names = {o.name for o in message.infer_response.outputs}
-                yield {name: result.as_numpy(name) if name in names else None for name in ENGINE_OUTPUTS}
-                if message.infer_response.parameters["triton_final_response"].bool_param:
-                    return
+            with closing(stream_infer(self._stub, self.model, inputs)) as responses:
+                for outputs, final in responses:
+                    yield {name: outputs.get(name) for name in OUTPUTS}
+                    if final:
+                        return
             raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
+        except StreamError as exc:
+            raise EngineError(str(exc)) from None
         except grpc.RpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
             raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
-        finally:
-            call.cancel()  # a no-op once the stream is done; cancels the request otherwise
 
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
-
-
-def _infer_request(model: str, inputs: dict[str, np.ndarray]):
-    """A ``ModelInferRequest`` with raw tensor contents, asking for an empty final response."""
-    from tritonclient.grpc import service_pb2
-    from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
-
-    request = service_pb2.ModelInferRequest(model_name=model)
-    request.parameters["triton_enable_empty_final_response"].bool_param = True
-    for name, value in inputs.items():
-        tensor = request.inputs.add(name=name, datatype=np_to_triton_dtype(value.dtype))
-        tensor.shape.extend(value.shape)
-        raw = serialize_byte_tensor(value).item() if value.dtype == np.object_ else value.tobytes()
-        request.raw_input_contents.append(raw)
-    return request
 
 
 def make_engine_clients(spec: str) -> list[EngineClient]:

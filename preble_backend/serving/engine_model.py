@@ -32,9 +32,9 @@ from preble_backend.serving.backend_utils import (
     string_tensor,
 )
 from preble_backend.serving.metrics import Metrics, MetricSpec
-from preble_backend.serving.protocol import encode_report, parse_engine_call
+from preble_backend.serving.protocol import ENGINE_INPUTS, encode_report, names, parse_engine_call
 
-INPUTS = ("input_ids", "sampling_parameters", "request_id", "control")
+INPUTS = names(ENGINE_INPUTS)
 CANCEL_POLL_S = 0.1
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CONTROL, TOKENS, LAST = 0, 1, 2  # response-queue priorities: control answers go first

@@ -1,4 +1,4 @@
-"""Start tritonserver on a model repository, the way DESIGN.md §8 found it works here.
+"""Start tritonserver on a model repository, on a machine without an NGC container.
 
 Outside an NGC container the server comes from the ``nvidia-pytriton`` wheel. Its Python
 backend needs a backend directory holding ``libtriton_python.so``, the utils module and

@@ -17,11 +17,55 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preble_backend.engine.config import RouterConfig
-from preble_backend.engine.radix_cache import CacheEvent
-from preble_backend.engine.sampling import SamplingParams
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.sampling_params import SamplingParams
+from preble_backend.serving.config import RouterConfig
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model, as its ``config.pbtxt`` declares it."""
+
+    name: str
+    data_type: str  # Triton's TYPE_* name
+    dims: tuple[int, ...]
+    optional: bool = False
+
 
 ROUTER_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+ROUTER_INPUTS = (
+    TensorSpec("text_input", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
+    TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("exclude_input_in_output", "TYPE_BOOL", (1,), optional=True),
+    *(TensorSpec(flag, "TYPE_BOOL", (1,), optional=True) for flag in ROUTER_FLAGS),
+)
+ROUTER_OUTPUTS = (
+    TensorSpec("text_output", "TYPE_STRING", (-1,)),
+    TensorSpec("finish_reason", "TYPE_STRING", (-1,)),
+    TensorSpec("num_input_tokens", "TYPE_UINT32", (1,)),
+    TensorSpec("num_output_tokens", "TYPE_UINT32", (-1,)),
+    TensorSpec("num_cached_tokens", "TYPE_UINT32", (1,)),
+    TensorSpec("instance", "TYPE_STRING", (1,)),
+)
+ENGINE_INPUTS = (
+    TensorSpec("input_ids", "TYPE_INT32", (-1,), optional=True),
+    TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("request_id", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("control", "TYPE_STRING", (1,), optional=True),
+)
+ENGINE_OUTPUTS = (
+    TensorSpec("token_ids", "TYPE_INT32", (-1,)),
+    TensorSpec("finish_reason", "TYPE_STRING", (1,)),
+    TensorSpec("num_cached_tokens", "TYPE_INT32", (1,)),
+    TensorSpec("report", "TYPE_STRING", (1,)),
+)
+
+
+def names(specs: tuple[TensorSpec, ...]) -> tuple[str, ...]:
+    return tuple(spec.name for spec in specs)
+
+
 CONTROL_OPS = ("stats", "health", "abort", "flush_cache")
 
 

@@ -10,45 +10,20 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from preble_backend.engine.config import EngineConfig, RouterConfig
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from preble_backend.engine.config import EngineConfig
+from preble_backend.serving.config import RouterConfig
+from preble_backend.serving.protocol import (
+    ENGINE_INPUTS,
+    ENGINE_OUTPUTS,
+    ROUTER_INPUTS,
+    ROUTER_OUTPUTS,
+    TensorSpec,
+)
+from scheduler.policies import POLICIES
 
 ENGINE_MODEL_PY = "from preble_backend.serving.engine_model import TritonPythonModel  # noqa: F401\n"
 ROUTER_MODEL_PY = "from preble_backend.serving.router_model import TritonPythonModel  # noqa: F401\n"
-
-ROUTER_IO = """\
-input [
-  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] optional: true },
-  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
-  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true },
-  { name: "exclude_input_in_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
-  { name: "return_finish_reason" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
-  { name: "return_num_input_tokens" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
-  { name: "return_num_output_tokens" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
-]
-output [
-  { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] },
-  { name: "finish_reason" data_type: TYPE_STRING dims: [ -1 ] },
-  { name: "num_input_tokens" data_type: TYPE_UINT32 dims: [ 1 ] },
-  { name: "num_output_tokens" data_type: TYPE_UINT32 dims: [ -1 ] },
-  { name: "num_cached_tokens" data_type: TYPE_UINT32 dims: [ 1 ] },
-  { name: "instance" data_type: TYPE_STRING dims: [ 1 ] }
-]
-"""
-
-ENGINE_IO = """\
-input [
-  { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] optional: true },
-  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true },
-  { name: "request_id" data_type: TYPE_STRING dims: [ 1 ] optional: true },
-  { name: "control" data_type: TYPE_STRING dims: [ 1 ] optional: true }
-]
-output [
-  { name: "token_ids" data_type: TYPE_INT32 dims: [ -1 ] },
-  { name: "finish_reason" data_type: TYPE_STRING dims: [ 1 ] },
-  { name: "num_cached_tokens" data_type: TYPE_INT32 dims: [ 1 ] },
-  { name: "report" data_type: TYPE_STRING dims: [ 1 ] }
-]
-"""
 
 ENGINE_PARAMETER_NOTES = {
     "model_path": "local HF model dir; 'tiny' = the embedded model; relative = from the repository root",
@@ -66,7 +41,7 @@ ENGINE_PARAMETER_NOTES = {
 ROUTER_PARAMETER_NOTES = {
     "model_path": "tokenizer directory (the engines' model); 'tiny' = the embedded model",
     "engines": "comma-separated engine model names in this server and grpc://host:port/model remotes",
-    "policy": "e2 | round_robin | least_load | prefix_hash | cache_aware | kv_cost",
+    "policy": " | ".join(POLICIES),
     "cost_model": "E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
     "page_size": "the engines' KV page size: prompts are matched per page (must equal theirs)",
     "max_inflight": "requests forwarded to engines at once",
@@ -75,6 +50,20 @@ ROUTER_PARAMETER_NOTES = {
     "health_interval_s": "how often each engine is probed and its stub process checked",
     "health_timeout_s": "an engine that leaves a health probe unanswered this long is down",
 }
+
+
+def _io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> str:
+    """The model's ``input`` and ``output`` blocks, rendered from the protocol's specs."""
+
+    def block(kind: str, specs: tuple[TensorSpec, ...]) -> str:
+        rows = []
+        for spec in specs:
+            dims = ", ".join(str(d) for d in spec.dims)
+            optional = " optional: true" if spec.optional else ""
+            rows.append(f'  {{ name: "{spec.name}" data_type: {spec.data_type} dims: [ {dims} ]{optional} }}')
+        return f"{kind} [\n" + ",\n".join(rows) + "\n]\n"
+
+    return block("input", inputs) + block("output", outputs)
 
 
 def _parameters(values: dict[str, object], notes: dict[str, str]) -> str:
@@ -95,7 +84,8 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
     return (
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
-        f"{ENGINE_IO}instance_group [ {group} ]\n" + _parameters(values, ENGINE_PARAMETER_NOTES)
+        f"{_io(ENGINE_INPUTS, ENGINE_OUTPUTS)}instance_group [ {group} ]\n"
+        + _parameters(values, ENGINE_PARAMETER_NOTES)
     )
 
 
@@ -104,14 +94,14 @@ def router_config_pbtxt(
     engines: list[str],
     policy: str = "e2",
     cost_model: str = "tiny_cpu",
-    page_size: int = 16,
+    page_size: int = DEFAULT_PAGE_SIZE,
     **overrides,
 ) -> str:
     config = RouterConfig(model_path, ",".join(engines), policy, cost_model, page_size, **overrides)
     return (
         'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
-        f"{ROUTER_IO}instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n"
+        f"{_io(ROUTER_INPUTS, ROUTER_OUTPUTS)}instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n"
         + _parameters(asdict(config), ROUTER_PARAMETER_NOTES)
     )
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.engine.config import RouterConfig
 from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
@@ -33,6 +32,7 @@ from preble_backend.serving.backend_utils import (
     send_error,
     string_tensor,
 )
+from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.detokenizer import IncrementalDetokenizer
 from preble_backend.serving.engine_client import (
     EngineClient,
@@ -44,21 +44,20 @@ from preble_backend.serving.engine_client import (
 from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.flights import Flight, Flights
 from preble_backend.serving.metrics import Metrics, MetricSpec
-from preble_backend.serving.protocol import BadRequest, GenerateRequest, decode_report, parse_generate
-from preble_backend.serving.repository import check_local_engines
-from scheduler.cost_model import CostModel
-from scheduler.nvml_load import LoadView
-from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest, make_policy
-
-INPUTS = (
-    "text_input",
-    "stream",
-    "sampling_parameters",
-    "exclude_input_in_output",
-    "return_finish_reason",
-    "return_num_input_tokens",
-    "return_num_output_tokens",
+from preble_backend.serving.protocol import (
+    ROUTER_INPUTS,
+    BadRequest,
+    GenerateRequest,
+    decode_report,
+    names,
+    parse_generate,
 )
+from preble_backend.serving.repository import check_local_engines
+from scheduler.nvml_load import LoadView
+from scheduler.policies import make_policy
+from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
+
+INPUTS = names(ROUTER_INPUTS)
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 METRICS = [
     MetricSpec("preble_router_decisions_total", "counter", "routing decisions"),
@@ -85,10 +84,8 @@ class TritonPythonModel:
         self.engines: list[EngineClient] = make_engine_clients(config.engines)
         local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
         check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
-        cost = CostModel.load(config.cost_model) if config.policy == "e2" else None
-        self.policy = make_policy(
-            config.policy, len(self.engines), cost_model=cost, page_size=config.page_size
-        )
+        facts = {"cost_model": config.cost_model, "page_size": config.page_size}
+        self.policy = make_policy(config.policy, len(self.engines), facts)
         self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 from client.workloads import WORKLOADS, Materializer, poisson_arrivals
 from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.policy import InstanceLoad
 from scheduler.sim.simulator import SimConfig, SimRequest, simulate
 
 PAPER = {"toolbench": 245, "videoqa": 2931}
-PAGE_SIZE = 16
 
 
 @dataclass
@@ -54,16 +54,14 @@ def bench(workload: str, instances: int, n: int, rps: float, repeats: int = 10, 
     trace = [SimRequest(str(i), r.arrival, words.token_ids(r), r.output_len) for i, r in enumerate(reqs)]
     start = time.perf_counter()
     for req in trace:  # where the router tokenizes: once per prompt, outside the policy
-        req.chains[PAGE_SIZE] = chain_hashes(req.input_ids, PAGE_SIZE)
+        req.chains[DEFAULT_PAGE_SIZE] = chain_hashes(req.input_ids, DEFAULT_PAGE_SIZE)
     hashing = (time.perf_counter() - start) / n
     cost = CostModel.load("mistral7b_a6000")
-    cfg = SimConfig(num_instances=instances, page_size=PAGE_SIZE)
+    cfg = SimConfig.of(instances, page_size=DEFAULT_PAGE_SIZE)
     calls: list[tuple] = []
 
     def make(clock) -> E2:
-        return E2(
-            instances, cost_model=cost, capacity_tokens=cfg.capacity_tokens, clock=clock, page_size=PAGE_SIZE
-        )
+        return E2(instances, cost, cfg.capacity_tokens, page_size=DEFAULT_PAGE_SIZE, clock=clock)
 
     def recording(clock) -> E2:
         policy = make(clock)

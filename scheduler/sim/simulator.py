@@ -19,26 +19,38 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from preble_backend.engine.block_manager import BlockManager
-from preble_backend.engine.local_scheduler import LocalScheduler, ScheduledBatch
-from preble_backend.engine.priority_queue import PriorityWaitQueue
-from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.common.sampling_params import SamplingParams
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.request import Request
-from preble_backend.engine.sampling import SamplerState, SamplingParams
+from preble_backend.engine.sampling import SamplerState
 from preble_backend.model.kv_pool import KVPool
 from scheduler.cost_model import CostModel
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
 
+SIMULATED = "(simulated)"  # the model path of a simulated engine: the cost model stands in
+
 
 @dataclass(frozen=True)
 class SimConfig:
+    """A simulated cluster: ``num_instances`` engines configured as real ones; each one's KV
+    capacity is its ``max_num_tokens``."""
+
     num_instances: int = 4
-    capacity_tokens: int = 240_000  # KV tokens per instance
-    page_size: int = 16
-    chunk_size: int = 512
-    max_running_requests: int = 256
-    priority_groups: int = 10
-    priority_quota: int = 10
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(SIMULATED, max_num_tokens=240_000))
+
+    @classmethod
+    def of(cls, num_instances: int, capacity_tokens: int = 240_000, **engine_settings) -> SimConfig:
+        """``engine_settings``: any other ``EngineConfig`` field (page_size, chunk_size, ...)."""
+        return cls(num_instances, EngineConfig(SIMULATED, max_num_tokens=capacity_tokens, **engine_settings))
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.engine.max_num_tokens
+
+    @property
+    def page_size(self) -> int:
+        return self.engine.page_size
 
 
 @dataclass
@@ -70,13 +82,8 @@ class SimInstance:
         self.pool = KVPool(
             num_pages, cfg.page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16
         )
-        self.cache = RadixCache(cfg.page_size)
-        self.scheduler = LocalScheduler(
-            BlockManager(self.pool, self.cache),
-            PriorityWaitQueue(cfg.priority_groups, cfg.priority_quota),
-            cfg.chunk_size,
-            cfg.max_running_requests,
-        )
+        self.scheduler = make_local_scheduler(self.pool, cfg.engine)
+        self.cache = self.scheduler.blocks.cache
         self.busy = False
         self.batch: ScheduledBatch | None = None
 
@@ -195,7 +202,8 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
 
 
 def metrics(result: SimResult) -> dict[str, float]:
-    """The DESIGN §4.4 record fields a simulation can fill."""
+    """A run's record: latency (average, p50, p99), time to first token (average, p99),
+    time per output token, throughput and cache hit ratio (``docs/SCHEDULER.md``)."""
     recs = [r for r in result.records.values() if r.finish is not None]
     lat = np.array([r.finish - r.arrival for r in recs])
     ttft = np.array([r.first_token - r.arrival for r in recs])

@@ -3,7 +3,7 @@
 ``find_stress_rps`` looks for the load the issue asks about: starting light, the request
 rate grows by ×1.5 until round-robin's p99 latency is at least 5× its light-load p99.
 ``sweep`` then runs every policy at the light, the middle and the stress rate, on the
-same requests and arrival times, and returns DESIGN §4.4 records.
+same requests and arrival times, and returns one ``simulator.metrics`` record per run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from client.workloads import Materializer, generate, poisson_arrivals
 from scheduler.cost_model import CostModel
-from scheduler.policy import make_policy
+from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
 BASELINES = ("round_robin", "least_load", "prefix_hash", "cache_aware", "kv_cost")
@@ -29,18 +29,20 @@ def trace(workload: str, n: int, rps: float, seed: int = 0) -> list[SimRequest]:
     ]
 
 
+def cluster_facts(cfg: SimConfig, cost: CostModel, clock) -> dict:
+    """What a policy may know of the simulated cluster."""
+    return {
+        "clock": clock,
+        "cost_model": cost,
+        "capacity_tokens": cfg.capacity_tokens,
+        "page_size": cfg.page_size,
+    }
+
+
 def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel, **options) -> dict:
     result = simulate(
         requests,
-        lambda clock: make_policy(
-            policy,
-            cfg.num_instances,
-            clock=clock,
-            cost_model=cost,
-            capacity_tokens=cfg.capacity_tokens,
-            page_size=cfg.page_size,
-            **options,
-        ),
+        lambda clock: make_policy(policy, cfg.num_instances, cluster_facts(cfg, cost, clock), **options),
         cfg,
         cost,
     )
@@ -82,7 +84,7 @@ def sweep(
     seed: int = 0,
     log=print,
 ) -> list[dict]:
-    cfg = cfg or SimConfig(num_instances=instances)
+    cfg = cfg or SimConfig.of(instances)
     base_rps = 1.0
     requests = trace(workload, n, base_rps, seed)
     if start_rps is None:  # ~5% of one instance's no-cache throughput per instance
@@ -143,23 +145,3 @@ def write(records: list[dict], out_dir: str | Path, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(records, indent=1))
     plot(records, out / f"{name}.png")
-
-
-def ratio_table(records: list[dict]) -> str:
-    """Markdown: at the stress rate, E2's latency and each baseline's as a multiple of E2's
-    (above 1.00x: E2 is faster)."""
-    rows = ["| workload | instances | rps | E2 avg / p99 (s) | " + " | ".join(BASELINES) + " |",
-            "|---|---|---|---|" + "---|" * len(BASELINES)]  # fmt: skip
-    groups: dict[tuple, dict[str, dict]] = {}
-    for r in records:
-        if r.get("stress"):
-            groups.setdefault((r["workload"], r["instances"], r["rps"]), {})[r["policy"]] = r
-    for (workload, instances, rps), by in sorted(groups.items()):
-        e2_avg, e2_p99 = by["e2"]["avg_latency_s"], by["e2"]["p99_latency_s"]
-        cells = [
-            f"{by[b]['avg_latency_s'] / e2_avg:.2f}x / {by[b]['p99_latency_s'] / e2_p99:.2f}x"
-            for b in BASELINES
-        ]
-        head = f"| {workload} | {instances} | {rps:.2f} | {e2_avg:.2f} / {e2_p99:.2f} | "
-        rows.append(head + " | ".join(cells) + " |")
-    return "\n".join(rows)

@@ -1,0 +1,34 @@
+"""What every configuration shares: the KV page size engines and routers agree on by
+default, and parsing ``config.pbtxt`` string parameters into a config dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+DEFAULT_PAGE_SIZE = 16  # tokens per KV page: the engines' paging and the routers' matching unit
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false"}
+
+
+def parse_strings(cls, values: dict[str, str], what: str) -> dict[str, object]:
+    """String parameters as the dataclass's types, naming any unknown or bad key."""
+    types = {f.name: f.type for f in fields(cls)}
+    unknown = sorted(set(values) - set(types))
+    if unknown:
+        raise ValueError(f"unknown {what} parameter(s): {', '.join(unknown)}")
+    parsed: dict[str, object] = {}
+    for key, raw in values.items():
+        kind = types[key]
+        try:
+            if kind == "int":
+                parsed[key] = int(raw)
+            elif kind == "float":
+                parsed[key] = float(raw)
+            elif kind == "bool":
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                parsed[key] = raw.lower() in ("true", "1")
+            else:
+                parsed[key] = raw
+        except ValueError:
+            raise ValueError(f"{key}={raw!r} is invalid: expected {_EXPECTED.get(kind, kind)}") from None
+    return parsed

@@ -1,0 +1,45 @@
+"""Every policy by name, and building one from what the router or the simulator knows.
+
+A policy's own tunables are keyword arguments of its constructor; a name it does not take
+is refused. The cluster facts (``CLUSTER_FACTS``: the clock, the engines' page size, the
+cost model, the KV capacity) are offered to every policy and taken by those that use them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from scheduler.baselines import CacheAware, KVCost, PrefixHash
+from scheduler.e2 import E2
+from scheduler.policy import LeastLoad, Policy, RoundRobin
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (E2, RoundRobin, LeastLoad, PrefixHash, CacheAware, KVCost)
+}
+CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens")
+
+
+def policy_options(name: str) -> list[str]:
+    """The tunables a policy takes (its constructor's keywords, less the cluster facts)."""
+    params = inspect.signature(POLICIES[name]).parameters
+    return [p for p in params if p != "num_instances" and p not in CLUSTER_FACTS]
+
+
+def make_policy(name: str, num_instances: int, facts: dict | None = None, **options) -> Policy:
+    """Build policy ``name`` for ``num_instances`` instances with its own ``options``;
+    each of ``facts`` (keys from ``CLUSTER_FACTS``) goes to it if it takes it."""
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r} is invalid: expected one of {', '.join(POLICIES)}")
+    accepted = policy_options(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"policy {name} takes no option(s) {', '.join(unknown)}; "
+            f"its options: {', '.join(accepted) or 'none'}"
+        )
+    facts = facts or {}
+    if set(facts) - set(CLUSTER_FACTS):
+        raise ValueError(f"unknown cluster fact(s): {', '.join(sorted(set(facts) - set(CLUSTER_FACTS)))}")
+    params = inspect.signature(POLICIES[name]).parameters
+    given = {k: v for k, v in facts.items() if k in params}
+    return POLICIES[name](num_instances, **given, **options)

@@ -1,0 +1,99 @@
+"""The import order of the layers (docs/ARCHITECTURE.md): each package imports only the
+layers below it, so no two import each other; the scheduler's policies know nothing of
+the engine or the serving layer; ``kernels/`` and ``client/`` stand alone."""
+
+from __future__ import annotations
+
+import ast
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kernels", "client", "preble_backend", "scheduler")
+
+# Each layer and the layers it may import, bottom to top.
+ALLOWED = {
+    "kernels": set(),
+    "common": set(),
+    "client": {"common"},
+    "model": {"common", "kernels"},
+    "engine": {"common", "model"},
+    "scheduler": {"common"},
+    "scheduler.sim": {"common", "client", "model", "engine", "scheduler"},
+    "serving": {"common", "client", "model", "engine", "scheduler"},
+    "cli": {"common", "client", "model", "engine", "scheduler", "scheduler.sim", "serving"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str | None:
+    """The layer a dotted module name belongs to (None: not the project's)."""
+    parts = module.split(".")
+    if parts[0] in ("kernels", "client"):
+        return parts[0]
+    if parts[0] == "scheduler":
+        return "scheduler.sim" if parts[1:2] == ["sim"] else "scheduler"
+    if parts[0] == "preble_backend":
+        return "cli" if parts[1:2] in (["cli"], []) else parts[1]
+    return None
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+    return found
+
+
+def layer_edges() -> dict[str, dict[str, set[str]]]:
+    """layer -> imported layer -> the files that import it."""
+    edges: dict[str, dict[str, set[str]]] = {name: {} for name in ALLOWED}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT)
+            source = layer(module_name(path))
+            for module in imports(path):
+                target = layer(module)
+                if target is not None and target != source:
+                    edges[source].setdefault(target, set()).add(str(rel))
+    return edges
+
+
+def test_every_module_belongs_to_a_layer():
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            assert layer(module_name(path)) in ALLOWED, path
+
+
+def test_layers_import_only_the_layers_below():
+    edges = layer_edges()
+    wrong = {
+        f"{source} -> {target} ({', '.join(sorted(files))})"
+        for source, targets in edges.items()
+        for target, files in targets.items()
+        if target not in ALLOWED[source]
+    }
+    assert not wrong
+
+
+def test_no_two_layers_import_each_other():
+    edges = layer_edges()
+    try:
+        list(TopologicalSorter({source: set(targets) for source, targets in edges.items()}).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"import cycle between layers: {exc.args[1]}") from None
+
+
+def test_the_allowed_order_is_itself_a_layering():
+    order = list(TopologicalSorter(ALLOWED).static_order())
+    assert order.index("common") < order.index("scheduler") < order.index("serving") < order.index("cli")
+    assert not ALLOWED["kernels"] and ALLOWED["client"] == {"common"}
+    assert ALLOWED["scheduler"] == {"common"}  # policies: no engine, no serving
