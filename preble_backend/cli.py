@@ -14,9 +14,11 @@ from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.tiny_model import tiny_model_path
+from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.launcher import LaunchError, ServerPorts, start_server
 from preble_backend.serving.repository import write_repository
 from scheduler.cost_model import CostModel
+from scheduler.policies import POLICIES
 from scheduler.sim.profile import profile
 from scheduler.sim.simulator import SimConfig
 from scheduler.sim.sweep import ALL_POLICIES, sweep, write
@@ -105,8 +107,8 @@ def repo(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     remotes = [r for r in (args.remote or "").split(",") if r]
     root = write_repository(
-        args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, policy=args.policy,
-        cost_model=args.cost_model, remote_engines=remotes,
+        args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
+        router_overrides={"policy": args.policy, "cost_model": args.cost_model},
     )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
     return 0
@@ -173,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", default="tiny", help="local HF model directory ('tiny': embedded model)")
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=int, default=2, help="CPU engines when no --gpus")
-    p.add_argument("--policy", default="e2")
-    p.add_argument("--cost-model", default="tiny_cpu", help="shipped fit name or JSON from preble profile")
+    p.add_argument("--policy", default=RouterConfig.policy, choices=list(POLICIES))
+    p.add_argument(
+        "--cost-model", default=RouterConfig.cost_model, help="shipped fit name or JSON from preble profile"
+    )
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func=repo)
     p = sub.add_parser("profile", help="measure an engine and fit E2's cost model (JSON)")

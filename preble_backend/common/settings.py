@@ -1,12 +1,23 @@
 """What every configuration shares: the KV page size engines and routers agree on by
-default, and parsing ``config.pbtxt`` string parameters into a config dataclass."""
+default, settings declared once with their documentation (``setting``), and parsing
+``config.pbtxt`` string parameters into a config dataclass."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, Field, field, fields
 
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page: the engines' paging and the routers' matching unit
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false"}
+
+
+def setting(default=MISSING, *, doc: str) -> Field:
+    """A config field with the one line that documents it (the repository writer prints
+    it above the parameter in ``config.pbtxt``)."""
+    return field(default=default, metadata={"doc": doc})
+
+
+def setting_doc(cls, name: str) -> str:
+    return next(f.metadata["doc"] for f in fields(cls) if f.name == name)
 
 
 def parse_strings(cls, values: dict[str, str], what: str) -> dict[str, object]:

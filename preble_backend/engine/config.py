@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings, setting
 from preble_backend.model.attention import ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -17,18 +17,24 @@ DEFAULT_CPU_KV_TOKENS = 32768
 
 @dataclass
 class EngineConfig:
-    model_path: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    page_size: int = DEFAULT_PAGE_SIZE
-    max_num_tokens: int = 0  # KV capacity in tokens; 0 = derive from kv_memory_fraction
-    kv_memory_fraction: float = 0.85  # of free GPU memory after weights (CUDA only)
-    chunk_size: int = 512  # prefill token budget per iteration
-    max_running_requests: int = 256
-    priority_groups: int = 10  # P
-    priority_quota: int = 10  # k: group g admits (g + 1) * k per round
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # torch on CPU, triton (kernels/) on CUDA
+    model_path: str = setting(
+        doc="local HF model dir; 'tiny' = the embedded model; relative = from the repository root"
+    )
+    dtype: str = setting("auto", doc="auto (fp32 on CPU, bf16 on GPU) | float32 | float16 | bfloat16")
+    device: str = setting("cpu", doc="cpu | cuda[:i]; in Triton the instance group decides")
+    page_size: int = setting(DEFAULT_PAGE_SIZE, doc="tokens per KV page, a power of two")
+    max_num_tokens: int = setting(
+        0, doc="KV capacity in tokens; 0 = kv_memory_fraction of free GPU memory (32768 on CPU)"
+    )
+    kv_memory_fraction: float = setting(0.85, doc="GPU only, used when max_num_tokens is 0")
+    chunk_size: int = setting(512, doc="prefill token budget per iteration (chunked prefill)")
+    max_running_requests: int = setting(256, doc="cap on requests in the running batch")
+    priority_groups: int = setting(10, doc="P of the priority wait queue")
+    priority_quota: int = setting(10, doc="k: group g admits (g + 1) * k requests per round")
+    enable_prefix_caching: bool = setting(True, doc="radix prefix cache on/off")
+    attention_backend: str = setting(
+        "auto", doc="auto (torch on CPU, triton on GPU) | torch | triton | flashinfer"
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, accepted: str) -> None:

@@ -5,22 +5,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings, setting
 from scheduler.policies import POLICIES
 
 
 @dataclass
 class RouterConfig:
-    model_path: str = "tiny"  # the tokenizer: the engines' model
-    engines: str = "preble_engine_0,preble_engine_1"  # local names and grpc://host:port/model
-    policy: str = "e2"
-    cost_model: str = "tiny_cpu"
-    page_size: int = DEFAULT_PAGE_SIZE  # the engines' KV page size: prompts are matched per page
-    max_inflight: int = 1024  # requests forwarded to engines at once
-    max_queue: int = 1024  # admitted requests waiting for a forwarding slot; past it, UNAVAILABLE
-    max_input_bytes: int = 4 << 20  # a larger text_input is refused before tokenization
-    health_interval_s: float = 1.0  # how often each engine is probed and its process checked
-    health_timeout_s: float = 10.0  # an engine that does not answer a probe this long is down
+    model_path: str = setting(
+        "tiny", doc="tokenizer directory (the engines' model); 'tiny' = the embedded model"
+    )
+    engines: str = setting(
+        "preble_engine_0,preble_engine_1",
+        doc="comma-separated engine model names in this server and grpc://host:port/model remotes",
+    )
+    policy: str = setting("e2", doc=" | ".join(POLICIES))
+    cost_model: str = setting(
+        "tiny_cpu",
+        doc="E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
+    )
+    page_size: int = setting(
+        DEFAULT_PAGE_SIZE, doc="the engines' KV page size: prompts are matched per page (must equal theirs)"
+    )
+    max_inflight: int = setting(1024, doc="requests forwarded to engines at once")
+    max_queue: int = setting(
+        1024, doc="admitted requests waiting for a forwarding slot; beyond, requests get UNAVAILABLE"
+    )
+    max_input_bytes: int = setting(4 << 20, doc="a larger text_input is refused before tokenization")
+    health_interval_s: float = setting(
+        1.0, doc="how often each engine is probed and its stub process checked"
+    )
+    health_timeout_s: float = setting(
+        10.0, doc="an engine that leaves a health probe unanswered this long is down"
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict
 from pathlib import Path
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, setting_doc
 from preble_backend.engine.config import EngineConfig
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.protocol import (
@@ -20,37 +20,9 @@ from preble_backend.serving.protocol import (
     ROUTER_OUTPUTS,
     TensorSpec,
 )
-from scheduler.policies import POLICIES
 
 ENGINE_MODEL_PY = "from preble_backend.serving.engine_model import TritonPythonModel  # noqa: F401\n"
 ROUTER_MODEL_PY = "from preble_backend.serving.router_model import TritonPythonModel  # noqa: F401\n"
-
-ENGINE_PARAMETER_NOTES = {
-    "model_path": "local HF model dir; 'tiny' = the embedded model; relative = from the repository root",
-    "dtype": "auto (fp32 on CPU, bf16 on GPU) | float32 | float16 | bfloat16",
-    "page_size": "tokens per KV page, a power of two",
-    "max_num_tokens": "KV capacity in tokens; 0 = kv_memory_fraction of free GPU memory (32768 on CPU)",
-    "kv_memory_fraction": "GPU only, used when max_num_tokens is 0",
-    "chunk_size": "prefill token budget per iteration (chunked prefill)",
-    "max_running_requests": "cap on requests in the running batch",
-    "priority_groups": "P of the priority wait queue",
-    "priority_quota": "k: group g admits (g + 1) * k requests per round",
-    "enable_prefix_caching": "radix prefix cache on/off",
-    "attention_backend": "auto (torch on CPU, triton on GPU) | torch | triton | flashinfer",
-}
-ROUTER_PARAMETER_NOTES = {
-    "model_path": "tokenizer directory (the engines' model); 'tiny' = the embedded model",
-    "engines": "comma-separated engine model names in this server and grpc://host:port/model remotes",
-    "policy": " | ".join(POLICIES),
-    "cost_model": "E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
-    "page_size": "the engines' KV page size: prompts are matched per page (must equal theirs)",
-    "max_inflight": "requests forwarded to engines at once",
-    "max_queue": "admitted requests waiting for a forwarding slot; beyond, requests get UNAVAILABLE",
-    "max_input_bytes": "a larger text_input is refused before tokenization",
-    "health_interval_s": "how often each engine is probed and its stub process checked",
-    "health_timeout_s": "an engine that leaves a health probe unanswered this long is down",
-}
-
 
 def _io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> str:
     """The model's ``input`` and ``output`` blocks, rendered from the protocol's specs."""
@@ -66,18 +38,20 @@ def _io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> str:
     return block("input", inputs) + block("output", outputs)
 
 
-def _parameters(values: dict[str, object], notes: dict[str, str]) -> str:
+def _parameters(config, skip: tuple[str, ...] = ()) -> str:
+    """Every setting of ``config`` as a parameter, each under its one-line documentation."""
     lines = []
-    for key, value in values.items():
+    for key, value in asdict(config).items():
+        if key in skip:
+            continue
         text = str(value).lower() if isinstance(value, bool) else str(value)
-        lines.append(f"# {key}: {notes[key]}")
+        lines.append(f"# {key}: {setting_doc(type(config), key)}")
         lines.append(f'parameters {{ key: "{key}" value: {{ string_value: "{text}" }} }}')
     return "\n".join(lines) + "\n"
 
 
 def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides) -> str:
-    values = asdict(EngineConfig(model_path=model_path, **overrides))
-    values.pop("device")  # the instance group decides: KIND_GPU with gpus: [i] or KIND_CPU
+    config = EngineConfig(model_path=model_path, **overrides)
     group = (
         f"{{ count: 1 kind: KIND_GPU gpus: [ {gpu} ] }}" if gpu is not None else "{ count: 1 kind: KIND_CPU }"
     )
@@ -85,24 +59,16 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
         f"{_io(ENGINE_INPUTS, ENGINE_OUTPUTS)}instance_group [ {group} ]\n"
-        + _parameters(values, ENGINE_PARAMETER_NOTES)
+        + _parameters(config, skip=("device",))  # the instance group decides: KIND_GPU or KIND_CPU
     )
 
 
-def router_config_pbtxt(
-    model_path: str,
-    engines: list[str],
-    policy: str = "e2",
-    cost_model: str = "tiny_cpu",
-    page_size: int = DEFAULT_PAGE_SIZE,
-    **overrides,
-) -> str:
-    config = RouterConfig(model_path, ",".join(engines), policy, cost_model, page_size, **overrides)
+def router_config_pbtxt(config: RouterConfig) -> str:
     return (
         'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
         f"{_io(ROUTER_INPUTS, ROUTER_OUTPUTS)}instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n"
-        + _parameters(asdict(config), ROUTER_PARAMETER_NOTES)
+        + _parameters(config)
     )
 
 
@@ -117,15 +83,14 @@ def write_repository(
     model_path: str = "tiny",
     gpus: list[int] | None = None,
     cpu_engines: int = 2,
-    policy: str = "e2",
-    cost_model: str = "tiny_cpu",
     remote_engines: list[str] | None = None,
     with_router: bool = True,
     router_overrides: dict | None = None,
     **engine_overrides,
 ) -> Path:
-    """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines) and the router
-    (``router_overrides``: other ``RouterConfig`` settings)."""
+    """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines; ``engine_overrides``:
+    ``EngineConfig`` settings) and the router over them and ``remote_engines``
+    (``router_overrides``: ``RouterConfig`` settings; its page size is the engines')."""
     root = Path(path)
     slots: list[int | None] = list(gpus) if gpus else [None] * cpu_engines
     names = [f"preble_engine_{i}" for i in range(len(slots))]
@@ -134,12 +99,13 @@ def write_repository(
             root, name, engine_config_pbtxt(name, model_path, gpu, **engine_overrides), ENGINE_MODEL_PY
         )
     if with_router:
-        engines = names + list(remote_engines or [])
-        page_size = engine_overrides.get("page_size", EngineConfig.page_size)
-        config = router_config_pbtxt(
-            model_path, engines, policy, cost_model, page_size, **(router_overrides or {})
+        config = RouterConfig(
+            model_path=model_path,
+            engines=",".join(names + list(remote_engines or [])),
+            page_size=engine_overrides.get("page_size", DEFAULT_PAGE_SIZE),
+            **(router_overrides or {}),
         )
-        _write_model(root, "preble", config, ROUTER_MODEL_PY)
+        _write_model(root, "preble", router_config_pbtxt(config), ROUTER_MODEL_PY)
     return root
 
 
@@ -155,7 +121,7 @@ def check_local_engines(repository: Path, names: list[str], page_size: int) -> N
         if not re.search(r"model_transaction_policy\s*\{\s*decoupled\s*:\s*true\s*\}", text):
             raise ValueError(f"engines: model {name!r} is not decoupled (model_transaction_policy)")
         found = re.search(r'key:\s*"page_size"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-        theirs = found.group(1) if found else str(EngineConfig.page_size)
+        theirs = found.group(1) if found else str(DEFAULT_PAGE_SIZE)
         if theirs != str(page_size):
             raise ValueError(
                 f"page_size={page_size} is invalid: engine {name!r} pages its KV cache by {theirs} tokens"
