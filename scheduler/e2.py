@@ -159,18 +159,23 @@ class E2(Policy):
 
     def _rebalance_target(self, choice: int, match: Match, loads, now: float) -> int | None:
         """Post-assignment rebalancing (§4.2): when the choice is the most loaded instance
-        (the first of equals) and its load exceeds ``th_bal`` × the lightest's, the request
-        goes to the lightest. Two guards of ours: only a choice with requests in flight
+        (alone or tied) and its load exceeds ``th_bal`` × the lightest's, the request goes
+        to the lightest. Two guards of ours: only a choice with requests in flight
         (nothing queues on an idle one, so its cache serves best), and only when the load
         gap exceeds the recompute of the cached tokens the move throws away."""
         if self.th_bal == math.inf or not self.history[choice].in_flight:
             return None
         load = {i: self.history[i].load(now, self.rebalance_signal) for i in self.live}
-        heaviest = max(self.live, key=lambda i: (load[i], -i))
+        heaviest = max(load.values())
         lightest = min(self.live, key=lambda i: (load[i], _busy(loads, i), i))
         gap = load[choice] - load[lightest]
         recompute = self.cost.prefill_time(match.cached_on(choice))
-        if choice == heaviest != lightest and load[choice] > self.th_bal * load[lightest] and gap > recompute:
+        if (
+            load[choice] == heaviest
+            and lightest != choice
+            and load[choice] > self.th_bal * load[lightest]
+            and gap > recompute
+        ):
             return lightest
         return None
 

@@ -93,16 +93,18 @@ def memory_cost(
 ) -> float:
     """M of Algorithm 2: the recompute cost of what an LRU eviction on ``instance`` would
     remove to free ``need`` tokens. Each evicted node costs PREFILLTIME(its tokens) × the
-    requests that used it there within W. The nodes this request reuses (its matched
-    path) are never evicted; they are an ancestor chain, so skipping them leaves the order
-    of the rest unchanged. Walked afresh per request, and only when the request does not
-    fit: the walk stops as soon as enough is freed, so it visits the oldest few nodes."""
+    requests that used it there within W. Two kinds of node are never evicted, as in the
+    engine: those this request reuses (its matched path) and those requests still running
+    there hold (the engine locks them). Both are closed towards the root (a request holds
+    its whole path), so skipping them leaves the order of the rest unchanged. Walked
+    afresh per request, and only when the request does not fit: the walk stops as soon as
+    enough is freed, so it visits the oldest few nodes."""
     reused = set(match.nodes)
     freed, spent = 0, 0.0
     for node in tree.eviction_order(instance):
         if freed >= need:
             break
-        if node in reused:
+        if node in reused or instance in node.pending:
             continue
         tokens = node.held_pages(instance) * tree.page_size
         users = tree.requests_in_window(node, instance, now)

@@ -55,7 +55,8 @@ def brute_force_memory_cost(
     tree: GlobalPrefixTree, instance: int, match: Match, need: int, now: float
 ) -> float:
     """LRU leaf eviction as an engine does it: the oldest evictable leaf first, a parent
-    joining once its last held child is gone, nodes on the matched path never."""
+    joining once its last held child is gone; nodes on the matched path and nodes requests
+    still running there hold, never."""
     held = list(tree.lru[instance])
     age = {node: k for k, node in enumerate(held)}
     gone: set = set()
@@ -63,7 +64,7 @@ def brute_force_memory_cost(
     while freed < need:
         leaves = [
             n for n in held
-            if n not in gone and n not in match.nodes
+            if n not in gone and n not in match.nodes and instance not in n.pending
             and not any(c.held_by(instance) and c not in gone for c in n.children.values())
         ]  # fmt: skip
         if not leaves:

@@ -71,6 +71,18 @@ def test_exploit_when_more_is_cached_than_missed():
     assert d.branch == "explore"
 
 
+def test_cached_equal_to_missed_explores_as_the_paper_says():
+    """§4.2: exploit when the tokens saved are *larger than* the new computation; a tie
+    is not larger, so it explores (docs/SCHEDULER.md on the pseudocode's other test)."""
+    policy, _ = e2(th_bal=float("inf"))
+    r, _ = route(policy, range(100))
+    policy.on_finish(0, r, stored(range(100)))
+    _, d = route(policy, list(range(50)) + [9] * 50)  # 50 cached == 50 missed
+    assert d.branch.startswith("explore")
+    _, d = route(policy, list(range(51)) + [9] * 49)  # 51 cached > 49 missed
+    assert (d.instance, d.branch) == (0, "exploit")
+
+
 def test_explore_picks_the_lowest_l_plus_m_plus_p():
     policy, clock = e2()
     route(policy, range(100))  # instance 0: L = 100 + 32
@@ -82,20 +94,39 @@ def test_explore_picks_the_lowest_l_plus_m_plus_p():
 
 
 def test_memory_cost_charges_what_a_virtual_eviction_removes():
-    # Capacity 120 tokens. Instance 0 holds A (100 tokens) used by two requests; instance 1
-    # holds E (100 tokens) used by one. A new 50-token request needs 30 tokens freed on
-    # either, which evicts the whole 100-token node.
+    # Capacity 120 tokens. Instance 0 caches A (100 tokens), used by two requests within W;
+    # instance 1 caches E (100 tokens), used by one; all have finished. A new 50-token
+    # request needs 30 tokens freed on either, which evicts the whole 100-token node.
     policy, clock = e2(capacity=120)
     a, e = list(range(100)), list(range(200, 300))
-    route(policy, a)  # explore -> 0
-    route(policy, e)  # explore -> 1 (L0 = 132)
-    route(policy, a)  # exploit -> 0; missed 0 on 0, so L0 = 132 + 0 + 32 = 164
+    done = [route(policy, a), route(policy, e), route(policy, a)]  # explore 0, explore 1, exploit 0
+    for r, d in done:
+        policy.on_finish(d.instance, r, stored(r.input_ids))
     d_tokens = list(range(400, 450))
     m = policy.tree.match(chain_hashes(d_tokens, 1))
-    assert policy.load_cost(0, m, 50, clock()) == 164 + 100 * 2 + 50
-    assert policy.load_cost(1, m, 50, clock()) == 132 + 100 * 1 + 50
+    l0, l1 = (policy.history[i].load(clock(), "in_flight") for i in (0, 1))
+    assert (l0, l1) == (0, 0)  # nothing in flight
+    assert policy.load_cost(0, m, 50, clock()) == 0 + 100 * 2 + 50
+    assert policy.load_cost(1, m, 50, clock()) == 0 + 100 * 1 + 50
     _, d = route(policy, d_tokens)
     assert (d.instance, d.branch) == (1, "explore")
+
+
+def test_memory_cost_spares_what_running_requests_hold():
+    """The engine never evicts pages a running request holds, so neither does M: an
+    instance busy with a long request is charged only for what it could really evict."""
+    policy, clock = e2(capacity=90)
+    running, _ = route(policy, range(100))  # explore -> 0, still running
+    old, d = route(policy, range(200, 240))  # explore -> 1
+    policy.on_finish(d.instance, old, stored(old.input_ids))
+    policy.tree.apply_events(0, [CacheEvent.of("stored", list(range(100)), 0, 1)])  # prefilled
+    m = policy.tree.match(chain_hashes(range(500, 560), 1))  # 60 new tokens: both must evict
+    assert policy.tree.held_tokens == [100, 40]
+    # On 0 the 100 running tokens are locked: nothing evictable, M = 0 (the engine would
+    # wait or preempt, not evict). On 1 the finished 40-token prompt goes: M = 40 x 1.
+    assert policy.load_cost(0, m, 60, clock()) == policy.history[0].load(clock()) + 0 + 60
+    assert policy.load_cost(1, m, 60, clock()) == 0 + 40 + 60
+    assert running.request_id in policy._routed
 
 
 def test_rebalance_moves_exploit_traffic_only_when_the_gap_outweighs_recompute():
@@ -109,6 +140,19 @@ def test_rebalance_moves_exploit_traffic_only_when_the_gap_outweighs_recompute()
     # Now L0 = 82 + (5 + 32) = 119: 119 > 78 and the gap 67 > 40, so go to instance 1.
     _, d = route(policy, X + [3] * 5)
     assert (d.instance, d.branch) == (1, "rebalance")
+
+
+def test_rebalance_treats_instances_tied_as_heaviest_alike():
+    """Two instances tie as the most loaded: exploit traffic to either moves to the
+    lightest, not only traffic to the lower-numbered one."""
+    other = list(range(100, 150))
+    for first, second, holder in ((X + [1] * 10, other, 0), (other, X + [1] * 10, 1)):
+        policy, clock = e2(n=3, th_bal=1.5)
+        assert route(policy, first, n=3)[1].instance == 0  # explore: all idle, the first
+        assert route(policy, second, n=3)[1].instance == 1  # explore: 1 and 2 idle, round-robin
+        assert [policy.history[i].load(clock()) for i in range(3)] == [82, 82, 0]  # 50 + 32 each
+        _, d = route(policy, X + [4] * 5, n=3)  # exploit X on its holder; 82 > 1.5 * 0, gap 82 > 40
+        assert (d.instance, d.branch) == (2, "rebalance"), holder
 
 
 def test_decode_heavy_instance_takes_the_prefill_heavy_request():
