@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_cached_kids_counted
 
 from preble_backend.common.block_hash import chain_hashes
-from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.protocol import decode_report, encode_report
 from scheduler.cost_model import CostModel
@@ -46,9 +46,9 @@ def test_cache_events_travel_as_hashes():
         CacheEvent.of("stored", list(range(40)), 16, 16),
         CacheEvent.of("evicted", list(range(32)), 0, 16),
     ]
-    decoded, load = decode_report(encode_report(events, {"kv_pages_total": 8}))
-    assert decoded == events and load == {"kv_pages_total": 8}
-    assert decoded[0].start == 1 and decoded[0].hashes == tuple(chain_hashes(range(40), 16))
+    batch, load = decode_report(encode_report({"kv_pages_total": 8}, EventBatch("L", 0, 2, events)))
+    assert batch.events == events and load == {"kv_pages_total": 8}
+    assert events[0].start == 1 and events[0].hashes == tuple(chain_hashes(range(40), 16))
 
 
 def brute_force_memory_cost(

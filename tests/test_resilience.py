@@ -178,8 +178,8 @@ def test_remote_engine_server_killed_then_restarted_rejoins(tmp_path, tiny_model
     engine_repo = write_test_repository(tmp_path / "engine", cpu_engines=1, with_router=False)
     remote = f"grpc://127.0.0.1:{ports.grpc}/preble_engine_0"
     front_repo = write_test_repository(
-        tmp_path / "front", cpu_engines=1, remote_engines=[remote], policy="round_robin",
-        router_overrides={"health_interval_s": 0.2},
+        tmp_path / "front", cpu_engines=1, remote_engines=[remote],
+        router_overrides={"policy": "round_robin", "health_interval_s": 0.2},
     )  # fmt: skip
     engine_server = _start(engine_repo, ports, tmp_path / "engine.log")
     front = launch(front_repo, tmp_path / "front.log")

@@ -1,4 +1,5 @@
-"""What an engine's prefix cache reports so a global scheduler can mirror it exactly."""
+"""What an engine's prefix cache reports so a global scheduler can mirror it exactly: cache
+events, and the batches of them an engine's event log hands each reader."""
 
 from __future__ import annotations
 
@@ -22,3 +23,16 @@ class CacheEvent:
     def of(cls, kind: Literal["stored", "evicted"], tokens, start: int, page_size: int) -> CacheEvent:
         """The event for ``tokens[start:]`` (``start`` in tokens, page-aligned)."""
         return cls(kind, tuple(chain_hashes(tokens, page_size)), start // page_size)
+
+
+@dataclass(frozen=True)
+class EventBatch:
+    log_id: str
+    first: int  # sequence number of events[0]; for a snapshot, the log's position it shows
+    next: int  # where the reader continues: its next cursor is f"{log_id}/{next}"
+    events: list[CacheEvent]
+    snapshot: bool = False  # events are the whole cache: forget the rest
+
+    @property
+    def cursor(self) -> str:
+        return f"{self.log_id}/{self.next}"

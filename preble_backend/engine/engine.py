@@ -17,9 +17,10 @@ from concurrent.futures import Future
 
 import torch
 
-from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.cache_event import EventBatch
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from preble_backend.engine.event_log import EventLog
 from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.model_runner import ModelRunner
 from preble_backend.engine.request import Request, RequestOutput, Status
@@ -37,6 +38,7 @@ class Engine:
         self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
         self.scheduler = make_local_scheduler(self.pool, config)
         self.cache = self.scheduler.blocks.cache
+        self.events = EventLog()  # what every router mirroring this cache reads
         self.stops = StopChecker(config.model_path, self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._inbox: deque[Request] = deque()
@@ -286,9 +288,14 @@ class Engine:
             "requests_finished": self.num_finished,
         }
 
-    def drain_events(self) -> list[CacheEvent]:
-        """Cache events since the last call, for the global scheduler's mirror."""
-        return self.cache.drain_events() if self.cache else []
+    def cache_events(self, cursor: str | None) -> EventBatch:
+        """The cache events after a reader's ``cursor`` (see ``event_log``), or a snapshot
+        of the cache when the log cannot continue from it. Call on the engine's thread,
+        between iterations, so that the events and the cache agree."""
+        if self.cache is None:
+            return self.events.snapshot([])
+        self.events.append(self.cache.drain_events())
+        return self.events.read(cursor) or self.events.snapshot(self.cache.snapshot())
 
     def flush_cache(self) -> int:
         """Evict every unreferenced cached page back to the free list; return how many."""

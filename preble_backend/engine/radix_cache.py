@@ -207,6 +207,10 @@ class RadixCache:
         """Drop every unreferenced page (used by tests and by ``flush_cache``)."""
         return self.evict(self.num_pages)
 
+    def snapshot(self) -> list[CacheEvent]:
+        """The whole cache as one stored event per maximal path (its leaves)."""
+        return [CacheEvent.of("stored", leaf.path_tokens(), 0, self.page_size) for leaf in self.leaves]
+
     def drain_events(self) -> list[CacheEvent]:
         """Events since the last drain, safe to call from another thread, coalesced: an
         event that continues an earlier one down the same path (chunked prefill stores a

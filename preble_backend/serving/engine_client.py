@@ -65,11 +65,14 @@ class EngineClient(ABC):
     def _call(self, inputs: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray | None]]:
         """Send one request; yield each response's outputs; raise EngineError on error."""
 
-    def generate(self, request_id: str, input_ids: list[int], params_json: str) -> Iterator[EngineResponse]:
+    def generate(
+        self, request_id: str, input_ids: list[int], params_json: str, events_since: str = ""
+    ) -> Iterator[EngineResponse]:
         inputs = {
             "input_ids": np.asarray(input_ids, dtype=np.int32),
             "sampling_parameters": np.array([params_json.encode()], dtype=np.object_),
             "request_id": np.array([request_id.encode()], dtype=np.object_),
+            "events_since": np.array([events_since.encode()], dtype=np.object_),
         }
         for outputs in self._call(inputs):
             resp = _response(outputs)

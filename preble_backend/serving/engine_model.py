@@ -95,26 +95,32 @@ class TritonPythonModel:
         self._active[call.request_id] = sender
         try:
             self.engine.add_request(
-                call.request_id, call.input_ids, call.params, lambda out: self._on_output(sender, out)
+                call.request_id,
+                call.input_ids,
+                call.params,
+                lambda out: self._on_output(sender, out, call.events_since),
             )
         except ValueError:
             self._active.pop(call.request_id, None)
             raise
 
-    def _on_output(self, sender, out: RequestOutput) -> None:
-        """Engine thread: hand the output over; a final one carries the report, drained here
+    def _on_output(self, sender, out: RequestOutput, events_since: str | None) -> None:
+        """Engine thread: hand the output over; a final one carries the report, read here
         so that events and the load snapshot are consistent with the cache."""
-        report = encode_report(self.engine.drain_events(), self._stats()) if out.finished else None
+        report = None
+        if out.finished:
+            report = encode_report(self._stats(), self.engine.cache_events(events_since))
         self._put(TOKENS, (sender, out, report))
 
     def _control(self, op: dict, sender) -> None:
         """Every answer is sent by the response thread, ahead of token responses (under a
         burst thousands queue: a prober must not mistake that for death). ``health`` is
-        answered at once and drains no cache events: they belong to the routers' reports.
+        answered at once. No control answer carries cache events: those reach each router
+        through its own cursor in the engine's event log.
         The others run in the engine loop, between iterations: ``execute`` never waits."""
         if op["op"] == "health":
             answer: Future = Future()
-            answer.set_result(encode_report([], {**self._stats(), **self.engine.loop_health()}))
+            answer.set_result(encode_report({**self._stats(), **self.engine.loop_health()}))
             self._put(CONTROL, (sender, None, answer))
             return
         if op["op"] == "abort":
@@ -123,7 +129,7 @@ class TritonPythonModel:
         def report() -> str:
             if op["op"] == "flush_cache":
                 self.engine.flush_cache()
-            return encode_report(self.engine.drain_events(), self._stats())
+            return encode_report(self._stats())
 
         self.engine.run_in_loop(report).add_done_callback(
             lambda done: self._put(CONTROL, (sender, None, done))

@@ -3,11 +3,13 @@
 - The router ``preble`` speaks Triton's vLLM-backend contract (``text_input``, ``stream``,
   ``sampling_parameters``, ``exclude_input_in_output``, ``return_*``), plus
   ``num_cached_tokens`` and ``instance`` outputs.
-- An engine ``preble_engine_<i>`` takes ``input_ids`` (INT32 [-1]), ``sampling_parameters``
-  and ``request_id``, and streams ``token_ids``; its final response adds
-  ``finish_reason``, ``num_cached_tokens`` and a ``report``: the cache events and load
-  snapshot since the last report. A ``control`` input instead of a prompt asks for
-  ``stats``, ``abort`` of a request id, or ``flush_cache``.
+- An engine ``preble_engine_<i>`` takes ``input_ids`` (INT32 [-1]), ``sampling_parameters``,
+  ``request_id`` and ``events_since`` (the router's cursor in the engine's cache event
+  log), and streams ``token_ids``; its final response adds ``finish_reason``,
+  ``num_cached_tokens`` and a ``report``: its load snapshot and the cache events after
+  the cursor (or a snapshot of its cache). A ``control`` input instead of a prompt asks
+  for ``stats``, ``health``, ``abort`` of a request id, or ``flush_cache``; their reports
+  carry the load only, so polling an engine takes no events from any router.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.config import RouterConfig
 
@@ -53,6 +55,7 @@ ENGINE_INPUTS = (
     TensorSpec("sampling_parameters", "TYPE_STRING", (1,), optional=True),
     TensorSpec("request_id", "TYPE_STRING", (1,), optional=True),
     TensorSpec("control", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("events_since", "TYPE_STRING", (1,), optional=True),
 )
 ENGINE_OUTPUTS = (
     TensorSpec("token_ids", "TYPE_INT32", (-1,)),
@@ -170,6 +173,7 @@ class EngineCall:
     input_ids: list[int] | None = None
     params: SamplingParams | None = None
     control: dict | None = None
+    events_since: str | None = None  # the router's cursor in the engine's event log
 
 
 def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) -> EngineCall:
@@ -196,22 +200,29 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
     params = SamplingParams.from_json(
         _text("sampling_parameters", params_raw) if params_raw is not None else None
     )
+    since = _single("events_since", inputs.get("events_since"))
     return EngineCall(
         request_id=_text("request_id", rid) if rid is not None else fallback_id,
         input_ids=[int(t) for t in ids.reshape(-1)],
         params=params,
+        events_since=_text("events_since", since) if since is not None else None,
     )
 
 
-def encode_report(events: list[CacheEvent], stats: dict) -> str:
-    """Cache events since the last report plus a load snapshot, as compact JSON."""
-    return json.dumps(
-        {"events": [[e.kind, e.start, e.hashes] for e in events], "load": stats},
-        separators=(",", ":"),
-    )
+def encode_report(load: dict, batch: EventBatch | None = None) -> str:
+    """An engine's load snapshot and, on a final response, the cache events after the
+    router's cursor (``engine/event_log.py``), as compact JSON."""
+    data: dict = {"load": load}
+    if batch is not None:
+        data["events"] = [[e.kind, e.start, e.hashes] for e in batch.events]
+        data["log"] = [batch.log_id, batch.first, batch.next, batch.snapshot]
+    return json.dumps(data, separators=(",", ":"))
 
 
-def decode_report(text: str) -> tuple[list[CacheEvent], dict]:
+def decode_report(text: str) -> tuple[EventBatch | None, dict]:
     data = json.loads(text)
-    events = [CacheEvent(kind, tuple(hashes), start) for kind, start, hashes in data.get("events", [])]
-    return events, data.get("load", {})
+    if "log" not in data:
+        return None, data.get("load", {})
+    events = [CacheEvent(kind, tuple(hashes), start) for kind, start, hashes in data["events"]]
+    log_id, first, nxt, snapshot = data["log"]
+    return EventBatch(log_id, first, nxt, events, snapshot), data.get("load", {})

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
@@ -42,6 +43,7 @@ from preble_backend.serving.engine_client import (
     make_engine_clients,
 )
 from preble_backend.serving.engine_monitor import EngineMonitor
+from preble_backend.serving.event_feed import EventFeed
 from preble_backend.serving.flights import Flight, Flights
 from preble_backend.serving.metrics import Metrics, MetricSpec
 from preble_backend.serving.protocol import (
@@ -89,6 +91,7 @@ class TritonPythonModel:
         self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]
+        self.feeds = [EventFeed() for _ in self.engines]  # this router's cursor in each event log
         self.lock = threading.Lock()  # the policy and the load view
         self.flights = Flights(config.max_inflight, config.max_queue)
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
@@ -168,7 +171,9 @@ class TritonPythonModel:
         num_output = sent_tokens = 0
         cancelled = False
         start, ttft = time.monotonic(), None
-        for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json):
+        with self.lock:
+            cursor = self.feeds[instance].cursor
+        for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json, cursor):
             self.monitor.progress(instance)
             if ttft is None and resp.token_ids:
                 ttft = time.monotonic() - start
@@ -178,9 +183,10 @@ class TritonPythonModel:
             num_output += len(resp.token_ids)
             delta = detok.add(resp.token_ids, final=resp.final)
             if resp.final:
-                events, load = decode_report(resp.report) if resp.report else ([], {})
+                batch, load = decode_report(resp.report) if resp.report else (None, {})
                 self._learn(instance, engine, load)
                 with self.lock:
+                    events = self._mirror(instance, batch)
                     flight.engine_finished = True
                     self.policy.on_finish(instance, routing, FinishInfo(events, load, ttft, num_output))
             if cancelled:
@@ -226,6 +232,16 @@ class TritonPythonModel:
             if not flight.engine_finished:  # refused or failed: forget the placement
                 self.policy.on_finish(flight.instance, flight.routing, FinishInfo())
 
+    def _mirror(self, instance: int, batch: EventBatch | None) -> list[CacheEvent]:
+        """The report's cache events this router has not applied yet (under the lock); on a
+        snapshot the policy first forgets what it believed the engine caches."""
+        if batch is None:
+            return []
+        events, resync = self.feeds[instance].take(batch)
+        if resync:
+            self.policy.forget(instance)
+        return events
+
     def _learn(self, instance: int, engine: EngineClient, load: dict) -> None:
         """A report's load snapshot; a local engine on ``cuda:N`` gets its GPU sampled through NVML."""
         self.monitor.learn_pid(instance, load)
@@ -246,6 +262,7 @@ class TritonPythonModel:
         self.metrics.gauge("preble_router_engine_up", 0, {"instance": name})
         with self.lock:
             self.policy.instance_down(instance)
+            self.feeds[instance].reset()
         for flight in self.flights.on_instance(instance):
             self._fail(flight, f"engine {name} failed while serving this request: {reason}",
                        pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
