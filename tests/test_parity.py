@@ -90,3 +90,50 @@ def test_prefix_caching_off_gives_same_tokens(tiny_model, make_engine):
     off_engine = make_engine(tiny_model, page_size=8, enable_prefix_caching=False)
     assert off_engine.generate(prompts, {**GREEDY, "max_tokens": 8}) == on
     assert off_engine.stats()["prompt_tokens_cached"] == 0
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 1.5},
+        {"repetition_penalty": 0.7},
+        {"frequency_penalty": 1.2},
+        {"presence_penalty": 1.5, "frequency_penalty": -0.3},
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4},
+    ],
+    ids=str,
+)
+def test_penalties_match_a_reference_loop_over_transformers(tiny_model, make_engine, hf_reference, penalties):
+    """Penalties per request in a batch, against a greedy loop over transformers' logits:
+    repetition through transformers' own ``RepetitionPenaltyLogitsProcessor`` (prompt and
+    output tokens), frequency and presence by vLLM's definition (transformers has none)."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    model = hf_reference(tiny_model).model
+    prompts = [p * 3 for p in random_prompts([6, 9, 5, 7], vocab(tiny_model), seed=21)]  # repetitive
+    n = 24
+
+    @torch.inference_mode()
+    def reference(prompt: list[int]) -> list[int]:
+        ids, out = list(prompt), []
+        for _ in range(n):
+            scores = model(torch.tensor([ids])).logits[:, -1].float()
+            if "repetition_penalty" in penalties:
+                scores = RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"])(
+                    torch.tensor([ids]), scores
+                )
+            if out:
+                tokens, counts = torch.unique(torch.tensor(out), return_counts=True)
+                scores[0, tokens] -= penalties.get("frequency_penalty", 0) * counts
+                scores[0, tokens] -= penalties.get("presence_penalty", 0)
+            out.append(int(scores[0].argmax()))
+            ids.append(out[-1])
+        return out
+
+    engine = make_engine(tiny_model)
+    params = {**GREEDY, "max_tokens": n, "ignore_eos": True}
+    plain = engine.generate(prompts, params)
+    penalized = engine.generate(prompts, {**params, **penalties})
+    assert penalized == [reference(p) for p in prompts]
+    assert penalized != plain  # the penalties changed what was generated

@@ -121,3 +121,22 @@ def test_router_config_names_each_bad_parameter():
     ):
         with pytest.raises(ValueError, match=message):
             RouterConfig.from_strings(values)
+
+
+def test_sampling_parameters_may_come_as_strings_as_the_vllm_backend_takes_them():
+    """Triton's vLLM backend converts string values (its sample client and genai-perf send
+    them); so do we, and refuse what is not exactly a value of the key's type."""
+    params = SamplingParams.from_json(
+        '{"temperature": "0.1", "top_p": "0.95", "max_tokens": "100", "min_tokens": " 2 ",'
+        ' "ignore_eos": "true", "presence_penalty": "-0.5", "logprobs": "3", "stop_token_ids": ["7"]}'
+    )
+    assert (params.temperature, params.top_p, params.max_tokens, params.min_tokens) == (0.1, 0.95, 100, 2)
+    assert params.ignore_eos is True and params.presence_penalty == -0.5 and params.logprobs == 3
+    assert params.stop_token_ids == (7,)
+    assert SamplingParams.from_dict({"ignore_eos": "False"}).ignore_eos is False
+    for raw, message in (({"max_tokens": "1.5"}, "max_tokens must be an integer"),
+                         ({"temperature": "warm"}, "temperature must be a number"),
+                         ({"temperature": "nan"}, "temperature must be a finite number"),
+                         ({"ignore_eos": "maybe"}, "ignore_eos must be a boolean")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            SamplingParams.from_dict(raw)

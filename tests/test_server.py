@@ -133,7 +133,7 @@ BAD_HTTP = [
     ({"text_input": "hi", "sampling_parameters": "[1]"}, "sampling_parameters must be a JSON object"),
     ({"text_input": "hi", "sampling_parameters": '{"beam": 2}'}, "unknown sampling parameter(s): beam"),
     ({"text_input": "hi", "parameters": {"foo": 1}}, "unknown sampling parameter(s): foo"),
-    ({"text_input": "hi", "sampling_parameters": '{"max_tokens": "8"}'}, "max_tokens must be an integer"),
+    ({"text_input": "hi", "sampling_parameters": '{"max_tokens": "8x"}'}, "max_tokens must be an integer"),
     ({"text_input": "hi", "sampling_parameters": '{"seed": 1.5}'}, "seed must be an integer"),
     ({"text_input": "hi", "sampling_parameters": '{"stop": 5}'}, "stop must be a string or list of strings"),
     ({"text_input": "hi", "sampling_parameters": '{"max_tokens": 0}'}, "max_tokens must be >= 1"),

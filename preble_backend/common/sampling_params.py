@@ -1,5 +1,12 @@
 """Sampling parameters (the vLLM-backend JSON keys) and their validation: the router
-checks them before routing, the engine samples with them."""
+checks them before routing, the engine samples with them.
+
+Values may come as JSON strings, as Triton's vLLM backend accepts them (its own sample
+client and genai-perf send ``{"max_tokens": "100", "temperature": "0.1"}``): numbers as
+numeric strings, booleans as ``"true"``/``"false"``. Where the vLLM backend converts with
+``int()``/``bool()`` (so ``"1.5"`` fails but ``1.5`` truncates to 1, and ``"false"`` is
+true), we refuse what is not exactly a value of the key's type, naming the key.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,12 @@ import json
 import math
 from dataclasses import dataclass, fields
 
-_INT_KEYS = ("max_tokens", "min_tokens", "top_k", "seed")
-_FLOAT_KEYS = ("temperature", "top_p")
+_INT_KEYS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs")
+_FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_KEYS = ("ignore_eos",)
 SAMPLING_EPS = 1e-5  # as vLLM: a lower temperature is greedy (dividing by it overflows)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API caps them
 
 
 @dataclass(frozen=True)
@@ -24,6 +33,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per time a token was generated
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) prompt and output tokens' logits
+    logprobs: int | None = None  # None: none; k: the sampled token's and the top k's
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,10 +55,21 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, key) <= 2:  # NaN fails this too
+                raise ValueError(f"{key} must be in [-2, 2], got {getattr(self, key)}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> SamplingParams:
@@ -60,26 +84,20 @@ class SamplingParams:
             if value is None:
                 continue
             if key in _INT_KEYS:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(f"sampling parameter {key} must be an integer, got {value!r}")
+                value = _integer(key, value)
             elif key in _FLOAT_KEYS:
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ValueError(f"sampling parameter {key} must be a number, got {value!r}")
-                value = float(value)
-            elif key == "ignore_eos":
-                if not isinstance(value, bool):
-                    raise ValueError(f"sampling parameter ignore_eos must be a boolean, got {value!r}")
+                value = _number(key, value)
+            elif key in _BOOL_KEYS:
+                value = _boolean(key, value)
             elif key == "stop":
                 value = (value,) if isinstance(value, str) else value
                 if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
                     raise ValueError("sampling parameter stop must be a string or list of strings")
                 value = tuple(value)
             elif key == "stop_token_ids":
-                if not isinstance(value, list | tuple) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in value
-                ):
+                if not isinstance(value, list | tuple):
                     raise ValueError("sampling parameter stop_token_ids must be a list of integers")
-                value = tuple(value)
+                value = tuple(_integer("stop_token_ids", t) for t in value)
             kwargs[key] = value
         return cls(**kwargs)
 
@@ -96,3 +114,36 @@ class SamplingParams:
         if not isinstance(raw, dict):
             raise ValueError("sampling_parameters must be a JSON object")
         return cls.from_dict(raw)
+
+
+def _integer(key: str, value) -> int:
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"sampling parameter {key} must be an integer, got {value!r}")
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    raise ValueError(f"sampling parameter {key} must be a number, got {value!r}")
+
+
+def _boolean(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, str | int) else None
+    if text in ("true", "1"):
+        return True
+    if text in ("false", "0"):
+        return False
+    raise ValueError(f"sampling parameter {key} must be a boolean, got {value!r}")

@@ -180,7 +180,7 @@ class Engine:
 
     def _sample(self, req: Request, row: torch.Tensor) -> None:
         try:
-            token = sample_one(row, req.sampler, self.stops.banned(req))
+            token = sample_one(row, req.sampler, self.stops.banned(req), req.prompt_ids, req.output_ids)
         except Exception as exc:  # this request's sampling failed: it alone ends
             log.exception("sampling request %s failed", req.request_id)
             self._finish(req, "error", error=f"sampling failed: {exc}")

@@ -15,6 +15,7 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator | None = field(default=None)
+    prompt_tokens: torch.Tensor | None = None  # the prompt's distinct ids (repetition penalty)
 
     @classmethod
     def create(cls, params: SamplingParams, device) -> SamplerState:
@@ -28,14 +29,45 @@ class SamplerState:
         return cls(params, gen)
 
 
+def apply_penalties(
+    row: torch.Tensor, state: SamplerState, prompt_ids: list[int], output_ids: list[int]
+) -> torch.Tensor:
+    """vLLM's penalties, in its order: ``repetition_penalty`` on every token of the prompt
+    and the output (a positive logit divided by it, a negative one multiplied), then
+    ``frequency_penalty`` × each output token's count and ``presence_penalty`` once per
+    output token present, subtracted."""
+    p = state.params
+    row = row.clone()
+    if p.repetition_penalty != 1.0:
+        if state.prompt_tokens is None:
+            state.prompt_tokens = torch.tensor(sorted(set(prompt_ids)), dtype=torch.long, device=row.device)
+        seen = torch.cat([state.prompt_tokens, torch.tensor(output_ids, dtype=torch.long, device=row.device)])
+        seen = torch.unique(seen)
+        logits = row[seen]
+        row[seen] = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+    if output_ids and (p.frequency_penalty or p.presence_penalty):
+        generated = torch.tensor(output_ids, dtype=torch.long, device=row.device)
+        ids, counts = torch.unique(generated, return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    return row
+
+
 def sample(logits: torch.Tensor, states: list[SamplerState], banned: list[list[int]]) -> list[int]:
     """One token per row; ``banned`` ids (EOS/stops before ``min_tokens``) get -inf."""
     return [sample_one(row, state, ban) for row, state, ban in zip(logits, states, banned)]
 
 
-def sample_one(row: torch.Tensor, state: SamplerState, ban: list[int]) -> int:
+def sample_one(
+    row: torch.Tensor,
+    state: SamplerState,
+    ban: list[int],
+    prompt_ids: list[int] = (),
+    output_ids: list[int] = (),
+) -> int:
     """One request's token: the engine samples each request on its own, so one that
-    fails fails alone."""
+    fails fails alone. ``prompt_ids`` and ``output_ids`` feed the penalties."""
+    if state.params.penalized:
+        row = apply_penalties(row, state, list(prompt_ids), list(output_ids))
     if ban:
         row = row.clone()
         row[ban] = float("-inf")
