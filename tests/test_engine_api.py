@@ -136,6 +136,32 @@ def test_stop_strings_end_generation(engine, tiny_model):
     assert full[: len(got)] == got
 
 
+def test_a_stop_string_completed_before_min_tokens_is_passed_over(engine, tiny_model):
+    """vLLM's semantics: stop strings are checked from the ``min_tokens``-th token on, and
+    only in the text each new token adds; an occurrence completed earlier does not stop
+    the request later, the next one does (the old check stopped at exactly min_tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    [prompt] = random_prompts([25], 2048, seed=23)
+    [full] = engine.generate([prompt], {**GREEDY, "max_tokens": 40, "ignore_eos": True})
+
+    def completed(stop: str, times: int) -> int | None:
+        """How many tokens it takes for ``stop`` to occur ``times`` times."""
+        return next((k for k in range(1, len(full) + 1) if tok.decode(full[:k]).count(stop) >= times), None)
+
+    cases = [(c, completed(c, 1), completed(c, 2)) for c in sorted(set(tok.decode(full))) if c.strip()]
+    stop, first, second = next((c, a, b) for c, a, b in cases if b is not None and b > a + 1)
+    outputs = []
+    params = {**GREEDY, "max_tokens": 40, "ignore_eos": True, "stop": [stop], "min_tokens": first + 1}
+    engine.add_request("s", prompt, params, outputs.append)
+    while engine.has_work():
+        engine.step()
+    got = [t for o in outputs for t in o.token_ids]
+    assert (len(got), outputs[-1].finish_reason) == (second, "stop")
+    assert got == full[:second]
+
+
 def test_finish_reasons_and_counts_stream_to_the_callback(engine):
     [prompt] = random_prompts([10], 2048, seed=24)
     outputs = []

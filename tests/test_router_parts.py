@@ -42,6 +42,19 @@ def test_stop_string_is_cut_and_never_streamed(tokenizer):
     assert detok.stopped
 
 
+def test_a_stop_string_before_min_tokens_is_not_where_the_text_is_cut(tokenizer):
+    """The text is cut at the occurrence that stopped generation: with ``min_tokens`` past
+    the first occurrence, the second one."""
+    text = "The cat sat. The dog ran. The end."
+    ids = tokenizer(text).input_ids
+    first_done = next(k for k in range(1, len(ids) + 1) if "." in tokenizer.decode(ids[:k]))
+    detok = IncrementalDetokenizer(tokenizer, stop=(".",), min_tokens=first_done + 1)
+    streamed = "".join(detok.add([t]) for t in ids) + detok.add([], final=True)
+    assert streamed == "The cat sat. The dog ran" and detok.stopped
+    early = IncrementalDetokenizer(tokenizer, stop=(".",), min_tokens=first_done)
+    assert "".join(early.add([t]) for t in ids) + early.add([], final=True) == "The cat sat"
+
+
 def request(i: int = 0) -> RoutingRequest:
     return RoutingRequest(str(i), [1, 2, 3], SamplingParams())
 

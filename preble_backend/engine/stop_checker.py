@@ -52,11 +52,16 @@ class StopChecker:
         return None
 
     def _hits_stop_string(self, req: Request) -> bool:
-        """Decode only the tail a new occurrence can lie in (every token carries at least
-        one byte, a character at most four), not the whole output every token."""
-        window = 4 * max(len(s) for s in req.params.stop) + 4
-        text = self.require_tokenizer().decode(req.output_ids[-window:], skip_special_tokens=True)
-        return any(s in text for s in req.params.stop)
+        """vLLM's rule: a stop string counts where it ends in the text the newest token
+        added, so one completed before ``min_tokens`` never stops the request later (the
+        next occurrence does). Only the tail an occurrence can lie in is decoded (every
+        token carries at least one byte, a character at most four)."""
+        stop = req.params.stop
+        window = req.output_ids[-(4 * max(len(s) for s in stop) + 4) :]
+        tokenizer = self.require_tokenizer()
+        text = tokenizer.decode(window, skip_special_tokens=True)
+        before = len(tokenizer.decode(window[:-1], skip_special_tokens=True).rstrip("\ufffd"))
+        return any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in stop)
 
 
 def _generation_eos(model_path: Path) -> tuple[int, ...]:

@@ -4,14 +4,21 @@ Byte-level BPE tokens can end inside a UTF-8 character; decoding such a prefix y
 U+FFFD. Text is therefore released only when the decoded tail does not end in U+FFFD,
 and it is decoded over a short window of earlier tokens (as vLLM does) so that tokenizers
 which merge spaces across token boundaries still produce the right characters.
+
+Stop strings follow vLLM: an occurrence counts only if it ends after the text of the
+first ``min_tokens - 1`` tokens (the engine checks from the ``min_tokens``-th token on, and
+only what each token adds), and the text is cut where the occurrence that stopped the
+engine begins.
 """
 
 from __future__ import annotations
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
+        self._floor: int | None = 0 if min_tokens <= 1 else None  # where a counted occurrence may end
         self.ids: list[int] = []
         self._prefix = 0  # window start
         self._read = 0  # tokens whose text has been released
@@ -29,6 +36,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
+        if self._floor is None and len(self.ids) >= self.min_tokens - 1:
+            self._floor = len(self._decode(self.ids[: self.min_tokens - 1]).rstrip("\ufffd"))
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         new_text = self._decode(self.ids[self._prefix :])
         if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
@@ -37,8 +46,9 @@ class IncrementalDetokenizer:
         return self._release(final)
 
     def _release(self, final: bool) -> str:
-        if self.stop and not self.stopped:
-            cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if self.stop and not self.stopped and self._floor is not None:
+            found = (self.text.find(s, max(0, self._floor - len(s) + 1)) for s in self.stop)
+            cut = min((i for i in found if i >= 0), default=-1)
             if cut >= 0:
                 self.text, self.stopped = self.text[:cut], True
         end = len(self.text) if final or self.stopped else max(self._sent, len(self.text) - self._hold)

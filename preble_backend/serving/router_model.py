@@ -167,7 +167,7 @@ class TritonPythonModel:
     def _forward(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine) -> None:
         """Stream the engine's answer back to the client."""
         instance = flight.instance
-        detok = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, req.params.stop, req.params.min_tokens)
         num_output = sent_tokens = 0
         cancelled = False
         start, ttft = time.monotonic(), None
