@@ -137,3 +137,32 @@ def test_penalties_match_a_reference_loop_over_transformers(tiny_model, make_eng
     penalized = engine.generate(prompts, {**params, **penalties})
     assert penalized == [reference(p) for p in prompts]
     assert penalized != plain  # the penalties changed what was generated
+
+
+def test_logprobs_are_the_models_own(tiny_model, make_engine, hf_reference):
+    """The sampled token's log probability and rank, and the top alternatives, come from
+    the model's distribution before penalties and temperature, as transformers gives it."""
+    import torch
+
+    model = hf_reference(tiny_model).model
+    [prompt] = random_prompts([30], vocab(tiny_model), seed=22)
+    engine = make_engine(tiny_model)
+    outputs = []
+    params = {"temperature": 0.8, "seed": 5, "max_tokens": 6, "ignore_eos": True, "logprobs": 3,
+              "repetition_penalty": 1.2}  # fmt: skip
+    engine.add_request("lp", prompt, params, outputs.append)
+    while engine.has_work():
+        engine.step()
+    tokens = [t for o in outputs for t in o.token_ids]
+    steps = [step for o in outputs for step in o.logprobs]
+    assert len(steps) == len(tokens) == 6
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    reference = torch.log_softmax(logits, dim=-1)
+    for token, step, ref in zip(tokens, steps, reference):
+        assert next(iter(step)) == token  # the sampled token first
+        logprob, rank = step[token]
+        assert logprob == pytest.approx(float(ref[token]), abs=1e-4)
+        assert rank == int((ref > ref[token]).sum()) + 1
+        top = torch.topk(ref, 3).indices.tolist()
+        assert set(top) <= set(step) and [step[t][1] for t in top] == [1, 2, 3]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -75,6 +76,23 @@ def test_http_generate_stream_and_grpc_agree_with_the_engine(client, direct_text
     assert grpc.final["finish_reason"] == "length"
     # Without exclude_input_in_output a non-streaming answer repeats the prompt (vLLM backend).
     assert client.generate(PROMPT, GREEDY)["text_output"] == PROMPT + direct_text
+
+
+def test_logprobs_and_cumulative_logprob_as_the_vllm_backend_returns_them(client, direct_text):
+    """Sampling parameters given as strings (as genai-perf sends them), logprobs of the
+    sampled tokens and two alternatives each, streamed over SSE and summed."""
+    params = {"temperature": "0", "max_tokens": "12", "logprobs": "2"}
+    flags = {"return_logprobs": True, "return_cumulative_logprob": True}
+    events = list(client.generate_stream(PROMPT, params, **flags))
+    assert "".join(e["text_output"] for e in events) == direct_text
+    steps = [step for e in events for step in json.loads(e["logprobs"])]
+    assert len(steps) == 12 and all(2 <= len(step) <= 3 for step in steps)
+    sampled = [next(iter(step.values())) for step in steps]  # the sampled token comes first
+    assert all(v["rank"] == 1 and v["logprob"] <= 0 for v in sampled)  # greedy: the likeliest
+    assert "".join(v["decoded_token"] for v in sampled) == direct_text
+    assert events[-1]["cumulative_logprob"] == pytest.approx(sum(v["logprob"] for v in sampled), rel=1e-5)
+    plain = client.generate(PROMPT, GREEDY, exclude_input_in_output=True, return_logprobs=True)
+    assert plain["logprobs"] == "null"  # the sampling parameters did not ask for them
 
 
 def test_stop_string_ends_the_text_before_it(client, direct_text):

@@ -24,7 +24,7 @@ from preble_backend.engine.event_log import EventLog
 from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.model_runner import ModelRunner
 from preble_backend.engine.request import Request, RequestOutput, Status
-from preble_backend.engine.sampling import SamplerState, sample_one
+from preble_backend.engine.sampling import SamplerState, sample_one, token_logprobs
 from preble_backend.engine.stop_checker import StopChecker
 
 log = logging.getLogger("preble.engine")
@@ -181,11 +181,14 @@ class Engine:
     def _sample(self, req: Request, row: torch.Tensor) -> None:
         try:
             token = sample_one(row, req.sampler, self.stops.banned(req), req.prompt_ids, req.output_ids)
+            logprobs = token_logprobs(row, token, req.params.logprobs) if req.logprobs is not None else None
         except Exception as exc:  # this request's sampling failed: it alone ends
             log.exception("sampling request %s failed", req.request_id)
             self._finish(req, "error", error=f"sampling failed: {exc}")
             return
         req.output_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         reason = self.stops.finish_reason(req, self.model_config.max_context)
         if reason is None:
             self._emit(req, [token])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.radix_cache import TreeNode
-from preble_backend.engine.sampling import SamplerState
+from preble_backend.engine.sampling import SamplerState, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -31,6 +31,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked for
 
 
 @dataclass(eq=False)
@@ -52,6 +53,11 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when the request asks
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     def tokens(self, start: int, stop: int) -> list[int]:
         """Tokens ``[start, stop)`` of prompt + output, without building the whole sequence
@@ -81,4 +87,5 @@ class Request:
             num_cached_tokens=self.num_cached_tokens or 0,
             num_output_tokens=len(self.output_ids),
             error=error,
+            logprobs=None if self.logprobs is None else self.logprobs[len(self.logprobs) - len(new_tokens) :],
         )

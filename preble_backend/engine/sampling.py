@@ -29,6 +29,23 @@ class SamplerState:
         return cls(params, gen)
 
 
+TokenLogprobs = dict[int, tuple[float, int]]  # token id -> (log probability, rank: 1 = likeliest)
+
+
+def token_logprobs(row: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """The sampled token's log probability and rank, and the ``top`` likeliest tokens',
+    from the model's own distribution (before penalties, temperature and top-k/p: vLLM's
+    default ``raw_logprobs``)."""
+    logprobs = torch.log_softmax(row.float(), dim=-1)
+    chosen = float(logprobs[token])
+    out = {token: (chosen, int((logprobs > chosen).sum()) + 1)}
+    if top:
+        values, ids = torch.topk(logprobs, top)
+        for rank, (value, i) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            out.setdefault(i, (value, rank))
+    return out
+
+
 def apply_penalties(
     row: torch.Tensor, state: SamplerState, prompt_ids: list[int], output_ids: list[int]
 ) -> torch.Tensor:

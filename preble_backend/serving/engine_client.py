@@ -34,6 +34,7 @@ class EngineResponse:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     report: str | None = None
+    logprobs: list[dict[int, tuple[float, int]]] | None = None  # per token, when asked for
 
 
 def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
@@ -44,6 +45,7 @@ def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
     reason = outputs.get("finish_reason")
     cached = outputs.get("num_cached_tokens")
     report = outputs.get("report")
+    logprobs = outputs.get("logprobs")
 
     def text(a):
         return None if a is None else bytes(a.reshape(-1)[0]).decode()
@@ -54,6 +56,9 @@ def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
         finish_reason=text(reason),
         num_cached_tokens=0 if cached is None else int(cached.reshape(-1)[0]),
         report=text(report),
+        logprobs=None if logprobs is None else [
+            {t: (lp, rank) for t, lp, rank in step} for step in json.loads(text(logprobs))
+        ],
     )
 
 

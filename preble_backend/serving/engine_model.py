@@ -165,6 +165,9 @@ class TritonPythonModel:
             send_error(sender, out.error)
             return
         tensors = [pb_utils.Tensor("token_ids", np.asarray(out.token_ids, dtype=np.int32))]
+        if out.logprobs:
+            rows = [[[t, lp, rank] for t, (lp, rank) in step.items()] for step in out.logprobs]
+            tensors.append(string_tensor("logprobs", [json.dumps(rows)]))
         flags = 0
         if out.finished:
             tensors += [

@@ -34,7 +34,13 @@ class TensorSpec:
     optional: bool = False
 
 
-ROUTER_FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+ROUTER_FLAGS = (
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
 ROUTER_INPUTS = (
     TensorSpec("text_input", "TYPE_STRING", (1,), optional=True),
     TensorSpec("stream", "TYPE_BOOL", (1,), optional=True),
@@ -45,6 +51,8 @@ ROUTER_INPUTS = (
 ROUTER_OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", (-1,)),
     TensorSpec("finish_reason", "TYPE_STRING", (-1,)),
+    TensorSpec("cumulative_logprob", "TYPE_FP32", (-1,)),
+    TensorSpec("logprobs", "TYPE_STRING", (-1,)),
     TensorSpec("num_input_tokens", "TYPE_UINT32", (1,)),
     TensorSpec("num_output_tokens", "TYPE_UINT32", (-1,)),
     TensorSpec("num_cached_tokens", "TYPE_UINT32", (1,)),
@@ -62,6 +70,7 @@ ENGINE_OUTPUTS = (
     TensorSpec("finish_reason", "TYPE_STRING", (1,)),
     TensorSpec("num_cached_tokens", "TYPE_INT32", (1,)),
     TensorSpec("report", "TYPE_STRING", (1,)),
+    TensorSpec("logprobs", "TYPE_STRING", (1,)),  # JSON: per token, [[id, logprob, rank], ...]
 )
 
 
@@ -112,6 +121,8 @@ class GenerateRequest:
     stream: bool
     prepend_input: bool
     return_finish_reason: bool
+    return_cumulative_logprob: bool
+    return_logprobs: bool
     return_num_input_tokens: bool
     return_num_output_tokens: bool
 
@@ -162,6 +173,8 @@ def parse_generate(
         params = SamplingParams.from_dict(extra)
         params_json = json.dumps(extra)
     flags = {name: _flag(name, inputs.get(name)) for name in ROUTER_FLAGS}
+    if flags["return_cumulative_logprob"] and params.logprobs is None:  # the engine must compute them
+        params_json = json.dumps({**json.loads(params_json or "{}"), "logprobs": 0})
     return GenerateRequest(prompt, params, params_json, stream, prepend, **flags)
 
 

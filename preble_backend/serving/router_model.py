@@ -24,6 +24,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
+from preble_backend.serving.answer import Answer
 from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
@@ -31,10 +32,8 @@ from preble_backend.serving.backend_utils import (
     require_decoupled,
     resolve_model_path,
     send_error,
-    string_tensor,
 )
 from preble_backend.serving.config import RouterConfig
-from preble_backend.serving.detokenizer import IncrementalDetokenizer
 from preble_backend.serving.engine_client import (
     EngineClient,
     EngineError,
@@ -167,8 +166,7 @@ class TritonPythonModel:
     def _forward(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine) -> None:
         """Stream the engine's answer back to the client."""
         instance = flight.instance
-        detok = IncrementalDetokenizer(self.tokenizer, req.params.stop, req.params.min_tokens)
-        num_output = sent_tokens = 0
+        answer = Answer(req, self.tokenizer, len(routing.input_ids))
         cancelled = False
         start, ttft = time.monotonic(), None
         with self.lock:
@@ -180,44 +178,29 @@ class TritonPythonModel:
             if not cancelled and flight.is_cancelled():  # or ended elsewhere
                 cancelled = True
                 engine.abort(routing.request_id)  # keep reading: the final response confirms it
-            num_output += len(resp.token_ids)
-            delta = detok.add(resp.token_ids, final=resp.final)
+            delta = answer.add(resp)
             if resp.final:
                 batch, load = decode_report(resp.report) if resp.report else (None, {})
                 self._learn(instance, engine, load)
                 with self.lock:
                     events = self._mirror(instance, batch)
                     flight.engine_finished = True
-                    self.policy.on_finish(instance, routing, FinishInfo(events, load, ttft, num_output))
+                    info = FinishInfo(events, load, ttft, answer.num_output)
+                    self.policy.on_finish(instance, routing, info)
             if cancelled:
                 continue
             if req.stream and (delta or resp.final):
-                self._send(flight, req, routing, engine, delta, num_output - sent_tokens, resp)
-                sent_tokens = num_output
+                self._send(flight, answer.outputs(delta, resp, engine.name), resp.final)
             elif resp.final:
-                text = (req.prompt if req.prepend_input else "") + detok.text
-                self._send(flight, req, routing, engine, text, num_output, resp)
+                self._send(flight, answer.outputs(answer.full_text(), resp, engine.name), final=True)
         if cancelled:
             self._fail(flight, "request was cancelled", pb_utils.TritonError.CANCELLED)
         elif not flight.closed:
             raise EngineError(f"engine {engine.name} ended the stream without a final response")
 
-    def _send(self, flight: Flight, req, routing, engine, text, n_tokens, resp) -> None:
-        tensors = [string_tensor("text_output", [text])]
-        if req.return_num_output_tokens:
-            tensors.append(pb_utils.Tensor("num_output_tokens", np.asarray([n_tokens], dtype=np.uint32)))
-        if resp.final:
-            if req.return_finish_reason:
-                tensors.append(string_tensor("finish_reason", [resp.finish_reason or ""]))
-            if req.return_num_input_tokens:
-                n_input = np.asarray([len(routing.input_ids)], dtype=np.uint32)
-                tensors.append(pb_utils.Tensor("num_input_tokens", n_input))
-            cached = np.asarray([resp.num_cached_tokens], dtype=np.uint32)
-            tensors += [
-                pb_utils.Tensor("num_cached_tokens", cached),
-                string_tensor("instance", [engine.name]),
-            ]
-        flight.send(pb_utils.InferenceResponse(output_tensors=tensors), resp.final, FINAL)
+    def _send(self, flight: Flight, outputs: dict[str, np.ndarray], final: bool) -> None:
+        tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
+        flight.send(pb_utils.InferenceResponse(output_tensors=tensors), final, FINAL)
 
     def _fail(self, flight: Flight, message: str, code) -> None:
         flight.end(lambda: send_error(flight.sender, message, code))
