@@ -76,6 +76,20 @@ def llama3_tied_model(tmp_path_factory) -> str:
     return _write_random_checkpoint(tmp_path_factory.mktemp("llama3"), cfg, seed=12)
 
 
+@pytest.fixture(scope="session")
+def llama_bias_model(tmp_path_factory) -> str:
+    """Llama with ``attention_bias`` (q, k, v and o) and ``mlp_bias`` (gate, up, down)."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=320, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        attention_bias=True, mlp_bias=True, eos_token_id=1, bos_token_id=0,
+    )  # fmt: skip
+    cfg.architectures = ["LlamaForCausalLM"]
+    return _write_random_checkpoint(tmp_path_factory.mktemp("llama_bias"), cfg, seed=13)
+
+
 @pytest.fixture(scope="session", params=["tiny", "qwen2_gqa", "llama3_tied"])
 def any_model(request) -> str:
     return request.getfixturevalue({"tiny": "tiny_model", "qwen2_gqa": "qwen2_gqa_model",

@@ -50,7 +50,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
 
     def forward(self, x, cos, sin, batch: AttentionBatch, pool: KVPool, backend: AttentionBackend):
         t = x.shape[0]
@@ -69,9 +69,9 @@ class MLP(nn.Module):
         if cfg.hidden_act not in ACTIVATIONS:
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported: {list(ACTIVATIONS)}")
         self.act = ACTIVATIONS[cfg.hidden_act]
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -131,14 +131,17 @@ class LlamaForCausalLM(nn.Module):
         state = _load_state_dict(Path(model_path))
         if cfg.tie_word_embeddings or "lm_head.weight" not in state:
             state["lm_head.weight"] = state["embed_tokens.weight"]
-        missing = set(model.state_dict()) - set(state)
+        expected = set(model.state_dict())
+        missing = expected - set(state)
         if missing:
             raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:5]}")
-        model.load_state_dict(
-            {k: v.to(dtype) for k, v in state.items() if k in model.state_dict()},
-            strict=True,
-            assign=True,
-        )
+        unused = sorted(k for k in set(state) - expected if not k.endswith("rotary_emb.inv_freq"))
+        if unused:  # a tensor the model would silently drop: its arithmetic would differ
+            more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+            raise ValueError(
+                f"checkpoint {model_path} has weights the model does not use: {unused[:5]}{more}"
+            )
+        model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=True, assign=True)
         model.inv_freq = cfg.inv_freq()
         return model.to(device).eval()
 

@@ -3,6 +3,11 @@
 Hugging Face has written RoPE settings two ways (``rope_theta`` + ``rope_scaling`` before
 transformers 5, one ``rope_parameters`` dict after); both are accepted here so checkpoints
 from either era load.
+
+Loading is strict: every config.json field is either honoured (``HONOURED``, per family),
+known to leave the forward pass unchanged (``NO_EFFECT``, plus Hugging Face's generic
+config and generation keys), or off (a false, zero or empty value). Anything else would
+make our arithmetic differ from the checkpoint's, so it is refused by name.
 """
 
 from __future__ import annotations
@@ -20,6 +25,24 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_COMMON = {
+    "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rms_norm_eps", "hidden_act", "tie_word_embeddings", "rope_theta", "rope_scaling",
+    "rope_parameters", "eos_token_id", "bos_token_id",
+}  # fmt: skip
+HONOURED = {
+    "llama": _COMMON | {"attention_bias", "mlp_bias"},
+    "mistral": _COMMON | {"sliding_window"},
+    "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
+}
+# Fields that do not change inference: training-only settings, metadata, token ids the
+# forward pass never reads. (``pretraining_tp`` only split matmuls in old transformers.)
+NO_EFFECT = {
+    "attention_dropout", "initializer_range", "use_cache", "pad_token_id", "pretraining_tp",
+    "torch_dtype", "dtype", "model_type", "transformers_version", "_name_or_path",
+    "tokenizer_class", "sep_token_id", "unk_token_id", "decoder_start_token_id",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,6 +60,8 @@ class ModelConfig:
     hidden_act: str
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     rope: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -61,10 +86,15 @@ class ModelConfig:
                 f"architecture {arch!r} is not supported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        _refuse_unknown_fields(cfg, family)
         num_heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 2048)
         window = cfg.get("sliding_window")
-        if window and (family == "mistral" or cfg.get("use_sliding_window")) and window < max_pos:
+        layer_types = set(cfg.get("layer_types") or ())
+        if layer_types - {"full_attention", "sliding_attention"}:
+            raise ValueError(f"layer_types {sorted(layer_types)} are not supported")
+        sliding = family == "mistral" or cfg.get("use_sliding_window") or "sliding_attention" in layer_types
+        if window and sliding and window < max_pos:
             # Sliding-window attention is not implemented; cap the context where it is exact.
             max_pos = window
         eos = cfg.get("eos_token_id")
@@ -83,7 +113,9 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             hidden_act=cfg.get("hidden_act", "silu"),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qkv_bias=family == "qwen2" or (family == "llama" and bool(cfg.get("attention_bias"))),
+            o_bias=family == "llama" and bool(cfg.get("attention_bias")),
+            mlp_bias=family == "llama" and bool(cfg.get("mlp_bias")),
             rope=rope,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
@@ -100,6 +132,19 @@ class ModelConfig:
         elif kind == "llama3":
             inv = _llama3_inv_freq(inv, self.rope)
         return inv
+
+
+def _refuse_unknown_fields(cfg: dict, family: str) -> None:
+    from transformers import GenerationConfig, PretrainedConfig
+
+    generic = set(PretrainedConfig().to_dict()) | set(GenerationConfig().to_dict())
+    known = HONOURED[family] | NO_EFFECT | generic
+    unknown = sorted(k for k, v in cfg.items() if k not in known and v not in (None, False, 0, "", [], {}))
+    if unknown:
+        raise ValueError(
+            f"config.json field(s) {', '.join(unknown)} are not implemented for {family} models: "
+            "they would change the model's arithmetic (docs/ENGINE.md lists what is honoured)"
+        )
 
 
 def _rope_parameters(cfg: dict) -> dict:
