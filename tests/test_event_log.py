@@ -31,8 +31,12 @@ def test_a_reader_gets_what_followed_its_cursor_and_a_snapshot_when_it_fell_behi
     assert log.read(batch.cursor).events == [event(3), event(4)]
     assert log.read(f"{log.log_id}/0") is None  # fell off the end: resync
     assert log.read(f"{log.log_id}/9") is None  # a cursor from the future is not this log's
-    snap = log.snapshot([event(4)])
-    assert snap.snapshot and (snap.first, snap.next) == (4, 4)
+    walks = []
+    snap = log.snapshot(lambda: walks.append(1) or [event(4)])
+    assert snap.snapshot and (snap.first, snap.next, snap.events) == (4, 4, [event(4)])
+    assert log.snapshot(lambda: walks.append(1) or []) is snap and len(walks) == 1  # shared
+    log.append([event(5)])
+    assert log.snapshot(lambda: [event(5)]).next == 5  # an event since: taken afresh
 
 
 def test_a_feed_applies_each_event_once_whatever_order_reports_come_in():

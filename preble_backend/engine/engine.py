@@ -296,9 +296,9 @@ class Engine:
         of the cache when the log cannot continue from it. Call on the engine's thread,
         between iterations, so that the events and the cache agree."""
         if self.cache is None:
-            return self.events.snapshot([])
+            return self.events.snapshot(list)
         self.events.append(self.cache.drain_events())
-        return self.events.read(cursor) or self.events.snapshot(self.cache.snapshot())
+        return self.events.read(cursor) or self.events.snapshot(self.cache.snapshot)
 
     def flush_cache(self) -> int:
         """Evict every unreferenced cached page back to the free list; return how many."""

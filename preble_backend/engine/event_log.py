@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
 
@@ -23,6 +24,7 @@ class EventLog:
         self.capacity = capacity
         self._events: deque[CacheEvent] = deque()
         self._first = 0  # sequence number of _events[0]
+        self._snapshot: EventBatch | None = None
 
     @property
     def next(self) -> int:
@@ -43,7 +45,11 @@ class EventLog:
         events = list(itertools.islice(self._events, start - self._first, None))
         return EventBatch(self.log_id, start, self.next, events)
 
-    def snapshot(self, cached_paths: list[CacheEvent]) -> EventBatch:
-        """A snapshot of the cache (``cached_paths``, taken with every event up to now in
-        the log) at the log's current position."""
-        return EventBatch(self.log_id, self.next, self.next, cached_paths, snapshot=True)
+    def snapshot(self, cached_paths: Callable[[], list[CacheEvent]]) -> EventBatch:
+        """A snapshot of the cache at the log's current position (``cached_paths`` lists
+        it, with every event up to now in the log). The cache changes only through logged
+        events, so readers that arrive before the next event share one snapshot: a burst
+        of requests from a new router costs one walk of the cache, not one each."""
+        if self._snapshot is None or self._snapshot.next != self.next:
+            self._snapshot = EventBatch(self.log_id, self.next, self.next, cached_paths(), snapshot=True)
+        return self._snapshot
