@@ -150,7 +150,6 @@ def workload_cmd(args: argparse.Namespace) -> int:
 
 
 def simulate_cmd(args: argparse.Namespace) -> int:
-
     cost = CostModel.load(args.cost_model)
     cfg = SimConfig.of(args.instances, args.capacity_tokens)
     policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
