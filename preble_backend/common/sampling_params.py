@@ -116,26 +116,25 @@ class SamplingParams:
         return cls.from_dict(raw)
 
 
-def _integer(key: str, value) -> int:
+def _typed(key: str, value, parse, accepted: type | tuple, what: str):
+    """``value`` as the key's type: a value of that type (never a bool), or a string that
+    parses as one."""
     if isinstance(value, str):
         try:
-            return int(value.strip())
+            return parse(value.strip())
         except ValueError:
             pass
-    elif isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"sampling parameter {key} must be an integer, got {value!r}")
+    elif isinstance(value, accepted) and not isinstance(value, bool):
+        return parse(value)
+    raise ValueError(f"sampling parameter {key} must be {what}, got {value!r}")
+
+
+def _integer(key: str, value) -> int:
+    return _typed(key, value, int, int, "an integer")
 
 
 def _number(key: str, value) -> float:
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            pass
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ValueError(f"sampling parameter {key} must be a number, got {value!r}")
+    return _typed(key, value, float, (int, float), "a number")
 
 
 def _boolean(key: str, value) -> bool:
