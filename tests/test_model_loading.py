@@ -64,5 +64,6 @@ def test_a_config_field_that_would_change_the_arithmetic_is_refused(qwen2_gqa_mo
 def test_fields_without_effect_on_inference_are_accepted(qwen2_gqa_model):
     cfg = json.loads((Path(qwen2_gqa_model) / "config.json").read_text())
     extra = {"attention_dropout": 0.1, "initializer_range": 0.05, "use_cache": False,
-             "torch_dtype": "bfloat16", "num_beams": 4, "temperature": 0.7, "pad_token_id": 3}  # fmt: skip
+             "torch_dtype": "bfloat16", "num_beams": 4, "temperature": 0.7, "pad_token_id": 3,
+             "_model_name_or_path": "SmolLM2 135M"}  # what transformers' GGUF loader adds  # fmt: skip
     assert ModelConfig.from_dict({**cfg, **extra}).num_kv_heads == 2

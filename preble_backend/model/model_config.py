@@ -36,7 +36,8 @@ HONOURED = {
     "mistral": _COMMON | {"sliding_window"},
     "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
 }
-# Fields that do not change inference: training-only settings, metadata, token ids the
+# Fields that do not change inference: training-only settings, metadata (and any key
+# starting with "_", such as the GGUF loader's ``_model_name_or_path``), token ids the
 # forward pass never reads. (``pretraining_tp`` only split matmuls in old transformers.)
 NO_EFFECT = {
     "attention_dropout", "initializer_range", "use_cache", "pad_token_id", "pretraining_tp",
@@ -139,7 +140,10 @@ def _refuse_unknown_fields(cfg: dict, family: str) -> None:
 
     generic = set(PretrainedConfig().to_dict()) | set(GenerationConfig().to_dict())
     known = HONOURED[family] | NO_EFFECT | generic
-    unknown = sorted(k for k, v in cfg.items() if k not in known and v not in (None, False, 0, "", [], {}))
+    unknown = sorted(
+        k for k, v in cfg.items()
+        if k not in known and not k.startswith("_") and v not in (None, False, 0, "", [], {})
+    )  # fmt: skip
     if unknown:
         raise ValueError(
             f"config.json field(s) {', '.join(unknown)} are not implemented for {family} models: "
