@@ -19,10 +19,13 @@ POLICIES: dict[str, type[Policy]] = {
 CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens")
 
 
+def _keywords(name: str) -> list[str]:
+    return [p for p in inspect.signature(POLICIES[name]).parameters if p != "num_instances"]
+
+
 def policy_options(name: str) -> list[str]:
     """The tunables a policy takes (its constructor's keywords, less the cluster facts)."""
-    params = inspect.signature(POLICIES[name]).parameters
-    return [p for p in params if p != "num_instances" and p not in CLUSTER_FACTS]
+    return [p for p in _keywords(name) if p not in CLUSTER_FACTS]
 
 
 def make_policy(name: str, num_instances: int, facts: dict | None = None, **options) -> Policy:
@@ -38,8 +41,8 @@ def make_policy(name: str, num_instances: int, facts: dict | None = None, **opti
             f"its options: {', '.join(accepted) or 'none'}"
         )
     facts = facts or {}
-    if set(facts) - set(CLUSTER_FACTS):
-        raise ValueError(f"unknown cluster fact(s): {', '.join(sorted(set(facts) - set(CLUSTER_FACTS)))}")
-    params = inspect.signature(POLICIES[name]).parameters
-    given = {k: v for k, v in facts.items() if k in params}
+    strange = sorted(set(facts) - set(CLUSTER_FACTS))
+    if strange:
+        raise ValueError(f"unknown cluster fact(s): {', '.join(strange)}")
+    given = {k: v for k, v in facts.items() if k in _keywords(name)}
     return POLICIES[name](num_instances, **given, **options)

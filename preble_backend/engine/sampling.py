@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ def token_logprobs(row: torch.Tensor, token: int, top: int) -> TokenLogprobs:
 
 
 def apply_penalties(
-    row: torch.Tensor, state: SamplerState, prompt_ids: list[int], output_ids: list[int]
+    row: torch.Tensor, state: SamplerState, prompt_ids: Sequence[int], output_ids: Sequence[int]
 ) -> torch.Tensor:
     """vLLM's penalties, in its order: ``repetition_penalty`` on every token of the prompt
     and the output (a positive logit divided by it, a negative one multiplied), then
@@ -78,13 +79,13 @@ def sample_one(
     row: torch.Tensor,
     state: SamplerState,
     ban: list[int],
-    prompt_ids: list[int] = (),
-    output_ids: list[int] = (),
+    prompt_ids: Sequence[int] = (),
+    output_ids: Sequence[int] = (),
 ) -> int:
     """One request's token: the engine samples each request on its own, so one that
     fails fails alone. ``prompt_ids`` and ``output_ids`` feed the penalties."""
     if state.params.penalized:
-        row = apply_penalties(row, state, list(prompt_ids), list(output_ids))
+        row = apply_penalties(row, state, prompt_ids, output_ids)
     if ban:
         row = row.clone()
         row[ban] = float("-inf")

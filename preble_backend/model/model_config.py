@@ -12,6 +12,7 @@ make our arithmetic differ from the checkpoint's, so it is refused by name.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -135,11 +136,18 @@ class ModelConfig:
         return inv
 
 
-def _refuse_unknown_fields(cfg: dict, family: str) -> None:
+@functools.cache
+def _generic_fields() -> frozenset[str]:
+    """Hugging Face's keys for every config and for generation: none reaches the forward
+    pass. Built once; transformers is imported here because the engine otherwise needs it
+    only for stop strings, and importing it costs seconds at start-up."""
     from transformers import GenerationConfig, PretrainedConfig
 
-    generic = set(PretrainedConfig().to_dict()) | set(GenerationConfig().to_dict())
-    known = HONOURED[family] | NO_EFFECT | generic
+    return frozenset(PretrainedConfig().to_dict()) | frozenset(GenerationConfig().to_dict())
+
+
+def _refuse_unknown_fields(cfg: dict, family: str) -> None:
+    known = HONOURED[family] | NO_EFFECT | _generic_fields()
     unknown = sorted(
         k for k, v in cfg.items()
         if k not in known and not k.startswith("_") and v not in (None, False, 0, "", [], {})
