@@ -29,7 +29,7 @@ from collections.abc import Callable
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.load_cost import InstanceHistory, memory_cost
+from scheduler.load_cost import DecodeLengths, InstanceHistory, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
@@ -90,9 +90,8 @@ class E2(Policy):
         self.capacity = list(caps)
         self.page_size = page_size  # the engines' KV page size: prompts are hashed per page
         self.tree = GlobalPrefixTree(num_instances, window_s, page_size)
-        self.history = [
-            InstanceHistory(window_s, default_decode_len, self.cost) for _ in range(num_instances)
-        ]
+        self.history = [InstanceHistory(window_s) for _ in range(num_instances)]
+        self.decode_lengths = DecodeLengths(window_s, default_decode_len)
         self.th_bal = th_bal
         self.decode_ratio_threshold = decode_ratio_threshold
         self.min_decode_units = min_decode_units
@@ -165,7 +164,7 @@ class E2(Policy):
         gap exceeds the recompute of the cached tokens the move throws away."""
         if self.th_bal == math.inf or not self.history[choice].in_flight:
             return None
-        load = {i: self.history[i].load(now, self.rebalance_signal) for i in self.live}
+        load = {i: self.load(i, now, self.rebalance_signal) for i in self.live}
         heaviest = max(load.values())
         lightest = min(self.live, key=lambda i: (load[i], _busy(loads, i), i))
         gap = load[choice] - load[lightest]
@@ -191,10 +190,16 @@ class E2(Policy):
 
     # ---- Algorithm 2 ----------------------------------------------------------------------
 
+    def load(self, instance: int, now: float, signal: str) -> float:
+        """L: the instance's load, each request's decoding counted as DECODETIME(the
+        average decoding length in the window)."""
+        decode_ms = self.cost.decode_time(self.decode_lengths.average(now))
+        return self.history[instance].load(now, decode_ms, signal)
+
     def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
         """L + M + P of sending this request to ``instance`` (milliseconds)."""
         missed = prompt_len - match.cached_on(instance)
-        load = self.history[instance].load(now, self.load_signal)
+        load = self.load(instance, now, self.load_signal)
         prefill = self.cost.prefill_time(missed)
         need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
         evicted = memory_cost(self.tree, instance, need, match, now, self.cost) if need > 0 else 0.0
@@ -247,7 +252,8 @@ class E2(Policy):
             return
         end, key = routed
         self.tree.finish(end, instance)
-        self.history[instance].finish(request.request_id, now, info.num_output_tokens)
+        self.history[instance].finish(request.request_id)
+        self.decode_lengths.add(now, info.num_output_tokens)
         if key is not None and info.ttft_s is not None:
             self._autoscale(self.tree.live(key), info.ttft_s, now)
 
@@ -260,7 +266,7 @@ class E2(Policy):
             return
         lacking = [i for i in sorted(self.live) if not key.held_by(i) and i not in key.replicas]
         if lacking:
-            replica = min(lacking, key=lambda i: self.history[i].load(now, self.load_signal))
+            replica = min(lacking, key=lambda i: self.load(i, now, self.load_signal))
             key.replicas = key.replicas | {replica}
             key.ttft = None  # measure afresh with the replica serving
             log.info(

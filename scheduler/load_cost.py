@@ -1,7 +1,7 @@
 """Algorithm 2 (LOADCOST): the cost of sending a request to an instance is L + M + P.
 
 - ``L``: the instance's load, Σ over requests routed to it within the window W of
-  PREFILLTIME(their missed tokens) + DECODETIME(the instance's average decode length).
+  PREFILLTIME(their missed tokens) + DECODETIME(the average decoding length in W).
   Kept as running sums, so reading it is O(1) (the paper's scalable realization).
 - ``M``: what the instance would have to evict to make room for this request's missed
   tokens, found by a virtual LRU eviction over the global tree; each evicted node costs
@@ -19,32 +19,44 @@ from scheduler.global_tree import GlobalPrefixTree
 from scheduler.tree_node import Match
 
 
-class InstanceHistory:
-    """One instance's requests within the window, its requests in flight, and their decode
-    lengths; every sum is kept running, so reading a load is O(1). Entries are tuples of
-    numbers: the garbage collector stops tracking those after one look, and the window
-    holds thousands."""
+class DecodeLengths:
+    """The average decoding length in H (Algorithm 2: ``decode_len`` ← average decoding
+    length in H): over the requests that finished within the window on any instance. The
+    paper's reason for using an average at all is that output lengths are "small and
+    similar across a workload", a property of the requests and not of the GPU that ran
+    them; a per-instance average is one or two samples on an instance that has just started
+    to serve, and one 1-token answer then makes that instance look 30× lighter than the
+    rest, so every exploring request piles onto it."""
 
-    def __init__(self, window_s: float, default_decode_len: float, cost: CostModel) -> None:
+    def __init__(self, window_s: float, default: float) -> None:
         self.window_s = window_s
-        self.default_decode_len = default_decode_len
-        self.cost = cost
-        self.decode_ms = cost.decode_time(default_decode_len)  # DECODETIME(average decode length)
+        self.default = default  # before any request has finished
+        self.finished: deque[tuple[float, int]] = deque()  # (time, output tokens)
+        self.total = 0
+
+    def add(self, now: float, output_tokens: int) -> None:
+        self.finished.append((now, output_tokens))
+        self.total += output_tokens
+
+    def average(self, now: float) -> float:
+        horizon = now - self.window_s
+        while self.finished and self.finished[0][0] < horizon:
+            self.total -= self.finished.popleft()[1]
+        return self.total / len(self.finished) if self.finished else self.default
+
+
+class InstanceHistory:
+    """One instance's requests within the window and its requests in flight; every sum is
+    kept running, so reading a load is O(1). Entries are tuples of numbers: the garbage
+    collector stops tracking those after one look, and the window holds thousands."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
         self.routed: deque[tuple[float, float]] = deque()  # (time, prefill ms)
         self.prefill_ms = 0.0
-        self.decoded: deque[tuple[float, int]] = deque()  # (time, output tokens)
-        self.decoded_sum = 0
         self.in_flight: dict[str, tuple[float, float]] = {}  # id -> (prefill ms, cached fraction)
         self.in_flight_prefill_ms = 0.0
         self.in_flight_cached = 0.0  # Σ cached fraction
-
-    def expire(self, now: float) -> None:
-        horizon = now - self.window_s
-        while self.routed and self.routed[0][0] < horizon:
-            self.prefill_ms -= self.routed.popleft()[1]
-        while self.decoded and self.decoded[0][0] < horizon:
-            self.decoded_sum -= self.decoded.popleft()[1]
-        self.decode_ms = self.cost.decode_time(self.avg_decode_len())
 
     def add(self, request_id: str, now: float, prefill_ms: float, cached_fraction: float) -> None:
         """A request routed here: its prefill time and the fraction of its prompt cached."""
@@ -54,31 +66,26 @@ class InstanceHistory:
         self.in_flight_prefill_ms += prefill_ms
         self.in_flight_cached += cached_fraction
 
-    def finish(self, request_id: str, now: float, output_tokens: int) -> None:
+    def finish(self, request_id: str) -> None:
         entry = self.in_flight.pop(request_id, None)
         if entry is not None:
             self.in_flight_prefill_ms -= entry[0]
             self.in_flight_cached -= entry[1]
         if not self.in_flight:  # no rounding drift survives an idle moment
             self.in_flight_prefill_ms = self.in_flight_cached = 0.0
-        self.decoded.append((now, output_tokens))
-        self.decoded_sum += output_tokens
-        self.decode_ms = self.cost.decode_time(self.avg_decode_len())
 
-    def avg_decode_len(self) -> float:
-        return self.decoded_sum / len(self.decoded) if self.decoded else self.default_decode_len
-
-    def load(self, now: float, signal: str = "history") -> float:
-        """L of Algorithm 2, in milliseconds: over the requests routed within the window
-        (``history``, as Algorithm 2 reads), or over those still in flight (``in_flight``,
-        the current load the paper's realization keeps up to date on every assignment and
-        completion)."""
+    def load(self, now: float, decode_ms: float, signal: str = "history") -> float:
+        """L of Algorithm 2, in milliseconds, each request counted as its prefill time plus
+        ``decode_ms`` (DECODETIME of the average decoding length): over the requests routed
+        within the window (``history``, as Algorithm 2 reads), or over those still in
+        flight (``in_flight``, the current load the paper's realization keeps up to date on
+        every assignment and completion)."""
         horizon = now - self.window_s
-        if (self.routed and self.routed[0][0] < horizon) or (self.decoded and self.decoded[0][0] < horizon):
-            self.expire(now)
+        while self.routed and self.routed[0][0] < horizon:
+            self.prefill_ms -= self.routed.popleft()[1]
         if signal == "in_flight":
-            return self.in_flight_prefill_ms + len(self.in_flight) * self.decode_ms
-        return max(0.0, self.prefill_ms) + len(self.routed) * self.decode_ms
+            return self.in_flight_prefill_ms + len(self.in_flight) * decode_ms
+        return max(0.0, self.prefill_ms) + len(self.routed) * decode_ms
 
     def decode_ratio(self) -> float:
         """How decode-heavy the in-flight requests are: the mean cached fraction of their

@@ -104,7 +104,7 @@ def test_memory_cost_charges_what_a_virtual_eviction_removes():
         policy.on_finish(d.instance, r, stored(r.input_ids))
     d_tokens = list(range(400, 450))
     m = policy.tree.match(chain_hashes(d_tokens, 1))
-    l0, l1 = (policy.history[i].load(clock(), "in_flight") for i in (0, 1))
+    l0, l1 = (policy.load(i, clock(), "in_flight") for i in (0, 1))
     assert (l0, l1) == (0, 0)  # nothing in flight
     assert policy.load_cost(0, m, 50, clock()) == 0 + 100 * 2 + 50
     assert policy.load_cost(1, m, 50, clock()) == 0 + 100 * 1 + 50
@@ -124,9 +124,26 @@ def test_memory_cost_spares_what_running_requests_hold():
     assert policy.tree.held_tokens == [100, 40]
     # On 0 the 100 running tokens are locked: nothing evictable, M = 0 (the engine would
     # wait or preempt, not evict). On 1 the finished 40-token prompt goes: M = 40 x 1.
-    assert policy.load_cost(0, m, 60, clock()) == policy.history[0].load(clock()) + 0 + 60
+    assert policy.load_cost(0, m, 60, clock()) == policy.load(0, clock(), "history") + 0 + 60
     assert policy.load_cost(1, m, 60, clock()) == 0 + 40 + 60
     assert running.request_id in policy._routed
+
+
+def test_decoding_time_uses_the_average_decoding_length_in_the_window_cluster_wide():
+    """Algorithm 2's decode_len is the average decoding length in H, over every instance:
+    one 1-token answer on an instance that has just started must not make it look 30x
+    lighter than the rest (it then drew every exploring request)."""
+    policy, clock = e2(n=3)
+    finished = [route(policy, range(k * 100, k * 100 + 10), n=3) for k in range(3)]  # 0, 1, 2
+    assert [d.instance for _, d in finished] == [0, 1, 2]
+    for (r, d), out in zip(finished[:2], (1, 63)):
+        policy.on_finish(d.instance, r, FinishInfo([], {}, 0.1, out))  # averages 1 and 63 alone
+    running = [route(policy, range(k * 100 + 500, k * 100 + 520), n=3) for k in range(2)]
+    assert [d.instance for _, d in running] == [0, 1]  # L: 0 + 10 + 32 (2 still runs) -> 0, 1
+    # In flight: 20 + 32 on 0 and on 1, 10 + 32 on 2 (the cluster's average is (1 + 63) / 2).
+    assert [policy.load(i, clock(), "in_flight") for i in range(3)] == [52, 52, 42]
+    _, d = route(policy, range(900, 930), n=3)
+    assert (d.instance, d.branch) == (2, "explore")
 
 
 def test_rebalance_moves_exploit_traffic_only_when_the_gap_outweighs_recompute():
@@ -150,7 +167,7 @@ def test_rebalance_treats_instances_tied_as_heaviest_alike():
         policy, clock = e2(n=3, th_bal=1.5)
         assert route(policy, first, n=3)[1].instance == 0  # explore: all idle, the first
         assert route(policy, second, n=3)[1].instance == 1  # explore: 1 and 2 idle, round-robin
-        assert [policy.history[i].load(clock()) for i in range(3)] == [82, 82, 0]  # 50 + 32 each
+        assert [policy.load(i, clock(), "history") for i in range(3)] == [82, 82, 0]  # 50 + 32 each
         _, d = route(policy, X + [4] * 5, n=3)  # exploit X on its holder; 82 > 1.5 * 0, gap 82 > 40
         assert (d.instance, d.branch) == (2, "rebalance"), holder
 
