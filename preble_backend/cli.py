@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 
 from client.workloads import Materializer, generate, poisson_arrivals
-from preble_backend.engine.config import EngineConfig
+from preble_backend.common.cost_model import CostModel
+from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.tiny_model import tiny_model_path
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.launcher import LaunchError, ServerPorts, start_server
 from preble_backend.serving.repository import write_repository
-from scheduler.cost_model import CostModel
 from scheduler.policies import POLICIES
 from scheduler.sim.profile import profile
 from scheduler.sim.simulator import SimConfig
@@ -106,9 +106,12 @@ def serve(args: argparse.Namespace) -> int:
 def repo(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     remotes = [r for r in (args.remote or "").split(",") if r]
+    engine = {"compute": args.compute, "cost_model": args.cost_model}
+    if args.max_num_tokens is not None:
+        engine["max_num_tokens"] = args.max_num_tokens
     root = write_repository(
         args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
-        router_overrides={"policy": args.policy, "cost_model": args.cost_model},
+        router_overrides={"policy": args.policy, "cost_model": args.cost_model}, **engine,
     )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
     return 0
@@ -176,8 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-engines", type=int, default=2, help="CPU engines when no --gpus")
     p.add_argument("--policy", default=RouterConfig.policy, choices=list(POLICIES))
     p.add_argument(
-        "--cost-model", default=RouterConfig.cost_model, help="shipped fit name or JSON from preble profile"
+        "--cost-model",
+        default=RouterConfig.cost_model,
+        help="shipped fit name or JSON from preble profile: E2's PREFILLTIME/DECODETIME and, with "
+        "--compute emulated, the engines' iteration times",
     )
+    p.add_argument(
+        "--compute",
+        default=EngineConfig.compute,
+        choices=COMPUTE,
+        help="emulated: real scheduler, cache and streaming; each forward pass waits the cost model",
+    )
+    p.add_argument("--max-num-tokens", type=int, default=None, help="each engine's KV capacity in tokens")
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func=repo)
     p = sub.add_parser("profile", help="measure an engine and fit E2's cost model (JSON)")

@@ -26,8 +26,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
-from scheduler.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler.cost_model import CostModel
+from preble_backend.common.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.tree_node import Match
 

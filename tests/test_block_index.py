@@ -13,9 +13,9 @@ from conftest import assert_cached_kids_counted
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent, EventBatch
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.protocol import decode_report, encode_report
-from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import memory_cost

@@ -9,8 +9,8 @@ import pytest
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.sampling_params import SamplingParams
-from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.policies import make_policy

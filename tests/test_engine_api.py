@@ -224,3 +224,33 @@ def test_engine_config_names_the_bad_key(tiny_model):
         EngineConfig.from_strings({"model_path": tiny_model, "chunk": "1"})
     cfg = EngineConfig.from_strings({"model_path": tiny_model, "enable_prefix_caching": "false"})
     assert cfg.enable_prefix_caching is False
+
+
+def test_emulated_compute_waits_the_cost_model_and_keeps_the_real_cache(tiny_model, make_engine, tmp_path):
+    """compute=emulated: the real scheduler and radix cache, no weights; each iteration
+    waits the cost model's time (here base 10 ms + 1 ms per prefill token + 0.5 ms per
+    decode) and every request gets the placeholder token."""
+    from preble_backend.common.cost_model import CostModel
+
+    fit = tmp_path / "unit.json"
+    CostModel(base_ms=10, prefill_ms_per_token=1, decode_ms_per_request=0.5,
+              attention_ms_per_context_token=0, decode_step_ms=10).save(fit)  # fmt: skip
+    engine = make_engine(tiny_model, compute="emulated", cost_model=str(fit), page_size=16,
+                         chunk_size=512, max_num_tokens=4096)  # fmt: skip
+    runner = engine.runner
+    prompt = list(range(100, 140))
+    # 40-token prefill with the first token (50 ms), then two decodes (10.5 ms each).
+    assert engine.generate([prompt], {"max_tokens": 3}) == [[runner.placeholder] * 3]
+    assert runner.iterations == 3 and runner.emulated_s == pytest.approx(0.071)
+    # The cache is real: a prompt sharing the first 32 tokens (two pages) prefills 8.
+    engine.generate([prompt[:32] + list(range(500, 508))], {"max_tokens": 1, "temperature": 0.8})
+    assert runner.emulated_s == pytest.approx(0.071 + 0.018)
+    assert engine.stats()["prompt_tokens_cached"] == 32
+    assert runner.placeholder not in engine.model_config.eos_token_ids
+
+
+def test_emulated_compute_names_a_bad_cost_model(tiny_model):
+    with pytest.raises(ValueError, match="cost_model='nosuch' is invalid"):
+        EngineConfig(model_path=tiny_model, compute="emulated", cost_model="nosuch")
+    with pytest.raises(ValueError, match="compute='gpu' is invalid: expected one of model, emulated"):
+        EngineConfig(model_path=tiny_model, compute="gpu")

@@ -7,7 +7,7 @@ from conftest import assert_cached_kids_counted
 
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.block_hash import chain_hashes
-from scheduler.cost_model import CostModel
+from preble_backend.common.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 from scheduler.sim.sweep import run, trace

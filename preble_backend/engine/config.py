@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings, setting
 from preble_backend.model.attention import ATTENTION_BACKENDS
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+COMPUTE = ("model", "emulated")
 DEFAULT_CPU_KV_TOKENS = 32768
 
 
@@ -35,6 +37,10 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", doc="auto (torch on CPU, triton on GPU) | torch | triton | flashinfer"
     )
+    compute: str = setting(
+        "model", doc="model | emulated (real scheduler and cache, forward pass = a cost-model wait)"
+    )
+    cost_model: str = setting("mistral7b_a6000", doc="emulated compute: a shipped fit or a JSON path")
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, accepted: str) -> None:
@@ -57,6 +63,10 @@ class EngineConfig:
             "attention_backend",
             f"one of {', '.join(ATTENTION_BACKENDS)}",
         )
+
+        check(self.compute in COMPUTE, "compute", f"one of {', '.join(COMPUTE)}")
+        if self.compute == "emulated":
+            CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> EngineConfig:

@@ -20,6 +20,7 @@ import torch
 from preble_backend.common.cache_event import EventBatch
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from preble_backend.engine.emulated_runner import EmulatedRunner
 from preble_backend.engine.event_log import EventLog
 from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.model_runner import ModelRunner
@@ -33,7 +34,12 @@ log = logging.getLogger("preble.engine")
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config.model_path, config.dtype, config.device, config.attention_backend)
+        if config.compute == "emulated":
+            self.runner = EmulatedRunner(config.model_path, config.cost_model)
+        else:
+            self.runner = ModelRunner(
+                config.model_path, config.dtype, config.device, config.attention_backend
+            )
         self.model_config = self.runner.cfg
         self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
         self.scheduler = make_local_scheduler(self.pool, config)

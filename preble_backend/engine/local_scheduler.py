@@ -37,6 +37,18 @@ class ScheduledBatch:
         self.requests.pop(i)
         return self.num_new_tokens.pop(i)
 
+    def work(self) -> tuple[int, int, int]:
+        """(prefill tokens, decodes, context tokens): what the cost model charges for this
+        iteration. A request with one token left to compute is decoding."""
+        prefill = decodes = context = 0
+        for req, n in zip(self.requests, self.num_new_tokens):
+            if req.num_uncomputed == 1:
+                decodes += 1
+            else:
+                prefill += n
+            context += req.num_computed + n
+        return prefill, decodes, context
+
 
 @dataclass
 class SchedulerStats:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from client.workloads import WORKLOADS, Materializer, poisson_arrivals
 from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
-from scheduler.cost_model import CostModel
 from scheduler.e2 import E2
 from scheduler.policy import InstanceLoad
 from scheduler.sim.simulator import SimConfig, SimRequest, simulate

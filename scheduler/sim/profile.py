@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from preble_backend.common.cost_model import CostModel, fit
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
-from scheduler.cost_model import CostModel, fit
 
 PREFILL_LENGTHS = (32, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 4, 16, 32)

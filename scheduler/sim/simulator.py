@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.request import Request
 from preble_backend.engine.sampling import SamplerState
 from preble_backend.model.kv_pool import KVPool
-from scheduler.cost_model import CostModel
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
 
 SIMULATED = "(simulated)"  # the model path of a simulated engine: the cost model stands in
@@ -100,14 +100,7 @@ class SimInstance:
             self.busy = False
             return None
         self.busy, self.batch = True, batch
-        prefill = decodes = context = 0
-        for req, n in zip(batch.requests, batch.num_new_tokens):
-            if req.num_uncomputed == 1:
-                decodes += 1
-            else:
-                prefill += n
-            context += req.num_computed + n
-        return self.cost.iteration_time(prefill, decodes, context) / 1000.0
+        return self.cost.iteration_time(*batch.work()) / 1000.0
 
     def finish_iteration(self) -> tuple[list[Request], list[Request]]:
         """Apply the batch: requests that produced their first token, requests finished."""

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from client.workloads import Materializer, generate, poisson_arrivals
-from scheduler.cost_model import CostModel
+from preble_backend.common.cost_model import CostModel
 from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 

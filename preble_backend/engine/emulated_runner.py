@@ -1,0 +1,62 @@
+"""Emulated compute: the engine's forward pass replaced by a wait from the cost model.
+
+Everything else in the engine stays real — the local scheduler, the radix cache and its
+LRU eviction, page accounting, cache events, streaming — so a host without a GPU can run
+four or eight engines at GPU-scale timings behind the real router (NVIDIA Dynamo tests
+its router the same way with its *mocker*). Each iteration waits
+``cost.iteration_time(prefill tokens, decodes, context tokens)`` and every sampling
+request gets one placeholder token. The model directory is read for its configuration
+(vocabulary, context length, end-of-sequence ids) and never for weights; the KV pool holds
+one number per token, so a 240k-token cache costs under a megabyte.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from preble_backend.common.cost_model import CostModel
+from preble_backend.engine.local_scheduler import ScheduledBatch
+from preble_backend.model.kv_pool import KVPool
+from preble_backend.model.model_config import ModelConfig
+
+
+class EmulatedRunner:
+    def __init__(self, model_path: str | Path, cost_model: str) -> None:
+        self.device = torch.device("cpu")
+        self.dtype = torch.float16
+        self.cfg = ModelConfig.from_dir(model_path)
+        self.cost = CostModel.load(cost_model)
+        self.placeholder = placeholder_token(self.cfg.vocab_size, self.cfg.eos_token_ids)
+        self.iterations = 0
+        self.emulated_s = 0.0  # total time waited, for stats
+
+    def make_pool(self, num_pages: int, page_size: int) -> KVPool:
+        return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=self.dtype)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.dtype.itemsize
+
+    def forward(self, batch: ScheduledBatch, pool: KVPool) -> tuple[torch.Tensor, list[int]]:
+        """Wait the iteration's modelled time; logits that make every sampler (greedy or
+        not, penalties or not) pick the placeholder token."""
+        seconds = self.cost.iteration_time(*batch.work()) / 1000.0
+        time.sleep(seconds)
+        self.iterations += 1
+        self.emulated_s += seconds
+        rows = [i for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                if req.num_computed + n == req.num_tokens]  # fmt: skip
+        logits = torch.full((len(rows), self.cfg.vocab_size), -1e4)
+        logits[:, self.placeholder] = 0.0
+        return logits, rows
+
+
+def placeholder_token(vocab_size: int, eos_ids) -> int:
+    """A token from the middle of the vocabulary (an ordinary word piece in BPE
+    vocabularies, whose special tokens sit at either end), never an end-of-sequence id."""
+    token = vocab_size // 2
+    while token in set(eos_ids):
+        token += 1
+    return token
