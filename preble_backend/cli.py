@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -156,7 +157,8 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     cost = CostModel.load(args.cost_model)
     cfg = SimConfig.of(args.instances, args.capacity_tokens)
     policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
-    records = sweep(args.workload, args.instances, args.requests, cost, cfg, policies, seed=args.seed)
+    records = sweep(args.workload, args.instances, args.requests, cost, cfg, policies, seed=args.seed,
+                    seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model)  # fmt: skip
     write(records, args.output, f"{args.workload}_{args.instances}")
     print(f"wrote {args.output}/{args.workload}_{args.instances}.json and .png")
     return 0
@@ -215,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="all", help="comma-separated, or all")
     p.add_argument("--cost-model", default="mistral7b_a6000")
     p.add_argument("--capacity-tokens", type=int, default=240_000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first trace's seed (default %(default)s)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="traces per policy and rate, averaged (default %(default)s)")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="simulations run in parallel (default: the CPU count, %(default)s)")  # fmt: skip
     p.add_argument("--output", default="sim")
     p.set_defaults(func=simulate_cmd)
     p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")

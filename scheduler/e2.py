@@ -10,9 +10,11 @@ Per request:
    only while the heavy instance has requests in flight and the load gap is larger than
    the recompute the move costs (the prefill of its cached tokens): a short history
    makes the ratio noisy, and an idle holder of the prefix serves it best.
-3. **Explore** otherwise: an instance whose in-flight work is decode-heavy (mean cached
-   fraction above ``decode_ratio_threshold``) takes the prefill-heavy request; else the
-   lowest L + M + P over all instances.
+3. **Explore** otherwise: the lowest L + M + P over all instances. Prefill/decode
+   balancing (an instance whose in-flight work is decode-heavy, mean cached fraction
+   above ``decode_ratio_threshold``, takes the prefill-heavy request first) is off by
+   default: in the simulator it never helped and cost up to 7% on the embodied agent
+   (docs/SCHEDULER.md gives the measurements and why).
 4. **Autoscale**: when the time to first token of a key portion's requests doubles over
    the window, the least loaded instance that lacks it becomes a replica; its exploiting
    requests then split over the holders and replicas by load cost.
@@ -74,7 +76,7 @@ class E2(Policy):
         capacity_tokens: int | list[int] = 32768,
         window_s: float = 180.0,
         th_bal: float = 3.0,
-        decode_ratio_threshold: float = 0.9,
+        decode_ratio_threshold: float | None = None,
         min_decode_units: int = 2,
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
@@ -179,8 +181,11 @@ class E2(Policy):
         return None
 
     def _decode_heavy_instance(self) -> int | None:
-        """Explore's first rule: an instance whose in-flight requests are mostly decoding
-        (mean cached fraction above the threshold) takes the prefill-heavy request."""
+        """Explore's first rule when enabled: an instance whose in-flight requests are
+        mostly decoding (mean cached fraction above the threshold) takes the prefill-heavy
+        request."""
+        if self.decode_ratio_threshold is None:
+            return None
         ratios = {}
         for i in sorted(self.live):
             h = self.history[i]

@@ -172,8 +172,13 @@ def test_rebalance_treats_instances_tied_as_heaviest_alike():
         assert (d.instance, d.branch) == (2, "rebalance"), holder
 
 
-def test_decode_heavy_instance_takes_the_prefill_heavy_request():
-    policy, _ = e2(th_bal=float("inf"))  # rebalancing off
+@pytest.mark.parametrize(
+    "threshold, expected", [(0.9, (1, "explore_decode_balance")), (None, (0, "explore"))]
+)
+def test_decode_heavy_instance_takes_the_prefill_heavy_request(threshold, expected):
+    """With prefill/decode balancing on (threshold 0.9), the decode-heavy instance takes
+    the exploring request; off (the default), the lowest L + M + P does."""
+    policy, _ = e2(th_bal=float("inf"), decode_ratio_threshold=threshold)  # rebalancing off
     prefix = list(range(100))
     route(policy, range(5000, 5010))  # explore -> 0: L0 = 10 + 32 = 42
     r1, d = route(policy, prefix + [1])  # explore: 42 + 101 on 0 vs 101 on 1 -> 1
@@ -184,7 +189,7 @@ def test_decode_heavy_instance_takes_the_prefill_heavy_request():
     # L1 = (101 + 32) + 2 * (1 + 32) = 199, so cost alone picks 0 (242 vs 399) for a new
     # 200-token prompt; but instance 1's in-flight work is 99% cached: it takes the prefill.
     _, d = route(policy, range(6000, 6200))
-    assert (d.instance, d.branch) == (1, "explore_decode_balance")
+    assert (d.instance, d.branch) == expected
 
 
 def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():

@@ -3,14 +3,19 @@
 ``find_stress_rps`` looks for the load the issue asks about: starting light, the request
 rate grows by ×1.5 until round-robin's p99 latency is at least 5× its light-load p99.
 ``sweep`` then runs every policy at the light, the middle and the stress rate, on the
-same requests and arrival times, and returns one ``simulator.metrics`` record per run.
+same requests and arrival times (and on more traces with ``seeds``), and returns one
+``simulator.metrics`` record per policy and rate.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+from tqdm import tqdm
 
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
@@ -73,6 +78,18 @@ def find_stress_rps(
     return start_rps, light, rps, p99
 
 
+def _run_job(job: tuple) -> dict:
+    """One (trace seed, rate, policy) run; a top-level function so a process pool can run it."""
+    workload, n, seed, rps, policy, cfg, cost = job
+    return run(_at_rate(trace(workload, n, 1.0, seed), 1.0, rps), policy, cfg, cost)
+
+
+def _mean_record(runs: list[dict]) -> dict:
+    """The metrics averaged over the traces (each trace's own under ``per_seed``)."""
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float))]
+    return {**{k: sum(r[k] for r in runs) / len(runs) for k in keys}, "per_seed": runs}
+
+
 def sweep(
     workload: str,
     instances: int,
@@ -82,8 +99,15 @@ def sweep(
     policies=ALL_POLICIES,
     start_rps: float | None = None,
     seed: int = 0,
+    seeds: int = 1,
+    jobs: int = 1,
+    cost_label: str = "",
     log=print,
 ) -> list[dict]:
+    """The stress rate is found on trace ``seed``; every policy then runs at each rate on
+    ``seeds`` traces (seed, seed + 1, ...: other requests, other arrivals), and each record
+    holds the metrics averaged over them. One trace's ratio between two close policies
+    moves by ±10% with the trace, so comparisons want several."""
     cfg = cfg or SimConfig.of(instances)
     base_rps = 1.0
     requests = trace(workload, n, base_rps, seed)
@@ -97,44 +121,54 @@ def sweep(
         f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "
         f"stress {stress:.2f} rps (RR p99 {stress_p99:.2f}s)"
     )
+    rates = sorted({light, math.sqrt(light * stress), stress})
+    grid = [(rps, policy) for rps in rates for policy in policies]
+    work = [(workload, n, seed + k, rps, policy, cfg, cost) for rps, policy in grid for k in range(seeds)]
+    # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        runs = list(tqdm(pool.map(_run_job, work), total=len(work), desc=f"{workload} x{instances}",
+                         unit="run", disable=None))  # fmt: skip
     records = []
-    for rps in sorted({light, math.sqrt(light * stress), stress}):
-        at = _at_rate(requests, base_rps, rps)
-        for policy in policies:
-            rec = {
-                "policy": policy,
-                "workload": workload,
-                "instances": instances,
-                "rps": rps,
-                "stress": rps == stress,
-                **run(at, policy, cfg, cost),
-            }
-            records.append(rec)
-            log(
-                f"  {rps:7.2f} rps {policy:12s} avg {rec['avg_latency_s']:.3f}s "
-                f"p99 {rec['p99_latency_s']:.3f}s hit {rec['cache_hit_ratio']:.2f}"
-            )
+    for i, (rps, policy) in enumerate(grid):
+        mean = _mean_record(runs[i * seeds : (i + 1) * seeds])
+        rec = {"policy": policy, "workload": workload, "instances": instances, "rps": rps,
+               "stress": rps == stress, "seeds": seeds, "cost_model": cost_label, **mean}  # fmt: skip
+        records.append(rec)
+        log(
+            f"  {rps:7.2f} rps {policy:12s} avg {rec['avg_latency_s']:.3f}s "
+            f"p99 {rec['p99_latency_s']:.3f}s hit {rec['cache_hit_ratio']:.2f}"
+        )
     return records
 
 
+MARKERS = dict(zip(ALL_POLICIES, ("o", "s", "^", "D", "v", "x")))
+
+
 def plot(records: list[dict], path: str | Path) -> None:
+    """Average and p99 latency against request rate, one line per policy (distinct markers
+    and line styles, so coinciding lines stay visible), linear axes with plain ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for policy in dict.fromkeys(r["policy"] for r in records):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in records)):
         rows = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["rps"])
         for ax, key in zip(axes, ("avg_latency_s", "p99_latency_s")):
-            ax.plot([r["rps"] for r in rows], [r[key] for r in rows], marker="o", label=policy)
+            ax.plot([r["rps"] for r in rows], [r[key] for r in rows], marker=MARKERS.get(policy, "o"),
+                    linestyle=("-", "--", ":", "-.")[k % 4], label=policy)  # fmt: skip
     first = records[0]
     for ax, title in zip(axes, ("average latency (s)", "p99 latency (s)")):
         ax.set_xlabel("requests per second")
-        ax.set_title(f"{first['workload']}, {first['instances']} instances: {title}")
-        ax.set_yscale("log")
+        ax.set_ylabel(title)
+        ax.set_ylim(bottom=0)
+        ax.ticklabel_format(style="plain", axis="both")
         ax.grid(True, alpha=0.3)
     axes[0].legend()
+    seeds = first.get("seeds", 1)
+    fig.suptitle(f"{first['workload']}, {first['instances']} simulated instances, "
+                 f"{first.get('cost_model', 'cost model')}; mean of {seeds} trace(s) per point")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
