@@ -11,7 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from client.workloads import Materializer, generate, poisson_arrivals
+from client.bench import BenchConfig, bench
+from client.bench import write as write_bench
+from client.workloads import WORKLOADS, Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.engine.engine import Engine
@@ -66,7 +68,8 @@ def serve(args: argparse.Namespace) -> int:
     """Run tritonserver until Ctrl-C or SIGTERM; one clear line on any failure."""
     ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
     try:
-        server = start_server(args.model_repository, ports, log_path=args.log_file)
+        extra = ["--model-control-mode=explicit", "--load-model=*"] if args.explicit else []
+        server = start_server(args.model_repository, ports, log_path=args.log_file, extra_args=extra)
     except LaunchError as exc:
         print(f"preble serve: {exc}", file=sys.stderr)
         return 1
@@ -164,6 +167,19 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_cmd(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(
+        url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
+        rates=[float(r) for r in args.rates.split(",")], policies=args.policies.split(","),
+        repeats=args.repeats, scale=args.scale, tokenizer=args.tokenizer, seed=args.seed,
+    )  # fmt: skip
+    records = bench(cfg)
+    caption = args.caption or f"{cfg.trace or cfg.workload}, {cfg.requests} requests, scale {cfg.scale}"
+    data, image = write_bench(records, cfg, args.output, caption)
+    print(f"wrote {data} and {image}")
+    return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="preble", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--log-file", default=None, help="tritonserver log (default: a temporary file)")
+    p.add_argument("--explicit", action="store_true",
+                   help="explicit model control (preble bench reloads the router per policy)")  # fmt: skip
     p.set_defaults(func=serve)
     p = sub.add_parser("repo", help="write a model repository for a model directory")
     p.add_argument("output", help="directory to write")
@@ -224,6 +242,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="simulations run in parallel (default: the CPU count, %(default)s)")  # fmt: skip
     p.add_argument("--output", default="sim")
     p.set_defaults(func=simulate_cmd)
+    p = sub.add_parser("bench", help="replay a workload against a running server, every policy, plots")
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port (default %(default)s)")
+    p.add_argument("--model", default="preble", help="the router model (default %(default)s)")
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS))
+    p.add_argument("--trace", default=None, help="a JSONL trace (preble workload generate): its own arrivals")
+    p.add_argument("--requests", type=int, default=100, help="requests per run (default %(default)s)")
+    p.add_argument("--rates", default="1,2,4", help="comma-separated requests/s (default %(default)s)")
+    p.add_argument("--policies", default="e2,round_robin", help="comma-separated (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over every rate and policy (default 1)")
+    p.add_argument("--scale", type=float, default=0.4, help="prompt lengths x scale (default %(default)s)")
+    p.add_argument("--tokenizer", default=None, help="size prompts in this model's tokens (default: words)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--caption", default=None, help="the plot's title line")
+    p.add_argument("--output", default="bench", help="directory for the JSON and PNG (default %(default)s)")
+    p.set_defaults(func=bench_cmd)
     p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")
     p.add_argument("--model-path", default=None, help="local HF model directory (default: tiny model)")
     p.add_argument("--max-tokens", type=int, default=32)

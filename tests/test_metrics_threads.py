@@ -5,6 +5,7 @@ tritonserver when every thread called ``pb_utils`` metrics itself. Through ``Met
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
@@ -77,8 +78,9 @@ def test_metrics_from_sixteen_threads_at_once_are_all_counted(tmp_path):
         while True:
             with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
                 text = r.read().decode()
-            values = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-                      if ln.startswith("threads_")}  # fmt: skip
+            # every series carries the stub's pid (see preble_backend/serving/metrics.py)
+            values = {re.sub(r',pid="\d+"', "", ln.rsplit(" ", 1)[0]): float(ln.rsplit(" ", 1)[1])
+                      for ln in text.splitlines() if ln.startswith("threads_")}  # fmt: skip
             counted = values.get('threads_updates_total{kind="shared",model="metrics_threads"}')
             observed = values.get('threads_value_seconds_count{model="metrics_threads"}')
             if (counted, observed) == (expected, expected) or time.monotonic() > deadline:

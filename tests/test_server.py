@@ -224,7 +224,7 @@ def test_metrics_report_engines_and_routing(server, client):
     for engine in ENGINES:
         for name in ("kv_pages_used", "kv_pages_free", "waiting_requests", "running_requests",
                      "prompt_tokens_computed", "prompt_tokens_cached"):  # fmt: skip
-            assert f'preble_engine_{name}{{model="{engine}"}}' in text, name
+            assert f'preble_engine_{name}{{model="{engine}",pid="' in text, name
     decisions = [ln for ln in text.splitlines() if ln.startswith("preble_router_decisions_total{")]
     assert sum(float(ln.rsplit(" ", 1)[1]) for ln in decisions) >= 2
     assert all('policy="e2"' in ln for ln in decisions)

@@ -10,6 +10,15 @@ thread per request, so callers here only enqueue; the publisher thread owns ever
 ``MetricFamily`` and ``Metric`` object, creates them, updates them and deletes them
 (metrics before their family, as ``pb_utils`` requires).
 
+Every series carries the stub process's ``pid`` as a label. Triton shares one Prometheus
+series among all the ``Metric`` objects made with the same family name and labels, in
+whatever process, and frees it when the first of them is deleted (upstream
+triton-inference-server/server#8663, open): when a model is reloaded, the new version
+loads before the old one unloads, the old one's deletions free the series the new one
+goes on updating, and tritonserver dies with SIGSEGV (seen here: ``preble bench``
+switching the router's policy under traffic). With the pid in the labels, the two
+versions never share a series.
+
 Gauges are moved with ``increment(delta)``, never ``set``: ``set`` waits for the server
 while holding the GIL, which stalls every Python thread of the stub for the round trip,
 and if the server dies meanwhile the GIL is never released and the stub cannot exit.
@@ -18,6 +27,7 @@ and if the server dies meanwhile the GIL is never released and the stub cannot e
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -43,7 +53,7 @@ class Metrics:
         for spec in specs:
             if spec.kind not in KINDS or (spec.kind == "histogram") != (spec.buckets is not None):
                 raise ValueError(f"metric {spec.name}: kind {spec.kind!r} with buckets {spec.buckets}")
-        self.base_labels = base_labels
+        self.base_labels = {**base_labels, "pid": str(os.getpid())}  # see the module docstring
         self.specs = {spec.name: spec for spec in specs}
         self._updates: queue.SimpleQueue = queue.SimpleQueue()
         self._gauges: dict[tuple[str, str], float] = {}  # each gauge's value as published

@@ -1,0 +1,288 @@
+"""``preble bench``: the paper's evaluation against a live server.
+
+A workload trace (one of the paper's five, or a JSONL trace from ``preble workload
+generate``) is replayed over gRPC streaming at each request rate (Poisson arrivals, the
+same requests and arrival times for every policy) or at the trace's own timestamps. The
+router's policy is switched the Triton way: the ``preble`` model is reloaded with a
+configuration override through the model-control API (the server runs with
+``--model-control-mode=explicit``; ``preble serve --explicit`` does that), and every
+local engine's cache is flushed first, so each run starts cold. Policies run interleaved
+per rate (their order rotates between repeats). Per run: latency (average, p50, p99),
+time to first token (average, p99), time per output token, throughput, cache hit ratio
+(Σ ``num_cached_tokens`` / Σ prompt tokens), requests per engine, errors; plots like the
+paper's Figure 5.
+
+    preble bench --url 127.0.0.1:8001 --workload toolbench --requests 200 \\
+        --rates 2,4,8 --policies e2,round_robin,cache_aware --output bench/
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from client.triton_client import PrebleClient
+from client.workloads import Materializer, generate, poisson_arrivals
+
+
+@dataclass
+class BenchRequest:
+    arrival: float  # seconds after the run starts
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    sent: float
+    first_token: float | None = None
+    finished: float | None = None
+    output_tokens: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    instance: str = ""
+    error: str | None = None
+
+
+@dataclass
+class BenchConfig:
+    url: str = "127.0.0.1:8001"  # the server's gRPC endpoint
+    model: str = "preble"
+    workload: str = "toolbench"
+    trace: str | None = None  # a JSONL trace: its own arrivals, prompts and max_tokens
+    requests: int = 100
+    rates: list[float] = field(default_factory=lambda: [1.0, 2.0, 4.0])
+    policies: list[str] = field(default_factory=lambda: ["e2", "round_robin"])
+    repeats: int = 1
+    scale: float = 0.4  # prompt lengths × scale: the paper's traces fit a small model's context
+    tokenizer: str | None = None  # size prompts in this model's tokens (else ~words)
+    seed: int = 0
+    timeout_s: float = 600.0
+
+
+def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
+    """The requests at rate 1 (arrivals to be scaled per rate), or a file's own arrivals
+    (second value True: play as recorded)."""
+    if cfg.trace:
+        rows = [json.loads(line) for line in Path(cfg.trace).read_text().splitlines() if line.strip()]
+        rows = rows[: cfg.requests] if cfg.requests else rows
+        start = rows[0]["arrival"] if rows else 0.0
+        return [BenchRequest(r["arrival"] - start, r["text_input"], int(r["max_tokens"])) for r in rows], True
+    tokenizer = None
+    if cfg.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    words = Materializer(tokenizer=tokenizer)
+    reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)
+    return [BenchRequest(r.arrival, words.text(r), r.output_len) for r in reqs], False
+
+
+# ---- switching the policy, the Triton way ----------------------------------------------------
+
+
+def switch_policy(url: str, model: str, policy: str) -> None:
+    """Flush every local engine's cache, then reload the router with ``policy`` through the
+    model-control API (a configuration override: the repository's files stay as they are)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        config = client.get_model_config(model, as_json=True)["config"]
+        params = config.setdefault("parameters", {})
+        engines = params.get("engines", {}).get("string_value", "")
+        for engine in (e for e in engines.split(",") if e and "://" not in e):
+            PrebleClient(grpc_url=url).engine_control(engine, "flush_cache")
+        params["policy"] = {"string_value": policy}
+        client.load_model(model, config=json.dumps(config))
+        deadline = time.monotonic() + 120
+        while not client.is_model_ready(model):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router {model!r} did not become ready with policy {policy!r}")
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+# ---- one run -------------------------------------------------------------------------------
+
+
+async def _one(client, model: str, req: BenchRequest, start: float, timeout_s: float) -> Outcome:
+    import tritonclient.grpc as grpcclient
+
+    def tensor(name, value, dtype):
+        t = grpcclient.InferInput(name, [1], dtype)
+        t.set_data_from_numpy(value)
+        return t
+
+    params = json.dumps({"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True})
+    inputs = [
+        tensor("text_input", np.array([req.prompt.encode()], dtype=np.object_), "BYTES"),
+        tensor("stream", np.array([True]), "BOOL"),
+        tensor("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
+        tensor("exclude_input_in_output", np.array([True]), "BOOL"),
+        tensor("return_num_input_tokens", np.array([True]), "BOOL"),
+        tensor("return_num_output_tokens", np.array([True]), "BOOL"),
+    ]
+
+    async def one():
+        yield {"model_name": model, "inputs": inputs,
+               "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
+
+    await asyncio.sleep(max(0.0, start + req.arrival - time.monotonic()))
+    out = Outcome(sent=time.monotonic() - start)
+
+    async def stream():
+        async for result, error in client.stream_infer(one()):
+            if error is not None:
+                out.error = error.message() if hasattr(error, "message") else str(error)
+                return
+            response = result.get_response()
+            names = {o.name for o in response.outputs}
+            now = time.monotonic() - start
+            if "num_output_tokens" in names:
+                n = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+                if n and out.first_token is None:
+                    out.first_token = now
+                out.output_tokens += n
+            if "num_input_tokens" in names:
+                out.input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
+            if "num_cached_tokens" in names:
+                out.cached_tokens = int(result.as_numpy("num_cached_tokens").reshape(-1)[0])
+            if "instance" in names:
+                out.instance = bytes(result.as_numpy("instance").reshape(-1)[0]).decode()
+            if response.parameters["triton_final_response"].bool_param:
+                out.finished = now
+                return
+
+    try:
+        await asyncio.wait_for(stream(), timeout_s)
+    except Exception as exc:  # a transport failure or a timeout is an outcome too
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _replay(url: str, model: str, requests: list[BenchRequest], timeout_s: float, bar) -> list[Outcome]:
+    import tritonclient.grpc.aio as grpcaio
+
+    client = grpcaio.InferenceServerClient(url)
+    start = time.monotonic()
+
+    async def tracked(req):
+        out = await _one(client, model, req, start, timeout_s)
+        bar.update(1)
+        return out
+
+    try:
+        return list(await asyncio.gather(*(tracked(r) for r in requests)))
+    finally:
+        await client.close()
+
+
+def summarize(outcomes: list[Outcome]) -> dict:
+    """A run's record (the fields of the simulator's records, plus errors and engines)."""
+    done = [o for o in outcomes if o.error is None and o.finished is not None and o.first_token is not None]
+    errors = Counter(o.error or "no final response" for o in outcomes if o not in done)
+    record: dict = {"num_requests": len(outcomes), "completed": len(done), "errors": dict(errors)}
+    if not done:
+        return record
+    lat = np.array([o.finished - o.sent for o in done])
+    ttft = np.array([o.first_token - o.sent for o in done])
+    tpot = [(o.finished - o.first_token) / (o.output_tokens - 1) for o in done if o.output_tokens > 1]
+    span = max(o.finished for o in done) - min(o.sent for o in done)
+    return {
+        **record,
+        "avg_latency_s": float(lat.mean()),
+        "p50_latency_s": float(np.percentile(lat, 50)),
+        "p99_latency_s": float(np.percentile(lat, 99)),
+        "avg_ttft_s": float(ttft.mean()),
+        "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "avg_tpot_s": float(np.mean(tpot)) if tpot else 0.0,
+        "throughput_rps": len(done) / span if span > 0 else 0.0,
+        "cache_hit_ratio": sum(o.cached_tokens for o in done) / max(1, sum(o.input_tokens for o in done)),
+        "prompt_tokens": sum(o.input_tokens for o in done),
+        "per_engine": dict(Counter(o.instance for o in done)),
+    }
+
+
+def bench(cfg: BenchConfig, log=print) -> list[dict]:
+    """Every policy at every rate, interleaved, ``repeats`` times; one record per run."""
+    base, recorded = build_trace(cfg)
+    rates = [None] if recorded else cfg.rates
+    records = []
+    order = list(cfg.policies)
+    for repeat in range(cfg.repeats):
+        for rps in rates:
+            for policy in order:
+                requests = base if rps is None else [BenchRequest(r.arrival / rps, r.prompt, r.max_tokens)
+                                                     for r in base]  # fmt: skip
+                switch_policy(cfg.url, cfg.model, policy)
+                desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
+                with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:
+                    outcomes = asyncio.run(_replay(cfg.url, cfg.model, requests, cfg.timeout_s, bar))
+                rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
+                       "repeat": repeat, **summarize(outcomes)}  # fmt: skip
+                records.append(rec)
+                log(_line(rec))
+        order = order[1:] + order[:1]  # the next repeat starts with another policy
+    return records
+
+
+def _line(rec: dict) -> str:
+    if "avg_latency_s" not in rec:
+        done = f"{rec['completed']}/{rec['num_requests']}"
+        return f"  {rec['policy']:12s} {done} completed, errors {rec['errors']}"
+    return (
+        f"  {rec['policy']:12s} rps {rec['rps']} avg {rec['avg_latency_s']:.3f}s p99 "
+        f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s hit {rec['cache_hit_ratio']:.2f} "
+        f"{rec['completed']}/{rec['num_requests']} engines {rec['per_engine']}"
+    )
+
+
+def plot(records: list[dict], path: str | Path, caption: str) -> None:
+    """Average and p99 latency against request rate, one line per policy (the mean over
+    repeats, the spread as error bars), like the paper's Figure 5."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers, styles = "osD^vx<>", ("-", "--", ":", "-.")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in records)):
+        rows = [r for r in records if r["policy"] == policy and "avg_latency_s" in r and r["rps"] is not None]
+        rates = sorted({r["rps"] for r in rows})
+        for ax, key in zip(axes, ("avg_latency_s", "p99_latency_s")):
+            values = [[r[key] for r in rows if r["rps"] == rps] for rps in rates]
+            mean = [float(np.mean(v)) for v in values]
+            spread = [[m - min(v) for m, v in zip(mean, values)], [max(v) - m for m, v in zip(mean, values)]]
+            ax.errorbar(rates, mean, yerr=spread, marker=markers[k % len(markers)],
+                        linestyle=styles[k % len(styles)], capsize=3, label=policy)  # fmt: skip
+    for ax, title in zip(axes, ("average latency (s)", "p99 latency (s)")):
+        ax.set_xlabel("requests per second")
+        ax.set_ylabel(title)
+        ax.set_ylim(bottom=0)
+        ax.ticklabel_format(style="plain", axis="both")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(caption)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write(records: list[dict], cfg: BenchConfig, out_dir: str | Path, caption: str) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = Path(cfg.trace).stem if cfg.trace else cfg.workload
+    data, image = out / f"bench_{name}.json", out / f"bench_{name}.png"
+    data.write_text(json.dumps({"config": asdict(cfg), "runs": records}, indent=1))
+    plot(records, image, caption)
+    return data, image
