@@ -19,7 +19,7 @@ from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.tiny_model import tiny_model_path
 from preble_backend.serving.config import RouterConfig
-from preble_backend.serving.launcher import LaunchError, ServerPorts, start_server
+from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL, LaunchError, ServerPorts, start_server
 from preble_backend.serving.repository import write_repository
 from scheduler.policies import POLICIES
 from scheduler.sim.profile import profile
@@ -68,7 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     """Run tritonserver until Ctrl-C or SIGTERM; one clear line on any failure."""
     ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
     try:
-        extra = ["--model-control-mode=explicit", "--load-model=*"] if args.explicit else []
+        extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
         server = start_server(args.model_repository, ports, log_path=args.log_file, extra_args=extra)
     except LaunchError as exc:
         print(f"preble serve: {exc}", file=sys.stderr)

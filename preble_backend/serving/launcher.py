@@ -170,6 +170,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every model loaded at start, and loadable again with a configuration override (how
+# ``preble bench`` switches the router's policy).
+EXPLICIT_MODEL_CONTROL = ["--model-control-mode=explicit", "--load-model=*"]
+
+
 def start_server(
     model_repository: str | Path,
     ports: ServerPorts | None = None,

@@ -1,0 +1,45 @@
+"""``preble bench`` against a real tritonserver: two emulated engines behind the router,
+two policies switched through Triton's model control, every request answered, the JSON
+and the plot written. The numbers live in docs/BENCHMARKS.md, not in assertions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+
+from preble_backend.cli import main
+from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL
+
+pytestmark = pytest.mark.server
+
+
+def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model):
+    repo = write_test_repository(tmp_path / "repo", compute="emulated", cost_model="mistral7b_a6000",
+                                 max_num_tokens=65536)  # fmt: skip
+    server = launch(repo, tmp_path / "server.log", extra_args=EXPLICIT_MODEL_CONTROL)
+    try:
+        url = f"127.0.0.1:{server.ports.grpc}"
+        code = main(["bench", "--url", url, "--workload", "toolbench", "--requests", "24", "--rates", "6,12",
+                     "--policies", "e2,round_robin", "--scale", "0.2", "--tokenizer", tiny_model,
+                     "--output", str(tmp_path / "out")])  # fmt: skip
+        assert code == 0
+        report = json.loads((tmp_path / "out" / "bench_toolbench.json").read_text())
+        runs = report["runs"]
+        assert [(r["policy"], r["rps"]) for r in runs] == [
+            ("e2", 6.0), ("round_robin", 6.0), ("e2", 12.0), ("round_robin", 12.0)
+        ]  # fmt: skip
+        for run in runs:
+            assert run["completed"] == run["num_requests"] == 24 and not run["errors"]
+            assert sum(run["per_engine"].values()) == 24
+            assert 0 < run["avg_latency_s"] <= run["p99_latency_s"]
+            assert 0 <= run["cache_hit_ratio"] < 1 and run["prompt_tokens"] > 0
+        assert set(runs[1]["per_engine"].values()) == {12}  # round-robin alternates
+        assert (tmp_path / "out" / "bench_toolbench.png").stat().st_size > 10_000
+        assert server.process.poll() is None  # four router reloads under traffic
+        client = client_for(server)
+        for engine in ("preble_engine_0", "preble_engine_1"):
+            assert_engine_pages_free(client, engine)
+    finally:
+        server.stop()
