@@ -115,7 +115,8 @@ def repo(args: argparse.Namespace) -> int:
         engine["max_num_tokens"] = args.max_num_tokens
     root = write_repository(
         args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
-        router_overrides={"policy": args.policy, "cost_model": args.cost_model}, **engine,
+        router_overrides={"policy": args.policy, "cost_model": args.cost_model},
+        host_cores=None if args.no_pin else len(os.sched_getaffinity(0)), **engine,
     )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
     return 0
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         help="emulated: real scheduler, cache and streaming; each forward pass waits the cost model",
     )
     p.add_argument("--max-num-tokens", type=int, default=None, help="each engine's KV capacity in tokens")
+    p.add_argument("--no-pin", action="store_true",
+                   help="CPU engines share every core (default: each gets its own cores)")  # fmt: skip
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func=repo)
     p = sub.add_parser("profile", help="measure an engine and fit E2's cost model (JSON)")

@@ -10,6 +10,7 @@ from conftest import random_prompts
 
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
 from preble_backend.engine.sampling import SamplerState, sample
 
 GREEDY = {"temperature": 0}
@@ -254,3 +255,27 @@ def test_emulated_compute_names_a_bad_cost_model(tiny_model):
         EngineConfig(model_path=tiny_model, compute="emulated", cost_model="nosuch")
     with pytest.raises(ValueError, match="compute='gpu' is invalid: expected one of model, emulated"):
         EngineConfig(model_path=tiny_model, compute="gpu")
+
+
+def test_a_cpu_engine_runs_on_its_own_cores(tiny_model):
+    """cpu_cores pins every thread of the process and sizes torch's pool; run in a child
+    process, since pinning is process-wide."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch\n"
+        "from preble_backend.engine.config import EngineConfig\n"
+        "from preble_backend.engine.engine import Engine\n"
+        f"e = Engine(EngineConfig(model_path={tiny_model!r}, cpu_cores='0', max_num_tokens=1024))\n"
+        "e.generate([[5, 6, 7]], {'max_tokens': 2})\n"
+        "tasks = os.listdir('/proc/self/task')\n"
+        "print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(),"
+        " all(os.sched_getaffinity(int(t)) == {0} for t in tasks))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[-2] == "[0] 1 True", out.stderr[-2000:]
+    with pytest.raises(ValueError, match=r"cpu_cores='4096' is invalid: core\(s\) \[4096\] are not"):
+        Engine(EngineConfig(model_path=tiny_model, cpu_cores="4096"))
+    with pytest.raises(ValueError, match="cpu_cores='x-1' is invalid: expected cores like 0-1,4"):
+        EngineConfig(model_path=tiny_model, cpu_cores="x-1")

@@ -3,6 +3,7 @@ simplest policies, the engines parameter."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,7 @@ def test_engines_parameter():
 def test_checked_in_repository_is_the_writers(tmp_path):
     """The tensor specs and settings are declared once (protocol, configs) and rendered by
     the repository writer: the checked-in repository is exactly its output."""
-    written = write_repository(tmp_path / "repo", cpu_engines=2)
+    written = write_repository(tmp_path / "repo", cpu_engines=2, host_cores=2)
     checked_in = Path(__file__).resolve().parent.parent / "model_repository"
     files = sorted(p.relative_to(checked_in) for p in checked_in.rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(written) for p in written.rglob("*") if p.is_file())
@@ -153,3 +154,18 @@ def test_sampling_parameters_may_come_as_strings_as_the_vllm_backend_takes_them(
                          ({"ignore_eos": "maybe"}, "ignore_eos must be a boolean")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             SamplingParams.from_dict(raw)
+
+
+def test_cpu_engines_get_disjoint_cores_and_oversubscription_is_refused(tmp_path):
+    def cores(repo):
+        configs = sorted(repo.glob("preble_engine_*/config.pbtxt"))
+        pattern = r'key: "cpu_cores" value: \{ string_value: "([^"]*)"'
+        return [re.search(pattern, config.read_text()).group(1) for config in configs]
+
+    assert cores(write_repository(tmp_path / "a", cpu_engines=2, host_cores=4)) == ["0-1", "2-3"]
+    assert cores(write_repository(tmp_path / "b", cpu_engines=3, host_cores=8)) == ["0-1", "2-3", "4-5"]
+    assert cores(write_repository(tmp_path / "c", cpu_engines=2)) == ["", ""]  # not pinned
+    emulated = write_repository(tmp_path / "d", cpu_engines=6, host_cores=2, compute="emulated")
+    assert cores(emulated) == [""] * 6  # an emulated engine waits: no cores of its own
+    with pytest.raises(ValueError, match="cpu_engines=3 is invalid on 2 cores: CPU engines would share"):
+        write_repository(tmp_path / "e", cpu_engines=3, host_cores=2)

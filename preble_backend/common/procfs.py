@@ -1,5 +1,6 @@
 """What ``/proc`` says about processes: whether one runs, a server's process tree and
-process group. The launcher, the router's engine monitor and the burst tool all ask."""
+process group (the launcher, the router's engine monitor and the burst tool ask), and
+pinning this process to cores (a CPU engine)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def process_tree(root: int) -> list[int]:
         out.append(pid)
         todo.extend(children.get(pid, []))
     return out
+
+
+def pin_process(cores: list[int]) -> None:
+    """Run every thread of this process, and those it starts later, on ``cores`` only.
+    (``sched_setaffinity`` moves one thread; a Triton stub has several by the time a model
+    initializes.)"""
+    import os
+
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile

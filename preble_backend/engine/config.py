@@ -37,6 +37,9 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", doc="auto (torch on CPU, triton on GPU) | torch | triton | flashinfer"
     )
+    cpu_cores: str = setting(
+        "", doc="CPU engines: the cores this engine runs on, e.g. 0-1 (its torch threads = their count)"
+    )
     compute: str = setting(
         "model", doc="model | emulated (real scheduler and cache, forward pass = a cost-model wait)"
     )
@@ -64,11 +67,27 @@ class EngineConfig:
             f"one of {', '.join(ATTENTION_BACKENDS)}",
         )
 
+        check(not self.cpu_cores or bool(self.cores()), "cpu_cores", "cores like 0-1,4, or empty")
         check(self.compute in COMPUTE, "compute", f"one of {', '.join(COMPUTE)}")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
+
+    def cores(self) -> list[int]:
+        return parse_cores(self.cpu_cores)
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> EngineConfig:
         """Parse string parameters (as config.pbtxt holds them), naming any bad key."""
         return cls(**parse_strings(cls, values, "engine"))
+
+
+def parse_cores(text: str) -> list[int]:
+    """``"0-1,4"`` -> [0, 1, 4]; [] when malformed."""
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cores.extend(range(int(first), int(last or first) + 1))
+    except ValueError:
+        return []
+    return sorted(set(c for c in cores if c >= 0))

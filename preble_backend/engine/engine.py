@@ -9,6 +9,7 @@ thread (``start``), as Triton's vLLM backend runs its engine: ``execute`` only e
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from preble_backend.common.cache_event import EventBatch
+from preble_backend.common.procfs import pin_process
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from preble_backend.engine.emulated_runner import EmulatedRunner
@@ -34,6 +36,15 @@ log = logging.getLogger("preble.engine")
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.cpu_cores and config.device == "cpu":  # an instance of its own: its cores
+            missing = set(config.cores()) - os.sched_getaffinity(0)
+            if missing:
+                raise ValueError(
+                    f"cpu_cores={config.cpu_cores!r} is invalid: core(s) {sorted(missing)} are not "
+                    f"available here ({sorted(os.sched_getaffinity(0))})"
+                )
+            pin_process(config.cores())
+            torch.set_num_threads(len(config.cores()))
         if config.compute == "emulated":
             self.runner = EmulatedRunner(config.model_path, config.cost_model)
         else:

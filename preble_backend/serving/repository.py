@@ -86,18 +86,22 @@ def write_repository(
     remote_engines: list[str] | None = None,
     with_router: bool = True,
     router_overrides: dict | None = None,
+    host_cores: int | None = None,
     **engine_overrides,
 ) -> Path:
     """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines; ``engine_overrides``:
     ``EngineConfig`` settings) and the router over them and ``remote_engines``
-    (``router_overrides``: ``RouterConfig`` settings; its page size is the engines')."""
+    (``router_overrides``: ``RouterConfig`` settings; its page size is the engines').
+    ``host_cores``: CPU engines that compute get disjoint cores of a host with that many
+    (``cpu_cores``), as each GPU engine gets its own GPU."""
     root = Path(path)
     slots: list[int | None] = list(gpus) if gpus else [None] * cpu_engines
     names = [f"preble_engine_{i}" for i in range(len(slots))]
-    for name, gpu in zip(names, slots):
-        _write_model(
-            root, name, engine_config_pbtxt(name, model_path, gpu, **engine_overrides), ENGINE_MODEL_PY
-        )
+    computes = engine_overrides.get("compute", "model") == "model"  # an emulated engine only waits
+    cores = _split_cores(host_cores, cpu_engines) if host_cores and computes and not gpus else None
+    for i, (name, gpu) in enumerate(zip(names, slots)):
+        overrides = {**engine_overrides, **({"cpu_cores": cores[i]} if cores else {})}
+        _write_model(root, name, engine_config_pbtxt(name, model_path, gpu, **overrides), ENGINE_MODEL_PY)
     if with_router:
         config = RouterConfig(
             model_path=model_path,
@@ -107,6 +111,17 @@ def write_repository(
         )
         _write_model(root, "preble", router_config_pbtxt(config), ROUTER_MODEL_PY)
     return root
+
+
+def _split_cores(host_cores: int, engines: int) -> list[str]:
+    """Disjoint core ranges, as even as the count allows; refused when engines would share."""
+    if engines > host_cores:
+        raise ValueError(
+            f"cpu_engines={engines} is invalid on {host_cores} cores: CPU engines would share cores "
+            "and stop being separate instances (use fewer engines, or --compute emulated)"
+        )
+    per = host_cores // engines
+    return [f"{i * per}-{(i + 1) * per - 1}" if per > 1 else str(i) for i in range(engines)]
 
 
 def check_local_engines(repository: Path, names: list[str], page_size: int) -> None:
