@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from client.plots import latency_vs_rate
 from client.triton_client import PrebleClient
 from client.workloads import Materializer, generate, poisson_arrivals
 
@@ -246,43 +247,11 @@ def _line(rec: dict) -> str:
     )
 
 
-def plot(records: list[dict], path: str | Path, caption: str) -> None:
-    """Average and p99 latency against request rate, one line per policy (the mean over
-    repeats, the spread as error bars), like the paper's Figure 5."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    markers, styles = "osD^vx<>", ("-", "--", ":", "-.")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in records)):
-        rows = [r for r in records if r["policy"] == policy and "avg_latency_s" in r and r["rps"] is not None]
-        rates = sorted({r["rps"] for r in rows})
-        for ax, key in zip(axes, ("avg_latency_s", "p99_latency_s")):
-            values = [[r[key] for r in rows if r["rps"] == rps] for rps in rates]
-            mean = [float(np.mean(v)) for v in values]
-            spread = [[m - min(v) for m, v in zip(mean, values)], [max(v) - m for m, v in zip(mean, values)]]
-            ax.errorbar(rates, mean, yerr=spread, marker=markers[k % len(markers)],
-                        linestyle=styles[k % len(styles)], capsize=3, label=policy)  # fmt: skip
-    for ax, title in zip(axes, ("average latency (s)", "p99 latency (s)")):
-        ax.set_xlabel("requests per second")
-        ax.set_ylabel(title)
-        ax.set_ylim(bottom=0)
-        ax.ticklabel_format(style="plain", axis="both")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend()
-    fig.suptitle(caption)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 def write(records: list[dict], cfg: BenchConfig, out_dir: str | Path, caption: str) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = Path(cfg.trace).stem if cfg.trace else cfg.workload
     data, image = out / f"bench_{name}.json", out / f"bench_{name}.png"
     data.write_text(json.dumps({"config": asdict(cfg), "runs": records}, indent=1))
-    plot(records, image, caption)
+    latency_vs_rate([r for r in records if r.get("rps") is not None and "avg_latency_s" in r], image, caption)
     return data, image

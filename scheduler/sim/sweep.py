@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from client.plots import latency_vs_rate
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from scheduler.policies import make_policy
@@ -141,37 +142,14 @@ def sweep(
     return records
 
 
-MARKERS = dict(zip(ALL_POLICIES, ("o", "s", "^", "D", "v", "x")))
-
-
 def plot(records: list[dict], path: str | Path) -> None:
-    """Average and p99 latency against request rate, one line per policy (distinct markers
-    and line styles, so coinciding lines stay visible), linear axes with plain ticks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
-    for k, policy in enumerate(dict.fromkeys(r["policy"] for r in records)):
-        rows = sorted((r for r in records if r["policy"] == policy), key=lambda r: r["rps"])
-        for ax, key in zip(axes, ("avg_latency_s", "p99_latency_s")):
-            ax.plot([r["rps"] for r in rows], [r[key] for r in rows], marker=MARKERS.get(policy, "o"),
-                    linestyle=("-", "--", ":", "-.")[k % 4], label=policy)  # fmt: skip
+    """Figure 5's picture: each point the mean over the traces, the bars their spread."""
     first = records[0]
-    for ax, title in zip(axes, ("average latency (s)", "p99 latency (s)")):
-        ax.set_xlabel("requests per second")
-        ax.set_ylabel(title)
-        ax.set_ylim(bottom=0)
-        ax.ticklabel_format(style="plain", axis="both")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend()
-    seeds = first.get("seeds", 1)
-    fig.suptitle(f"{first['workload']}, {first['instances']} simulated instances, "
-                 f"{first.get('cost_model', 'cost model')}; mean of {seeds} trace(s) per point")  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    runs = [{**run, "policy": r["policy"], "rps": r["rps"]}
+            for r in records for run in r.get("per_seed", [r])]  # fmt: skip
+    caption = (f"{first['workload']}, {first['instances']} simulated instances, {first.get('cost_model', '')}"
+               f"; mean of {first.get('seeds', 1)} trace(s) per point")  # fmt: skip
+    latency_vs_rate(runs, path, caption)
 
 
 def write(records: list[dict], out_dir: str | Path, name: str) -> None:
