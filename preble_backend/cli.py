@@ -184,6 +184,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
         repeats=args.repeats, scale=args.scale, seed=args.seed,
         tokenizer=model_path_of(args.tokenizer) if args.tokenizer else None,
     )  # fmt: skip
+    if not cfg.trace:  # the scaled trace keeps the paper's sharing structure: show it
+        reqs = generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale)
+        words = Materializer()
+        stats = summarize([words.token_ids(r) for r in reqs], [r.output_len for r in reqs])
+        print(summary_table(f"{cfg.workload} at scale {cfg.scale}", stats, paper=cfg.workload))
     records = bench(cfg)
     caption = args.caption or f"{cfg.trace or cfg.workload}, {cfg.requests} requests, scale {cfg.scale}"
     data, image = write_bench(records, cfg, args.output, caption)

@@ -41,11 +41,12 @@ def summarize(prompts: list[list[int]], output_lens: list[int]) -> dict[str, tup
     return {name: (float(np.mean(c)), float(np.std(c))) for name, c in zip(STAT_NAMES, columns)}
 
 
-def summary_table(name: str, stats: dict[str, tuple[float, float]]) -> str:
-    paper = dict(zip(STAT_NAMES, TABLE1.get(name, ((0, 0),) * 5)))
+def summary_table(name: str, stats: dict[str, tuple[float, float]], paper: str | None = None) -> str:
+    """Our statistics beside Table 1's row for ``paper`` (default: ``name``)."""
+    row = dict(zip(STAT_NAMES, TABLE1.get(paper or name, ((0, 0),) * 5)))
     lines = [f"{name}: ours (mean, std) vs paper Table 1", "| statistic | ours | paper |", "|---|---|---|"]
     for key in STAT_NAMES:
         m, s = stats[key]
-        pm, ps = paper[key]
+        pm, ps = row[key]
         lines.append(f"| {key} | ({m:.1f}, {s:.1f}) | ({pm}, {ps}) |")
     return "\n".join(lines)
