@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from client.plots import latency_vs_rate
-from client.triton_client import PrebleClient
+from client.triton_client import PrebleClient, infer_inputs
 from client.workloads import Materializer, generate, poisson_arrivals
 
 
@@ -99,8 +99,9 @@ def switch_policy(url: str, model: str, policy: str) -> None:
         config = client.get_model_config(model, as_json=True)["config"]
         params = config.setdefault("parameters", {})
         engines = params.get("engines", {}).get("string_value", "")
+        control = PrebleClient(grpc_url=url)
         for engine in (e for e in engines.split(",") if e and "://" not in e):
-            PrebleClient(grpc_url=url).engine_control(engine, "flush_cache")
+            control.engine_control(engine, "flush_cache")
         params["policy"] = {"string_value": policy}
         client.load_model(model, config=json.dumps(config))
         deadline = time.monotonic() + 120
@@ -116,22 +117,10 @@ def switch_policy(url: str, model: str, policy: str) -> None:
 
 
 async def _one(client, model: str, req: BenchRequest, start: float, timeout_s: float) -> Outcome:
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(value)
-        return t
-
     params = json.dumps({"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True})
-    inputs = [
-        tensor("text_input", np.array([req.prompt.encode()], dtype=np.object_), "BYTES"),
-        tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters", np.array([params.encode()], dtype=np.object_), "BYTES"),
-        tensor("exclude_input_in_output", np.array([True]), "BOOL"),
-        tensor("return_num_input_tokens", np.array([True]), "BOOL"),
-        tensor("return_num_output_tokens", np.array([True]), "BOOL"),
-    ]
+    inputs = infer_inputs({"text_input": req.prompt, "stream": True, "sampling_parameters": params,
+                           "exclude_input_in_output": True, "return_num_input_tokens": True,
+                           "return_num_output_tokens": True})  # fmt: skip
 
     async def one():
         yield {"model_name": model, "inputs": inputs,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from client.triton_client import infer_inputs
 from preble_backend.common.procfs import process_tree
 
 KINDS = ("sse", "generate", "grpc")
@@ -116,19 +117,8 @@ async def _http(session, cfg: BurstConfig, prompt: str, stream: bool) -> Outcome
 
 
 async def _grpc(client, cfg: BurstConfig, prompt: str) -> Outcome:
-    import tritonclient.grpc as grpcclient
-
-    def tensor(name, value, dtype):
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(value)
-        return t
-
-    inputs = [
-        tensor("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
-        tensor("stream", np.array([True]), "BOOL"),
-        tensor("sampling_parameters", np.array([_params(cfg).encode()], dtype=np.object_), "BYTES"),
-        tensor("return_finish_reason", np.array([True]), "BOOL"),
-    ]
+    inputs = infer_inputs({"text_input": prompt, "stream": True, "sampling_parameters": _params(cfg),
+                           "return_finish_reason": True})  # fmt: skip
 
     async def one():
         yield {"model_name": cfg.model, "inputs": inputs,

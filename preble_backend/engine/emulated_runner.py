@@ -56,7 +56,7 @@ class EmulatedRunner:
 def placeholder_token(vocab_size: int, eos_ids) -> int:
     """A token from the middle of the vocabulary (an ordinary word piece in BPE
     vocabularies, whose special tokens sit at either end), never an end-of-sequence id."""
-    token = vocab_size // 2
-    while token in set(eos_ids):
+    token, eos = vocab_size // 2, set(eos_ids)
+    while token in eos:
         token += 1
     return token

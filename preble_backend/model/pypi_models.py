@@ -18,7 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from preble_backend.model.tiny_model import cache_root
+from preble_backend.model.tiny_model import cache_root, tiny_model_path
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,13 @@ def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
-def resolve(name_or_path: str) -> str:
-    """A model name of ``MODELS`` (fetched on first use) or a directory, unchanged."""
+def resolve(name_or_path: str | None, log=print) -> str:
+    """``tiny`` (or nothing): the embedded model; a name of ``MODELS``: that model, fetched
+    into the cache on first use; anything else is a directory, returned unchanged."""
+    if name_or_path in (None, "", "tiny"):
+        return str(tiny_model_path())
     if name_or_path in MODELS:
-        return str(fetch(name_or_path))
+        return str(fetch(name_or_path, log))
     return name_or_path
 
 

@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.model.pypi_models import MODELS, fetch
-from preble_backend.model.tiny_model import tiny_model_path
+from preble_backend.model.pypi_models import MODELS, resolve
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
@@ -23,10 +22,8 @@ def resolve_model_path(value: str, model_dir: str) -> str:
     model fetched into the cache (``preble model NAME`` does it ahead of time); a relative
     path is taken from the model repository's root, so a repository can carry its
     checkpoint."""
-    if value in ("", "tiny"):
-        return str(tiny_model_path())
-    if value in MODELS:
-        return str(fetch(value, log=pb_utils.Logger.log_info))
+    if value in ("", "tiny") or value in MODELS:
+        return resolve(value, log=pb_utils.Logger.log_info)
     path = Path(value)
     if not path.is_absolute():
         path = Path(model_dir).parent / path

@@ -9,6 +9,7 @@ same requests and arrival times (and on more traces with ``seeds``), and returns
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import multiprocessing
@@ -79,10 +80,17 @@ def find_stress_rps(
     return start_rps, light, rps, p99
 
 
+@functools.lru_cache(maxsize=1)
+def _cached_trace(workload: str, n: int, seed: int) -> list[SimRequest]:
+    """A worker builds a trace once for the run of jobs on it (the jobs come trace by
+    trace), not once per rate and policy; one at a time, since a trace can be ~100 MB."""
+    return trace(workload, n, 1.0, seed)
+
+
 def _run_job(job: tuple) -> dict:
     """One (trace seed, rate, policy) run; a top-level function so a process pool can run it."""
     workload, n, seed, rps, policy, cfg, cost = job
-    return run(_at_rate(trace(workload, n, 1.0, seed), 1.0, rps), policy, cfg, cost)
+    return run(_at_rate(_cached_trace(workload, n, seed), 1.0, rps), policy, cfg, cost)
 
 
 def _mean_record(runs: list[dict]) -> dict:
@@ -124,14 +132,14 @@ def sweep(
     )
     rates = sorted({light, math.sqrt(light * stress), stress})
     grid = [(rps, policy) for rps in rates for policy in policies]
-    work = [(workload, n, seed + k, rps, policy, cfg, cost) for rps, policy in grid for k in range(seeds)]
+    work = [(workload, n, seed + k, rps, policy, cfg, cost) for k in range(seeds) for rps, policy in grid]
     # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         runs = list(tqdm(pool.map(_run_job, work), total=len(work), desc=f"{workload} x{instances}",
                          unit="run", disable=None))  # fmt: skip
     records = []
     for i, (rps, policy) in enumerate(grid):
-        mean = _mean_record(runs[i * seeds : (i + 1) * seeds])
+        mean = _mean_record(runs[i :: len(grid)])  # this point's run on each trace
         rec = {"policy": policy, "workload": workload, "instances": instances, "rps": rps,
                "stress": rps == stress, "seeds": seeds, "cost_model": cost_label, **mean}  # fmt: skip
         records.append(rec)
