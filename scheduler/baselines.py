@@ -140,3 +140,6 @@ class KVCost(Policy):
 
     def forget(self, instance: int) -> None:
         self.tree.forget(instance)
+
+    def resync(self, instance: int) -> None:
+        self.tree.forget(instance)  # the snapshot's events rebuild it

@@ -248,6 +248,9 @@ class E2(Policy):
     def forget(self, instance: int) -> None:
         self.tree.forget(instance)
 
+    def resync(self, instance: int) -> None:
+        self.tree.forget(instance)  # the snapshot's events rebuild it
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()
         self._learn_capacity(instance, info.load)

@@ -92,6 +92,14 @@ class Policy(ABC):
         """Drop what the policy believes ``instance`` caches. Stateless policies keep none."""
         return None
 
+    def resync(self, instance: int) -> None:
+        """The engine's cache events restart from a snapshot (a router's first report from
+        it, or a cursor that fell off its log): what earlier events said it caches is
+        replaced. Only policies that learn from events drop anything; one that tracks
+        what it routed (SGLang's cache_aware) keeps its picture, as SGLang's router keeps a
+        worker's tree until the worker is removed."""
+        return None
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         """The request finished on ``instance``. Policies that keep no state ignore it."""
         return None

@@ -37,6 +37,15 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model):
             assert 0 <= run["cache_hit_ratio"] < 1 and run["prompt_tokens"] > 0
         assert set(runs[1]["per_engine"].values()) == {12}  # round-robin alternates
         assert (tmp_path / "out" / "bench_toolbench.png").stat().st_size > 10_000
+        # The same requests through the simulator: same prompts, tokenized as the router does.
+        code = main(["bench", "--simulate", "2", "--capacity-tokens", "65536", "--workload", "toolbench",
+                     "--requests", "24", "--rates", "6,12", "--policies", "e2,round_robin", "--scale", "0.2",
+                     "--tokenizer", tiny_model, "--output", str(tmp_path / "sim")])  # fmt: skip
+        assert code == 0
+        sim = json.loads((tmp_path / "sim" / "bench_toolbench.json").read_text())["runs"]
+        assert [(r["policy"], r["rps"]) for r in sim] == [(r["policy"], r["rps"]) for r in runs]
+        assert [r["prompt_tokens"] for r in sim] == [r["prompt_tokens"] for r in runs]
+        assert set(sim[1]["per_engine"].values()) == {12} and sim[0]["completed"] == 24
         assert server.process.poll() is None  # four router reloads under traffic
         client = client_for(server)
         for engine in ("preble_engine_0", "preble_engine_1"):

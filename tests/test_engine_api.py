@@ -248,6 +248,11 @@ def test_emulated_compute_waits_the_cost_model_and_keeps_the_real_cache(tiny_mod
     assert runner.emulated_s == pytest.approx(0.071 + 0.018)
     assert engine.stats()["prompt_tokens_cached"] == 32
     assert runner.placeholder not in engine.model_config.eos_token_ids
+    # emulated_slowdown plays the same GPU k times slower.
+    slow = make_engine(tiny_model, compute="emulated", cost_model=str(fit), page_size=16, chunk_size=512,
+                       max_num_tokens=4096, emulated_slowdown=2.5)  # fmt: skip
+    slow.generate([prompt], {"max_tokens": 3})
+    assert slow.runner.emulated_s == pytest.approx(2.5 * 0.071)
 
 
 def test_emulated_compute_names_a_bad_cost_model(tiny_model):

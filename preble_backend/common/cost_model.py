@@ -14,7 +14,7 @@ ship: ``tiny_cpu.json`` (the embedded model on this project's CPU machine) and
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,18 @@ class CostModel:
             + self.prefill_ms_per_token * prefill_tokens
             + self.decode_ms_per_request * decodes
             + self.attention_ms_per_context_token * context_tokens
+        )
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every time ×``factor``: the GPU an emulated engine with that slowdown plays."""
+        return replace(
+            self,
+            base_ms=self.base_ms * factor,
+            prefill_ms_per_token=self.prefill_ms_per_token * factor,
+            decode_ms_per_request=self.decode_ms_per_request * factor,
+            attention_ms_per_context_token=self.attention_ms_per_context_token * factor,
+            decode_step_ms=self.decode_step_ms * factor,
+            source=f"{self.source} (x{factor:g})" if factor != 1 else self.source,
         )
 
     def save(self, path: str | Path) -> None:

@@ -44,6 +44,9 @@ class EngineConfig:
         "model", doc="model | emulated (real scheduler and cache, forward pass = a cost-model wait)"
     )
     cost_model: str = setting("mistral7b_a6000", doc="emulated compute: a shipped fit or a JSON path")
+    emulated_slowdown: float = setting(
+        1.0, doc="emulated compute: each iteration waits this multiple of the cost model's time"
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, accepted: str) -> None:
@@ -69,6 +72,7 @@ class EngineConfig:
 
         check(not self.cpu_cores or bool(self.cores()), "cpu_cores", "cores like 0-1,4, or empty")
         check(self.compute in COMPUTE, "compute", f"one of {', '.join(COMPUTE)}")
+        check(self.emulated_slowdown > 0, "emulated_slowdown", "a number > 0")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 

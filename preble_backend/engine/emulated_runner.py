@@ -4,10 +4,17 @@ Everything else in the engine stays real — the local scheduler, the radix cach
 LRU eviction, page accounting, cache events, streaming — so a host without a GPU can run
 four or eight engines at GPU-scale timings behind the real router (NVIDIA Dynamo tests
 its router the same way with its *mocker*). Each iteration waits
-``cost.iteration_time(prefill tokens, decodes, context tokens)`` and every sampling
-request gets one placeholder token. The model directory is read for its configuration
-(vocabulary, context length, end-of-sequence ids) and never for weights; the KV pool holds
-one number per token, so a 240k-token cache costs under a megabyte.
+``cost.iteration_time(prefill tokens, decodes, context tokens)`` × ``slowdown`` and every
+sampling request gets one placeholder token.
+
+``slowdown`` exists for hosts too small to play a stress rate: every service time ×k with
+arrivals ÷k is the same queueing system run k times slower, so a bench at ``rate / k``
+against engines slowed ×k measures what ``rate`` would against the modelled GPUs
+(latencies ×k), while the host's router and engine loops get k times longer per request.
+
+The model directory is read for its configuration (vocabulary, context length,
+end-of-sequence ids) and never for weights; the KV pool holds one number per token, so a
+240k-token cache costs under a megabyte.
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ from preble_backend.model.model_config import ModelConfig
 
 
 class EmulatedRunner:
-    def __init__(self, model_path: str | Path, cost_model: str) -> None:
+    def __init__(self, model_path: str | Path, cost_model: str, slowdown: float = 1.0) -> None:
         self.device = torch.device("cpu")
         self.dtype = torch.float16
         self.cfg = ModelConfig.from_dir(model_path)
         self.cost = CostModel.load(cost_model)
+        self.slowdown = slowdown
         self.placeholder = placeholder_token(self.cfg.vocab_size, self.cfg.eos_token_ids)
         self.iterations = 0
         self.emulated_s = 0.0  # total time waited, for stats
@@ -42,7 +50,7 @@ class EmulatedRunner:
     def forward(self, batch: ScheduledBatch, pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Wait the iteration's modelled time; logits that make every sampler (greedy or
         not, penalties or not) pick the placeholder token."""
-        seconds = self.cost.iteration_time(*batch.work()) / 1000.0
+        seconds = self.slowdown * self.cost.iteration_time(*batch.work()) / 1000.0
         time.sleep(seconds)
         self.iterations += 1
         self.emulated_s += seconds

@@ -46,7 +46,7 @@ class Engine:
             pin_process(config.cores())
             torch.set_num_threads(len(config.cores()))
         if config.compute == "emulated":
-            self.runner = EmulatedRunner(config.model_path, config.cost_model)
+            self.runner = EmulatedRunner(config.model_path, config.cost_model, config.emulated_slowdown)
         else:
             self.runner = ModelRunner(
                 config.model_path, config.dtype, config.device, config.attention_backend

@@ -217,12 +217,12 @@ class TritonPythonModel:
 
     def _mirror(self, instance: int, batch: EventBatch | None) -> list[CacheEvent]:
         """The report's cache events this router has not applied yet (under the lock); on a
-        snapshot the policy first forgets what it believed the engine caches."""
+        snapshot the policy first drops what earlier events said the engine caches."""
         if batch is None:
             return []
         events, resync = self.feeds[instance].take(batch)
         if resync:
-            self.policy.forget(instance)
+            self.policy.resync(instance)
         return events
 
     def _learn(self, instance: int, engine: EngineClient, load: dict) -> None:

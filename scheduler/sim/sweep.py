@@ -54,9 +54,11 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
         cost,
     )
     branches: dict[str, int] = {}
+    per_engine: dict[str, int] = {}
     for record in result.records.values():
         branches[record.branch] = branches.get(record.branch, 0) + 1
-    return {**metrics(result), "branches": branches}
+        per_engine[f"instance_{record.instance}"] = per_engine.get(f"instance_{record.instance}", 0) + 1
+    return {**metrics(result), "branches": branches, "per_engine": dict(sorted(per_engine.items()))}
 
 
 def _at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
