@@ -128,6 +128,28 @@ def test_monitor_waits_for_a_silent_engine_only_while_its_tokens_stop_too():
         monitor.stop()
 
 
+def test_stopping_the_monitor_waits_for_a_probe_in_flight():
+    """finalize must not return while a probe thread is inside a BLS call: the stub's
+    interpreter would shut down under it."""
+    engine = FakeEngine("e0", os.getpid())
+    monitor = EngineMonitor([engine], lambda i, why: None, lambda i: None, 0.02, 5.0)
+    engine.hang = True
+    monitor.start()
+    assert wait_for(lambda: monitor._probing)  # a probe is blocked in health()
+    threading.Timer(0.3, lambda: setattr(engine, "hang", False)).start()
+    started = time.monotonic()
+    monitor.stop()
+    assert time.monotonic() - started >= 0.25 and not monitor._probes[0].is_alive()
+    engine.hang = True  # a probe that never returns is waited for only up to the timeout
+    stuck = EngineMonitor([engine], lambda i, why: None, lambda i: None, 0.02, 5.0)
+    stuck.start()
+    assert wait_for(lambda: stuck._probing)
+    started = time.monotonic()
+    stuck.stop(timeout_s=0.2)
+    assert time.monotonic() - started < 1.0
+    engine.hang = False
+
+
 def test_process_alive():
     assert process_alive(os.getpid())
     child = subprocess.Popen(["true"])

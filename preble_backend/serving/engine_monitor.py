@@ -42,6 +42,7 @@ class EngineMonitor:
         self.up = [True] * len(engines)
         self._pids: list[int | None] = [None] * len(engines)
         self._probing: dict[int, float] = {}  # engine -> when its outstanding probe started
+        self._probes: dict[int, threading.Thread] = {}  # engine -> its latest probe's thread
         self._progress = [0.0] * len(engines)  # engine -> when a response of it last arrived
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -50,9 +51,16 @@ class EngineMonitor:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop probing and wait (bounded) for probes in flight: a thread still inside a
+        BLS call when the stub's interpreter shuts down touches objects being torn down."""
+        deadline = time.monotonic() + timeout_s
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
+        with self._lock:
+            probes = list(self._probes.values())
+        for probe in probes:
+            probe.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def learn_pid(self, instance: int, load: dict) -> None:
         """A local engine's report names its stub's pid."""
@@ -81,7 +89,9 @@ class EngineMonitor:
                     started = self._probing.get(i)
                     if started is None:
                         self._probing[i] = now
-                        threading.Thread(target=self._probe, args=(i,), daemon=True).start()
+                        probe = threading.Thread(target=self._probe, args=(i,), daemon=True)
+                        self._probes[i] = probe
+                        probe.start()
                 silent = now - max(started or now, self._progress[i])
                 if silent > self.timeout_s:
                     self._down(i, f"it has answered nothing, not even a health probe, for {silent:.0f}s")
