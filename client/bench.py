@@ -229,7 +229,8 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
 class HostCPU:
     """The fraction of this host's CPU time spent busy since construction (from
     ``/proc/stat``; None where there is none). With the server on the same host, a run
-    near 1.0 measured the host — router, engine loops, this client — not the policies."""
+    near 1.0 measured the host — router, engine loops, this client — not the policies.
+    Time at nice > 0 is not counted: work run niced yields the CPU to the stack."""
 
     def __init__(self) -> None:
         self.start = self._read()
@@ -247,7 +248,7 @@ class HostCPU:
         if self.start is None or end is None:
             return None
         delta = [b - a for a, b in zip(self.start, end)]
-        idle = delta[3] + delta[4]  # idle + iowait
+        idle = delta[1] + delta[3] + delta[4]  # nice + idle + iowait
         return round(1.0 - idle / sum(delta), 3) if sum(delta) else None
 
 

