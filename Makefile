@@ -15,8 +15,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch, transformers, tritonclient, preble_backend"
 	touch $@
 
+# Options go through: make serve SERVE_ARGS="--http-port 9000 --grpc-port 9001 --metrics-port 9002"
+SERVE_ARGS ?=
 serve: setup
-	$(VENV)/bin/preble serve
+	$(VENV)/bin/preble serve $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider

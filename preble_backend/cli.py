@@ -239,7 +239,8 @@ def _positive(kind):
         except ValueError:
             value = None
         if value is None or not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__} > 0")
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} > 0")
         return value
 
     return parse

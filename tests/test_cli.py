@@ -78,3 +78,44 @@ def test_serve_names_the_model_that_failed_to_load_and_why(tmp_path, tiny_model)
     assert proc.returncode == 1
     assert "preble serve: tritonserver exited: model preble failed to load:" in err, err
     assert f"engines: model 'preble_engine_9' is not in the model repository {repo}" in err, err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["simulate", "--policies", "e2,bogus"],
+         "preble simulate: error: argument --policies: 'bogus' is not one of e2, round_robin, least_load, "
+         "prefix_hash, cache_aware, kv_cost"),
+        (["bench", "--rates", "1,x"],
+         "preble bench: error: argument --rates: '1,x' is not a comma-separated list of rates > 0"),
+        (["bench", "--workload", "chess"],
+         "preble bench: error: argument --workload: invalid choice: 'chess'"),
+        (["repo", "OUT", "--cost-model", "nosuch"],
+         "preble repo: error: argument --cost-model: cost_model='nosuch' is invalid: "
+         "no such file or shipped fit"),
+        (["repo", "OUT", "--cpu-engines", "0"],
+         "preble repo: error: argument --cpu-engines: '0' is not an integer > 0"),
+        (["repo", "OUT", "--model-path", "/nonexistent"],
+         "preble repo: error: model_path='/nonexistent' is invalid: /nonexistent holds no config.json"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, args, message):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    proc = subprocess.run([sys.executable, "-m", "preble_backend.cli", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_every_option_is_explained_with_its_default():
+    from preble_backend.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.dest == "help":
+                continue
+            assert action.help, f"preble {name} {action.option_strings or action.dest} has no help"
+        text = sub.format_help()
+        assert "(default:" in text or name == "model", name
