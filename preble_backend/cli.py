@@ -126,9 +126,14 @@ def repo(args: argparse.Namespace) -> int:
 
 
 def profile_cmd(args: argparse.Namespace) -> int:
-    model = profile(resolve_model(args.model_path), device=args.device)
+    model, quality = profile(resolve_model(args.model_path), device=args.device, repeats=args.repeats)
     model.save(args.output)
     print(f"wrote {args.output}: {model}")
+    print(f"fit: R² {quality.r2:.3f}, median error {quality.median_error:.1%}, worst {quality.max_error:.1%}")
+    if quality.poor:
+        print("preble profile: warning: a poor fit (R² below 0.9 or median error above 20%): the timings "
+              "are noisy (a shared or throttled machine?); rerun with more --repeats on an idle host",
+              file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -318,6 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model-path", default=None, help="a model directory or preble model name (none: tiny)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--repeats", type=_positive(int), default=5, help="timings per configuration (median)")
     p.add_argument("--output", default="cost_model.json", help="the fit's JSON file")
     p.set_defaults(func=profile_cmd)
 

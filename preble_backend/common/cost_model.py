@@ -13,6 +13,7 @@ ship: ``tiny_cpu.json`` (the embedded model on this project's CPU machine) and
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -71,19 +72,54 @@ class CostModel:
         return cls(**json.loads(p.read_text()))
 
 
-def fit(samples: list[tuple[int, int, int, float]], decode_step_ms: float, source: str) -> CostModel:
-    """Least-squares fit of iteration times: samples are (prefill tokens, decodes,
-    context tokens, milliseconds). Coefficients are clipped at zero (time never falls
-    with more work)."""
+Sample = tuple[int, int, int, float]  # (prefill tokens, decodes, context tokens, milliseconds)
+
+
+def fit(samples: list[Sample], decode_step_ms: float, source: str) -> CostModel:
+    """Non-negative least-squares fit of iteration times (time never falls with more
+    work). Exact for four coefficients: the best unconstrained fit over every subset of
+    them whose coefficients all come out non-negative. Clipping an unconstrained fit at
+    zero, as this did before, is not that optimum: on noisy CPU timings it set the base
+    time to 0 and left the other coefficients where the negative base had put them."""
     x = np.array([[1.0, p, d, c] for p, d, c, _ in samples])
     y = np.array([ms for *_, ms in samples])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    coef = np.clip(coef, 0.0, None)
+    best, best_error = np.zeros(4), float(np.sum(y**2))
+    for subset in itertools.product((False, True), repeat=4):
+        cols = [i for i, keep in enumerate(subset) if keep]
+        if not cols:
+            continue
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        error = float(np.sum((x[:, cols] @ coef - y) ** 2))
+        if error < best_error:
+            best, best_error = np.zeros(4), error
+            best[cols] = coef
     return CostModel(
-        base_ms=float(coef[0]),
-        prefill_ms_per_token=float(coef[1]),
-        decode_ms_per_request=float(coef[2]),
-        attention_ms_per_context_token=float(coef[3]),
+        base_ms=float(best[0]),
+        prefill_ms_per_token=float(best[1]),
+        decode_ms_per_request=float(best[2]),
+        attention_ms_per_context_token=float(best[3]),
         decode_step_ms=decode_step_ms,
         source=source,
     )
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    r2: float  # the share of the timings' variance the model explains
+    median_error: float  # median |predicted - measured| / measured
+    max_error: float
+
+    @property
+    def poor(self) -> bool:
+        return self.r2 < 0.9 or self.median_error > 0.2
+
+
+def fit_quality(samples: list[Sample], model: CostModel) -> FitQuality:
+    measured = np.array([ms for *_, ms in samples])
+    predicted = np.array([model.iteration_time(p, d, c) for p, d, c, _ in samples])
+    spread = float(np.sum((measured - measured.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((predicted - measured) ** 2)) / spread if spread > 0 else 1.0
+    errors = np.abs(predicted - measured) / np.maximum(measured, 1e-9)
+    return FitQuality(r2, float(np.median(errors)), float(errors.max()))

@@ -2,16 +2,21 @@
 
 Prefill iterations of 32–2048 tokens and decode iterations of 1–32 requests over 128–1024
 tokens of context are timed on the real engine (prefix cache off, so every token is
-computed), then fitted by least squares (``cost_model.fit``).
+computed), each ``repeats`` times; the median of each configuration is fitted by
+non-negative least squares (``cost_model.fit``), and the fit's quality (R², relative
+errors) is reported: timings on a shared or throttled CPU can be too noisy to fit, and
+a poor fit is flagged rather than shipped silently.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
-from preble_backend.common.cost_model import CostModel, fit
+from preble_backend.common.cost_model import CostModel, FitQuality, fit, fit_quality
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 
@@ -31,7 +36,9 @@ def _timed_step(engine: Engine) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
-def profile(model_path: str, device: str = "cpu", repeats: int = 3, log=print) -> CostModel:
+def profile(
+    model_path: str, device: str = "cpu", repeats: int = 5, log=print
+) -> tuple[CostModel, FitQuality]:
     engine = Engine(EngineConfig(model_path=model_path, device=device, chunk_size=4096,
                                  enable_prefix_caching=False, max_num_tokens=65536))  # fmt: skip
     vocab = engine.model_config.vocab_size
@@ -43,14 +50,19 @@ def profile(model_path: str, device: str = "cpu", repeats: int = 3, log=print) -
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
     engine.generate([prompt(64)], {"max_tokens": 2})  # warm-up
+    bar = tqdm(total=len(PREFILL_LENGTHS) + len(DECODE_BATCHES) * len(DECODE_CONTEXTS), unit="config",
+               desc="profiling", disable=None)  # fmt: skip
     for n in PREFILL_LENGTHS:
+        times = []
         for _ in range(repeats):
             engine.add_request(f"p{next(ids)}", prompt(n), {"max_tokens": 1, "ignore_eos": True})
-            samples.append((n, 0, n, _timed_step(engine)))
+            times.append(_timed_step(engine))
             while engine.has_work():
                 engine.step()
-        log(f"prefill {n:5d} tokens: {samples[-1][3]:8.2f} ms")
-    typical = []
+        samples.append((n, 0, n, statistics.median(times)))
+        bar.update()
+        log(f"prefill {n:5d} tokens: {samples[-1][3]:8.2f} ms (median of {repeats})")
+    step = 0.0
     for batch in DECODE_BATCHES:
         for context in DECODE_CONTEXTS:
             for _ in range(batch):
@@ -61,13 +73,14 @@ def profile(model_path: str, device: str = "cpu", repeats: int = 3, log=print) -
             sched = engine.scheduler
             while len(sched.waiting) or any(r.num_uncomputed > 1 for r in sched.running):
                 engine.step()  # finish every prefill before timing decodes
-            for _ in range(repeats):
-                ms = _timed_step(engine)
-                samples.append((0, batch, batch * context, ms))
-                if (batch, context) == TYPICAL_DECODE:
-                    typical.append(ms)
+            ms = statistics.median(_timed_step(engine) for _ in range(repeats))
+            samples.append((0, batch, batch * context, ms))
+            if (batch, context) == TYPICAL_DECODE:
+                step = ms
             while engine.has_work():
                 engine.step()
-            log(f"decode batch {batch:3d} context {context:5d}: {samples[-1][3]:8.2f} ms")
-    step = sum(typical) / len(typical)
-    return fit(samples, step, source=f"preble profile of {model_path} on {device}")
+            bar.update()
+            log(f"decode batch {batch:3d} context {context:5d}: {ms:8.2f} ms (median of {repeats})")
+    bar.close()
+    model = fit(samples, step, source=f"preble profile of {model_path} on {device}")
+    return model, fit_quality(samples, model)

@@ -1,0 +1,56 @@
+"""The cost model's fit: non-negative least squares, exact on clean timings, honest about
+noisy ones; and ``preble profile`` end to end on the tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from preble_backend.common.cost_model import CostModel, fit, fit_quality
+
+TRUE = CostModel(base_ms=3.0, prefill_ms_per_token=0.02, decode_ms_per_request=0.15,
+                 attention_ms_per_context_token=0.0004, decode_step_ms=5.0)  # fmt: skip
+GRID = [(n, 0, n) for n in (32, 64, 128, 256, 512, 1024, 2048)] + [
+    (0, b, b * c) for b in (1, 4, 16, 32) for c in (128, 512, 1024)
+]
+
+
+def test_fit_recovers_the_coefficients_of_clean_timings():
+    samples = [(p, d, c, TRUE.iteration_time(p, d, c)) for p, d, c in GRID]
+    model = fit(samples, 5.0, "clean")
+    for key in ("base_ms", "prefill_ms_per_token", "decode_ms_per_request", "attention_ms_per_context_token"):
+        assert getattr(model, key) == pytest.approx(getattr(TRUE, key), rel=1e-6)
+    quality = fit_quality(samples, model)
+    assert quality.r2 == pytest.approx(1.0) and quality.max_error < 1e-6 and not quality.poor
+
+
+def test_fit_is_the_non_negative_optimum_not_a_clipped_one():
+    """Timings whose unconstrained fit wants a negative base: the constrained optimum
+    refits the rest; clipping the base to zero would leave them where it was."""
+    samples = [(n, 0, n, 0.05 * n - 4.0 + (3.0 if n < 100 else 0.0)) for n in (32, 64, 128, 512, 2048)]
+    samples += [(0, b, 512 * b, 0.2 * b) for b in (1, 8, 32)]
+    x = np.array([[1.0, p, d, c] for p, d, c, _ in samples])
+    y = np.array([ms for *_, ms in samples])
+    clipped = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0, None)
+    model = fit(samples, 1.0, "negative base")
+    coef = np.array([model.base_ms, model.prefill_ms_per_token, model.decode_ms_per_request,
+                     model.attention_ms_per_context_token])  # fmt: skip
+    assert np.all(coef >= 0)
+    assert np.sum((x @ coef - y) ** 2) < np.sum((x @ clipped - y) ** 2)
+
+
+def test_a_noisy_fit_is_flagged_poor():
+    rng = np.random.default_rng(0)
+    samples = [(p, d, c, float(rng.uniform(1, 100))) for p, d, c in GRID]
+    quality = fit_quality(samples, fit(samples, 1.0, "noise"))
+    assert quality.poor and quality.r2 < 0.9
+
+
+def test_profile_times_the_tiny_model_and_reports_its_fit(tiny_model):
+    from scheduler.sim.profile import profile
+
+    model, quality = profile(tiny_model, repeats=1, log=lambda *_: None)
+    assert model.prefill_ms_per_token > 0 and model.decode_step_ms > 0
+    rest = (model.base_ms, model.decode_ms_per_request, model.attention_ms_per_context_token)
+    assert all(v >= 0 for v in rest)
+    assert quality.r2 <= 1.0 and quality.max_error >= quality.median_error >= 0
