@@ -13,6 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
 	$(PIP) -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, tritonclient, preble_backend"
+	$(PY) -m client.perf_analyzer --link-libraries
 	touch $@
 
 # Options go through: make serve SERVE_ARGS="--http-port 9000 --grpc-port 9001 --metrics-port 9002"

@@ -285,12 +285,17 @@ def test_invalid_config_values_fail_the_load_naming_the_key(tmp_path):
         srv.stop()
 
 
-def test_perf_analyzer_streaming_run_has_no_errors(server):
+def test_perf_analyzer_as_typed_streaming_run_has_no_errors(server):
+    """The venv's perf_analyzer with no LD_LIBRARY_PATH: make setup set its run path."""
+    import os
+
     from client.perf_analyzer import run
 
+    typed = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     result = run(
-        f"127.0.0.1:{server.ports.grpc}", concurrency=2, request_count=16, num_prompts=8, max_tokens=8
-    )
+        f"127.0.0.1:{server.ports.grpc}", concurrency=2, request_count=16, num_prompts=8, max_tokens=8,
+        env=typed,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Request count: 16" in result.stdout
     assert "Successful request count: 16" in result.stdout
