@@ -184,15 +184,14 @@ class TritonPythonModel:
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
 
     def _send_accepted(self, sender) -> None:
-        """An empty first response, sent as soon as a request is queued. A router's BLS
+        """An empty first response (no output tensors), sent as soon as a request is queued. A router's BLS
         call holds one of the Python backend's per-instance threads (32 by default) until
         the first response arrives, and the same threads carry every token the router
         streams to its clients: with more than 32 requests queued behind their first
         token, all of them stalled (live round-robin at stress: 3x the simulator's
         latency, the router idle). Answering at once frees the thread."""
         try:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("token_ids", np.zeros(0, dtype=np.int32))]))  # fmt: skip
+            sender.send(pb_utils.InferenceResponse(output_tensors=[]))  # no tensor: nothing to copy
         except Exception as exc:  # the client is gone: its first token's send fails too
             pb_utils.Logger.log_warn(f"acknowledging a request failed ({exc})")
 
