@@ -142,4 +142,4 @@ class KVCost(Policy):
         self.tree.forget(instance)
 
     def resync(self, instance: int) -> None:
-        self.tree.forget(instance)  # the snapshot's events rebuild it
+        self.forget(instance)  # the snapshot's events rebuild it

@@ -249,7 +249,7 @@ class E2(Policy):
         self.tree.forget(instance)
 
     def resync(self, instance: int) -> None:
-        self.tree.forget(instance)  # the snapshot's events rebuild it
+        self.forget(instance)  # the snapshot's events rebuild it
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()

@@ -41,15 +41,20 @@ def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
+def is_named(name_or_path: str | None) -> bool:
+    """The embedded model (``tiny`` or nothing) or a name of ``MODELS``: not a directory."""
+    return name_or_path in (None, "", "tiny") or name_or_path in MODELS
+
+
 def resolve(name_or_path: str | None, log=print, base: str | Path | None = None) -> str:
     """``tiny`` (or nothing): the embedded model; a name of ``MODELS``: that model, fetched
     into the cache on first use; anything else is a directory holding ``config.json``
     (relative paths from ``base`` when given: a model repository's root)."""
-    if name_or_path in (None, "", "tiny"):
-        return str(tiny_model_path())
+    if not is_named(name_or_path):
+        return str(model_directory(name_or_path, base))
     if name_or_path in MODELS:
         return str(fetch(name_or_path, log))
-    return str(model_directory(name_or_path, base))
+    return str(tiny_model_path())
 
 
 def model_directory(path: str, base: str | Path | None = None) -> Path:

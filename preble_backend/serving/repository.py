@@ -12,7 +12,7 @@ from pathlib import Path
 
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE, setting_doc
 from preble_backend.engine.config import EngineConfig
-from preble_backend.model.pypi_models import MODELS, model_directory
+from preble_backend.model.pypi_models import is_named, model_directory
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.protocol import (
     ENGINE_INPUTS,
@@ -96,7 +96,7 @@ def write_repository(
     ``host_cores``: CPU engines that compute get disjoint cores of a host with that many
     (``cpu_cores``), as each GPU engine gets its own GPU."""
     root = Path(path)
-    if model_path not in ("", "tiny", *MODELS):  # a name is fetched when first loaded
+    if not is_named(model_path):  # a name is fetched when first loaded
         model_directory(model_path, base=root)  # what the server would refuse, refused now
     slots: list[int | None] = list(gpus) if gpus else [None] * cpu_engines
     names = [f"preble_engine_{i}" for i in range(len(slots))]

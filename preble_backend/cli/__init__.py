@@ -1,0 +1,26 @@
+"""The ``preble`` command: ``serve`` a model repository in tritonserver, write one with
+``repo``, or run the engine alone on the command line with ``demo``."""
+
+# The subcommands are in commands.py, their options in options.py.
+
+from __future__ import annotations
+
+import sys
+
+from preble_backend.cli.options import build_parser
+from preble_backend.serving.launcher import LaunchError
+
+__all__ = ["build_parser", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse and run one command. A value the command itself refuses (a model directory
+    without config.json, engines that would share cores, ...) is one line naming it, as
+    argparse reports a malformed option, not a traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, LaunchError, FileNotFoundError) as exc:
+        print(f"preble {args.command}: error: {exc}", file=sys.stderr)
+        return 2

