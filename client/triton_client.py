@@ -145,25 +145,35 @@ class StreamError(RuntimeError):
 
 
 def open_grpc(url: str):
-    """A channel to a Triton gRPC endpoint (no message size limits) and its stub."""
+    """A channel to a Triton gRPC endpoint (no message size limits) and its stub. A server
+    that refused a connection is tried again within a second, not after gRPC's default
+    backoff of up to two minutes: a restarted server is reached as soon as it listens."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    options = [
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
     channel = grpc.insecure_channel(url, options=options)
     return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 def stream_infer(
-    stub, model: str, inputs: dict[str, np.ndarray], timeout: float | None = None
+    stub, model: str, inputs: dict[str, np.ndarray], timeout: float | None = None, wait_for_ready=False
 ) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
     """One request on its own bidirectional ``ModelStreamInfer`` stream (errors on a shared
     stream would not say which request they belong to): yield each response's outputs and
     whether it is the final one. An error response raises ``StreamError``; a lost server,
-    ``grpc.RpcError``. Closing the generator early cancels the request on the server."""
+    ``grpc.RpcError`` (unless ``wait_for_ready``: then the call waits for the server to
+    listen). Closing the generator early cancels the request on the server."""
     from tritonclient.grpc import InferResult
 
-    call = stub.ModelStreamInfer(iter([_infer_request(model, inputs)]), timeout=timeout)
+    request = iter([_infer_request(model, inputs)])
+    call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready)
     try:
         for message in call:
             if message.error_message:

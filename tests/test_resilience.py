@@ -249,11 +249,11 @@ def test_stubs_exit_when_their_server_is_killed_under_load(tmp_path, tiny_model)
 
 
 def test_a_streaming_answer_is_not_held_up_by_requests_queued_for_their_first_token(tmp_path, tiny_model):
-    """The Python backend runs a router's BLS calls and its token sends on one pool of 32
-    threads per instance, and a BLS call holds its thread until the engine's first
-    response. Forty requests queued behind a streaming one (an engine that runs one
-    request at a time) used to take every thread, so the streaming answer's tokens
-    stalled until the queue drained; engines now acknowledge each request at once."""
+    """The Python backend runs a model instance's BLS calls and its response sends on one
+    pool of 32 threads, and a BLS call holds its thread until the engine's first response.
+    Forty requests queued behind a streaming one (an engine that runs one request at a
+    time) used to take every thread of the router, so the streaming answer's tokens
+    stalled until the queue drained. The router now reaches engines over gRPC."""
     import asyncio
     import json
 
@@ -299,5 +299,35 @@ def test_a_streaming_answer_is_not_held_up_by_requests_queued_for_their_first_to
         # The engine finishes the streaming answer before it starts any queued request.
         assert finished["streaming"] < min(t for name, t in finished.items() if name != "streaming")
         assert_engine_pages_free(client_for(server), "preble_engine_0")
+    finally:
+        server.stop()
+
+
+def test_router_survives_sustained_load_while_it_probes_its_engines(tmp_path, tiny_model):
+    """Minutes of production traffic compressed into seconds: bursts of streaming clients
+    while the router probes every engine many times a second. In Triton 2.51's Python
+    backend the responses of a decoupled BLS call were freed on the stub's own cleanup
+    thread without the GIL whenever Python let go of them first (fixed upstream after
+    2.51); their numpy arrays then corrupted the router's heap, and its stub died with
+    SIGSEGV within seconds of this test."""
+    repo = write_test_repository(
+        tmp_path / "repo", cpu_engines=4, compute="emulated", cost_model="mistral7b_a6000",
+        router_overrides={"health_interval_s": 0.01},
+    )  # fmt: skip
+    server = launch(repo, tmp_path / "server.log")
+    try:
+        router = _router_stub(server)
+        deadline = time.monotonic() + 30
+        rounds = 0
+        while time.monotonic() < deadline:
+            cfg = _burst(server, requests=120, max_tokens=32, prefix_words=200, seed=rounds, timeout_s=60)
+            report, _ = run_burst(cfg)
+            assert report.completed == 120, report.errors
+            assert process_alive(router), f"the router stub died: {server.failure()}"
+            rounds += 1
+        assert rounds >= 3
+        client = client_for(server)
+        for engine in (f"preble_engine_{i}" for i in range(4)):
+            assert_engine_pages_free(client, engine)
     finally:
         server.stop()

@@ -69,7 +69,7 @@ def test_a_flight_answers_once_whoever_ends_it():
 
 class FakeEngine(LocalEngine):
     def __init__(self, name: str, pid: int) -> None:
-        super().__init__(name)
+        super().__init__(name, "127.0.0.1:1")
         self.pid, self.fail, self.hang = pid, None, False
 
     def health(self) -> dict:

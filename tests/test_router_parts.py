@@ -12,6 +12,7 @@ from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.detokenizer import IncrementalDetokenizer
 from preble_backend.serving.engine_client import LocalEngine, RemoteEngine, make_engine_clients
+from preble_backend.serving.loopback import grpc_url_from_args
 from preble_backend.serving.repository import write_repository
 from scheduler.policies import make_policy
 from scheduler.policy import InstanceLoad, RoutingRequest
@@ -100,16 +101,38 @@ def test_policies_refuse_unknown_options():
 
 
 def test_engines_parameter():
-    local, remote = make_engine_clients("preble_engine_0, grpc://10.0.0.2:8001/preble_engine_3")
-    assert isinstance(local, LocalEngine) and local.name == "preble_engine_0"
-    assert isinstance(remote, RemoteEngine) and (remote.url, remote.model) == (
-        "10.0.0.2:8001",
-        "preble_engine_3",
-    )
+    asked = []
+    here = lambda: asked.append(1) or "127.0.0.1:9001"  # noqa: E731
+    local, remote = make_engine_clients("preble_engine_0, grpc://10.0.0.2:8001/preble_engine_3", here)
+    assert isinstance(local, LocalEngine) and (local.name, local.url) == ("preble_engine_0", "127.0.0.1:9001")
+    assert isinstance(remote, RemoteEngine)
+    assert (remote.url, remote.model) == ("10.0.0.2:8001", "preble_engine_3")
+    make_engine_clients("grpc://10.0.0.2:8001/preble_engine_3", here)
+    assert len(asked) == 1  # this server's endpoint is looked up only for a local engine
     for bad, message in (("", "at least one engine"), ("grpc://host/model", "grpc://host:port/model"),
                          ("http://h:1/m", "only grpc://")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
-            make_engine_clients(bad)
+            make_engine_clients(bad, here)
+
+
+@pytest.mark.parametrize(
+    "args, url",
+    [
+        ([], "127.0.0.1:8001"),
+        (["--model-repository=/r", "--grpc-port=9001"], "127.0.0.1:9001"),
+        (["--grpc-port", "9002", "--http-port", "9000"], "127.0.0.1:9002"),
+        (["--grpc-address=10.1.2.3", "--grpc-port=7"], "10.1.2.3:7"),
+        (["--grpc-address", "::", "--grpc-port=7"], "[::1]:7"),
+        (["--grpc-address=fe80::1"], "[fe80::1]:8001"),
+    ],
+)
+def test_the_router_finds_its_servers_grpc_endpoint_on_the_command_line(args, url):
+    assert grpc_url_from_args(args) == url
+
+
+def test_a_server_without_grpc_is_named():
+    with pytest.raises(ValueError, match="--allow-grpc=false.*server_grpc_url"):
+        grpc_url_from_args(["--allow-grpc=false"])
 
 
 def test_checked_in_repository_is_the_writers(tmp_path):

@@ -19,6 +19,11 @@ class RouterConfig:
         "preble_engine_0,preble_engine_1",
         doc="comma-separated engine model names in this server and grpc://host:port/model remotes",
     )
+    server_grpc_url: str = setting(
+        "",
+        doc="host:port of this server's gRPC endpoint, where the router reaches its local engines; "
+        "'' = read from tritonserver's command line",
+    )
     policy: str = setting("e2", doc=" | ".join(POLICIES))
     cost_model: str = setting(
         "tiny_cpu",

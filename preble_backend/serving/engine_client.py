@@ -1,13 +1,13 @@
-"""How the router reaches an engine: BLS for engines in the same tritonserver, gRPC
-streaming for engines on other servers (``grpc://host:port/model``, one persistent
-channel per server, a stream per request). Both stream ``EngineResponse``s and take the
-same control operations."""
+"""How the router reaches an engine: a gRPC stream per request, over one persistent
+channel per engine, to its own tritonserver's endpoint for an engine in the same server
+and to ``grpc://host:port/model`` for one on another server. Both stream
+``EngineResponse``s and take the same control operations."""
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -56,9 +56,9 @@ def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
         finish_reason=text(reason),
         num_cached_tokens=0 if cached is None else int(cached.reshape(-1)[0]),
         report=text(report),
-        logprobs=None if logprobs is None else [
-            {t: (lp, rank) for t, lp, rank in step} for step in json.loads(text(logprobs))
-        ],
+        logprobs=None
+        if logprobs is None
+        else [{t: (lp, rank) for t, lp, rank in step} for step in json.loads(text(logprobs))],
     )
 
 
@@ -108,54 +108,24 @@ class EngineClient(ABC):
         """Release connections (remote engines)."""
 
 
-class LocalEngine(EngineClient):
-    """An engine model in this tritonserver, called through decoupled BLS."""
-
-    def _call(self, inputs):
-        import triton_python_backend_utils as pb_utils
-
-        request = pb_utils.InferenceRequest(
-            model_name=self.name,
-            requested_output_names=list(OUTPUTS),
-            inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()],
-        )
-        error = None
-        # Read the decoupled iterator to its end even after an error: leaving it half-read
-        # (a final, possibly empty, response still pending) is not safe in 2.51's stub.
-        for response in request.exec(decoupled=True):
-            if response.has_error():
-                error = error or response.error().message()
-                if "is not healthy" in error:  # the stub process is gone (Triton's words)
-                    raise EngineUnavailable(f"engine {self.name}: {error}")
-            elif error is None:
-                yield {name: _output(pb_utils, response, name) for name in OUTPUTS}
-        if error is not None:
-            raise EngineError(error)
-
-
-def _output(pb_utils, response, name: str):
-    tensor = pb_utils.get_output_tensor_by_name(response, name)
-    return tensor.as_numpy() if tensor is not None else None
-
-
 class RemoteEngine(EngineClient):
     """An engine model on another tritonserver: one gRPC channel per engine, kept for the
     router's life, and a stream per request on it. A lost server fails the stream at once
     with UNAVAILABLE; the channel reconnects by itself when it is back."""
 
-    def __init__(self, url: str, model: str) -> None:
-        super().__init__(f"grpc://{url}/{model}")
+    wait_for_ready = False  # a remote server that does not listen fails the request at once
+
+    def __init__(self, url: str, model: str, name: str | None = None) -> None:
+        super().__init__(name or f"grpc://{url}/{model}")
         self.url, self.model = url, model
-        self._channel = None
-        self._stub = None
+        self._channel, self._stub = open_grpc(url)  # connects on first use
 
     def _call(self, inputs):
         import grpc
 
-        if self._stub is None:
-            self._channel, self._stub = open_grpc(self.url)
         try:
-            with closing(stream_infer(self._stub, self.model, inputs)) as responses:
+            calls = stream_infer(self._stub, self.model, inputs, wait_for_ready=self.wait_for_ready)
+            with closing(calls) as responses:
                 for outputs, final in responses:
                     yield {name: outputs.get(name) for name in OUTPUTS}
                     if final:
@@ -168,12 +138,30 @@ class RemoteEngine(EngineClient):
             raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        self._channel.close()
 
 
-def make_engine_clients(spec: str) -> list[EngineClient]:
-    """Parse the router's ``engines`` parameter: comma-separated local model names and
+class LocalEngine(RemoteEngine):
+    """An engine model in the router's own tritonserver, reached over that server's gRPC
+    endpoint. Not through decoupled BLS: in Triton 2.51's Python backend, the responses of
+    a decoupled BLS call are freed on the stub's cleanup thread without the GIL whenever
+    Python has let go of them first, and their numpy arrays' deallocation then corrupts
+    the router's heap (numpy's "Reference count error ... dtype 17 (O)", then SIGSEGV;
+    fixed upstream after 2.51, in python_backend #390). It also held one of the
+    instance's 32 backend threads until the engine's first response.
+
+    A call waits for the endpoint to listen: the router's own server is serving (it sent
+    the request), and the endpoint may start a moment after its models loaded."""
+
+    wait_for_ready = True
+
+    def __init__(self, model: str, server_url: str) -> None:
+        super().__init__(server_url, model, name=model)
+
+
+def make_engine_clients(spec: str, server_url: Callable[[], str]) -> list[EngineClient]:
+    """Parse the router's ``engines`` parameter: comma-separated model names in this
+    server (reached at ``server_url()``, asked only if there is one) and
     ``grpc://host:port/model`` remotes."""
     clients: list[EngineClient] = []
     for entry in (e.strip() for e in spec.split(",")):
@@ -188,7 +176,7 @@ def make_engine_clients(spec: str) -> list[EngineClient]:
         elif "://" in entry:
             raise ValueError(f"engines entry {entry!r} is invalid: only grpc:// remotes are supported")
         else:
-            clients.append(LocalEngine(entry))
+            clients.append(LocalEngine(entry, server_url()))
     if not clients:
         raise ValueError("engines='' is invalid: expected at least one engine model name or grpc:// URL")
     return clients

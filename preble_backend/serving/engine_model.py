@@ -38,7 +38,6 @@ INPUTS = names(ENGINE_INPUTS)
 CANCEL_POLL_S = 0.1
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CONTROL, TOKENS, LAST = 0, 1, 2  # response-queue priorities: control answers go first
-ACCEPTED = "accepted"  # in place of a report: the request's empty first response
 GAUGES = {  # stats key -> (metric name, description)
     "kv_pages_used": ("preble_engine_kv_pages_used", "KV pages in use (running requests and cache)"),
     "kv_pages_free": ("preble_engine_kv_pages_free", "KV pages on the free list"),
@@ -104,7 +103,6 @@ class TritonPythonModel:
         except ValueError:
             self._active.pop(call.request_id, None)
             raise
-        self._put(CONTROL, (sender, None, ACCEPTED))
 
     def _on_output(self, sender, out: RequestOutput, events_since: str | None) -> None:
         """Engine thread: hand the output over; a final one carries the report, read here
@@ -150,9 +148,6 @@ class TritonPythonModel:
             if item is None:
                 return
             sender, out, report = item
-            if report is ACCEPTED:
-                self._send_accepted(sender)
-                continue
             if out is None:  # a control operation's report (a Future)
                 self._send_report(sender, report)
                 continue
@@ -182,18 +177,6 @@ class TritonPythonModel:
             ]
             flags = FINAL
         sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
-
-    def _send_accepted(self, sender) -> None:
-        """An empty first response (no output tensors), sent as soon as a request is queued. A router's BLS
-        call holds one of the Python backend's per-instance threads (32 by default) until
-        the first response arrives, and the same threads carry every token the router
-        streams to its clients: with more than 32 requests queued behind their first
-        token, all of them stalled (live round-robin at stress: 3x the simulator's
-        latency, the router idle). Answering at once frees the thread."""
-        try:
-            sender.send(pb_utils.InferenceResponse(output_tensors=[]))  # no tensor: nothing to copy
-        except Exception as exc:  # the client is gone: its first token's send fails too
-            pb_utils.Logger.log_warn(f"acknowledging a request failed ({exc})")
 
     def _send_report(self, sender, done) -> None:
         try:

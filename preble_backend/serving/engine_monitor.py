@@ -47,16 +47,25 @@ class EngineMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="preble-engine-monitor", daemon=True)
+        self._started = False
 
     def start(self) -> None:
+        """Start watching (idempotent)."""
+        with self._lock:
+            if self._started or self._stop.is_set():
+                return
+            self._started = True
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop probing and wait (bounded) for probes in flight: a thread still inside a
         BLS call when the stub's interpreter shuts down touches objects being torn down."""
         deadline = time.monotonic() + timeout_s
-        self._stop.set()
-        self._thread.join(timeout=timeout_s)
+        with self._lock:
+            self._stop.set()
+            started = self._started
+        if started:
+            self._thread.join(timeout=timeout_s)
         with self._lock:
             probes = list(self._probes.values())
         for probe in probes:

@@ -3,8 +3,8 @@
 ``execute`` reads and validates each request and admits it (or refuses it at once with
 ``UNAVAILABLE`` when ``max_inflight + max_queue`` are admitted); a thread per request
 then tokenizes it, routes it with the global scheduler's policy, forwards it to the
-chosen engine (decoupled BLS blocks while it streams) and streams the detokenized text
-back. Engine reports on final responses keep the policy's view of every engine's cache
+chosen engine (a gRPC stream, to this server's endpoint for a local engine) and streams
+the detokenized text back. Engine reports on final responses keep the policy's view of every engine's cache
 and load current. An engine monitor watches the engines: one that dies is routed around,
 its requests end with an error at once, and its cache is forgotten.
 
@@ -44,6 +44,7 @@ from preble_backend.serving.engine_client import (
 from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.event_feed import EventFeed
 from preble_backend.serving.flights import Flight, Flights
+from preble_backend.serving.loopback import server_grpc_url
 from preble_backend.serving.metrics import Metrics, MetricSpec
 from preble_backend.serving.protocol import (
     ROUTER_INPUTS,
@@ -82,7 +83,9 @@ class TritonPythonModel:
         self.tokenizer = AutoTokenizer.from_pretrained(
             resolve_model_path(config.model_path, args["model_repository"])
         )
-        self.engines: list[EngineClient] = make_engine_clients(config.engines)
+        self.engines: list[EngineClient] = make_engine_clients(
+            config.engines, lambda: config.server_grpc_url or server_grpc_url()
+        )
         local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
         check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
         facts = {"cost_model": config.cost_model, "page_size": config.page_size}
@@ -100,13 +103,13 @@ class TritonPythonModel:
             self.engines, self._engine_down, self._engine_up,
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
         )  # fmt: skip
-        self.monitor.start()
         pb_utils.Logger.log_info(
             f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}, "
             f"max_inflight {config.max_inflight}, max_queue {config.max_queue}"
         )
 
     def execute(self, requests):
+        self.monitor.start()  # once the server serves: its gRPC endpoint reaches the local engines
         for request in requests:
             sender = request.get_response_sender()
             try:
