@@ -21,7 +21,8 @@ ALLOWED = {
     "scheduler": {"common"},
     "scheduler.sim": {"common", "client", "model", "engine", "scheduler"},
     "serving": {"common", "client", "model", "engine", "scheduler"},
-    "cli": {"common", "client", "model", "engine", "scheduler", "scheduler.sim", "serving"},
+    "frontend": {"common", "client", "model", "serving"},
+    "cli": {"common", "client", "model", "engine", "scheduler", "scheduler.sim", "serving", "frontend"},
 }
 
 

@@ -8,6 +8,7 @@ import shutil
 import time
 import urllib.request
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,20 +217,57 @@ def test_bad_input_loses_no_page(client):
         assert load["kv_pages_used"] == load["kv_pages_cached"], load
 
 
+def _metrics_text(server) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _series(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every sample of ``name``."""
+    found = re.findall(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.M)
+    return [(labels, float(value)) for labels, value in found]
+
+
 def test_metrics_report_engines_and_routing(server, client):
     for _ in range(2):
         client.generate(PROMPT, {"max_tokens": 2})
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
-        text = r.read().decode()
+    time.sleep(0.5)  # the engines publish their gauges and counters every 100 ms
+    text = _metrics_text(server)
     for engine in ENGINES:
         for name in ("kv_pages_used", "kv_pages_free", "waiting_requests", "running_requests",
-                     "prompt_tokens_computed", "prompt_tokens_cached"):  # fmt: skip
+                     "prompt_tokens_computed_total", "prompt_tokens_cached_total"):  # fmt: skip
             assert f'preble_engine_{name}{{model="{engine}",pid="' in text, name
-    decisions = [ln for ln in text.splitlines() if ln.startswith("preble_router_decisions_total{")]
-    assert sum(float(ln.rsplit(" ", 1)[1]) for ln in decisions) >= 2
-    assert all('policy="e2"' in ln for ln in decisions)
-    assert any('branch="explore"' in ln for ln in decisions)
-    assert "preble_router_request_latency_seconds_count" in text
+    decisions = _series(text, "preble_router_decisions_total")
+    assert sum(v for _, v in decisions) >= 2
+    assert all('policy="e2"' in labels for labels, _ in decisions)
+    assert any('branch="explore"' in labels for labels, _ in decisions)
+    # Per request, labelled by policy and engine: the latencies vLLM exposes and token counts.
+    per_request = ("e2e_request_latency_seconds", "time_to_first_token_seconds",
+                   "time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens")
+    for name in per_request:
+        counts = _series(text, f"preble_router_{name}_count")
+        assert sum(v for _, v in counts) >= 2
+        assert all('policy="e2"' in labels and "instance=" in labels for labels, _ in counts)
+    prompt = sum(v for _, v in _series(text, "preble_router_prompt_tokens_total"))
+    cached = sum(v for _, v in _series(text, "preble_router_cached_prompt_tokens_total"))
+    assert prompt >= 2 * len(PROMPT.split()) and 0 < cached < prompt  # the second request hit the cache
+    assert sum(v for _, v in _series(text, "preble_engine_request_queue_time_seconds_count")) >= 2
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists(server, client):
+    client.generate(PROMPT, {"max_tokens": 2})
+    with pytest.raises(PrebleError):
+        client.generate(PROMPT, {"max_tokens": 0})  # a failure: its counter moves
+    time.sleep(0.5)
+    text = _metrics_text(server)
+    dashboard = json.loads((Path(__file__).parent.parent / "docs/grafana/preble_dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    names = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"\bpreble_\w+", e)}
+    assert len(names) >= 15
+    for name in sorted(names):
+        assert re.search(rf"^{name}(_bucket|_sum|_count)?{{", text, re.M), f"{name} is not on /metrics"
+    failures = _series(text, "preble_router_failures_total")
+    assert any('reason="invalid"' in labels and value >= 1 for labels, value in failures), failures
 
 
 def test_router_in_another_server_reaches_these_engines(server, client, tmp_path, direct_text):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -16,9 +17,16 @@ from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
+from preble_backend.frontend.process import start_openai_front
 from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
-from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL, LaunchError, ServerPorts, start_server
+from preble_backend.serving.launcher import (
+    EXPLICIT_MODEL_CONTROL,
+    LaunchError,
+    ServerPorts,
+    check_port_free,
+    start_server,
+)
 from preble_backend.serving.repository import write_repository
 from scheduler.sim.profile import profile
 from scheduler.sim.replay import replay
@@ -64,9 +72,12 @@ DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run tritonserver until Ctrl-C or SIGTERM; one clear line on any failure."""
+    """Run tritonserver (and the OpenAI front) until Ctrl-C or SIGTERM; one clear line on
+    any failure."""
     ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
     try:
+        if args.openai_port:
+            check_port_free(args.openai_port)
         extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
         server = start_server(args.model_repository, ports, log_path=args.log_file, extra_args=extra)
     except LaunchError as exc:
@@ -78,32 +89,55 @@ def serve(args: argparse.Namespace) -> int:
     print(
         f"preble serve: starting tritonserver on {args.model_repository} (log: {server.log_path})", flush=True
     )
+    front = None
     try:
         while not server.is_ready():
             if stop:
-                server.stop()
                 return 0
             if server.process.poll() is not None:
                 print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
-                server.stop()
                 return 1
             time.sleep(0.25)
-        for kind, url in ports.endpoints().items():
+        endpoints = ports.endpoints()
+        if args.openai_port:
+            model_path = router_model_path(Path(args.model_repository))
+            log = server.log_path.with_suffix(".openai.log")
+            front = start_openai_front(endpoints["grpc"], args.openai_port, model_path, log,
+                                       args.served_model_name)  # fmt: skip
+            front.wait_healthy()
+            endpoints["openai"] = front.url
+        for kind, url in endpoints.items():
             print(f"  {kind:8s} {url}")
         print(
             '  generate: curl -X POST {}/v2/models/preble/generate -d \'{{"text_input": "Hello", '
-            '"sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''.format(ports.endpoints()["http"])
+            '"sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''.format(endpoints["http"])
         )
         print("ready; Ctrl-C to stop", flush=True)
-        while not stop and server.process.poll() is None:
+        while not stop and server.process.poll() is None and (front is None or front.process.poll() is None):
             time.sleep(0.25)
         if not stop:
-            print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+            if server.process.poll() is not None:
+                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+            else:
+                print(f"preble serve: the OpenAI front exited: {front.failure()}", file=sys.stderr)
             return 1
+    except LaunchError as exc:
+        print(f"preble serve: {exc}", file=sys.stderr)
+        return 1
     finally:
+        if front is not None:
+            front.stop()
         code = server.stop()
-    print(f"preble serve: stopped (tritonserver exit code {code})")
+        print(f"preble serve: stopped (tritonserver exit code {code})")
     return 0
+
+
+def router_model_path(repository: Path) -> str:
+    """The engines' model as the repository's router names it, resolved as the router does."""
+    config = repository / "preble" / "config.pbtxt"
+    found = re.search(r'key:\s*"model_path"\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
+                      config.read_text() if config.is_file() else "")  # fmt: skip
+    return resolve_model(found.group(1) if found else "tiny", base=repository)
 
 
 def repo(args: argparse.Namespace) -> int:

@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics")
     p.add_argument("--log-file", default=None, help="tritonserver's log (none: a temporary file)")
     p.add_argument(
+        "--openai-port", type=int, default=9000, help="the OpenAI-compatible API (/v1/...); 0: none"
+    )
+    p.add_argument("--served-model-name", default="preble", help="the model name OpenAI clients send")
+    p.add_argument(
         "--explicit",
         action="store_true",
         help="explicit model control (preble bench reloads the router per policy)",

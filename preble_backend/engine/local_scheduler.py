@@ -10,6 +10,7 @@ cache, and it waits at the front of its group to be recomputed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from preble_backend.engine.block_manager import BlockManager
@@ -115,6 +116,7 @@ class LocalScheduler:
             self.waiting.take(req)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
+                req.admitted = time.monotonic()
             self.stats.prompt_tokens_cached += min(cached, len(req.prompt_ids))
             req.status = Status.RUNNING
             self.running.append(req)

@@ -32,6 +32,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked for
+    queue_time_s: float | None = None  # arrival to first admission, once admitted
 
 
 @dataclass(eq=False)
@@ -52,6 +53,7 @@ class Request:
     cache_node: TreeNode | None = None
     num_computed: int = 0  # tokens whose K/V are in the pool
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
+    admitted: float | None = None  # when it first left the wait queue
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the request asks
 
@@ -88,4 +90,5 @@ class Request:
             num_output_tokens=len(self.output_ids),
             error=error,
             logprobs=None if self.logprobs is None else self.logprobs[len(self.logprobs) - len(new_tokens) :],
+            queue_time_s=None if self.admitted is None else self.admitted - self.arrival,
         )

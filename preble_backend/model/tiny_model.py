@@ -18,8 +18,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-VERSION = "v1"
+VERSION = "v2"
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
+# A chat template in the tokenizer, as real instruct models ship one: chat requests
+# (the OpenAI front) work on the embedded model too.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -102,6 +108,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 2048) -> int:
                 "add_bos_token": False,
                 "model_max_length": TINY_CONFIG["max_position_embeddings"],
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -45,9 +45,16 @@ GAUGES = {  # stats key -> (metric name, description)
     "waiting": ("preble_engine_waiting_requests", "requests in the priority wait queue"),
     "running": ("preble_engine_running_requests", "requests running"),
 }
-COUNTERS = ("prompt_tokens_computed", "prompt_tokens_cached")
-METRICS = [MetricSpec(name, "gauge", text) for name, text in GAUGES.values()] + [
-    MetricSpec(f"preble_engine_{key}", "counter", key.replace("_", " ")) for key in COUNTERS
+COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
+    "prompt_tokens_computed": "preble_engine_prompt_tokens_computed_total",
+    "prompt_tokens_cached": "preble_engine_prompt_tokens_cached_total",
+}
+QUEUE_TIME = "preble_engine_request_queue_time_seconds"
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+METRICS = [
+    *(MetricSpec(name, "gauge", text) for name, text in GAUGES.values()),
+    *(MetricSpec(name, "counter", key.replace("_", " ")) for key, name in COUNTERS.items()),
+    MetricSpec(QUEUE_TIME, "histogram", "arrival to admission out of the wait queue", QUEUE_BUCKETS),
 ]
 
 
@@ -110,6 +117,8 @@ class TritonPythonModel:
         report = None
         if out.finished:
             report = encode_report(self._stats(), self.engine.cache_events(events_since))
+            if out.queue_time_s is not None:
+                self.metrics.observe(QUEUE_TIME, out.queue_time_s)
         self._put(TOKENS, (sender, out, report))
 
     def _control(self, op: dict, sender) -> None:
@@ -199,8 +208,8 @@ class TritonPythonModel:
         stats = self.engine.stats()
         for key, (name, _) in GAUGES.items():
             self.metrics.gauge(name, stats[key])
-        for key in COUNTERS:
-            self.metrics.count(f"preble_engine_{key}", stats[key] - self._counted[key])
+        for key, name in COUNTERS.items():
+            self.metrics.count(name, stats[key] - self._counted[key])
             self._counted[key] = stats[key]
 
     def finalize(self) -> None:

@@ -60,15 +60,33 @@ from scheduler.policies import make_policy
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 
 INPUTS = names(ROUTER_INPUTS)
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-METRICS = [
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+FAILURES = {  # Triton error code's name -> the failures counter's reason
+    "INVALID_ARG": "invalid", "UNAVAILABLE": "unavailable", "CANCELLED": "cancelled", "INTERNAL": "internal",
+}
+METRICS = [  # as vLLM names its request metrics; per request, labelled by policy and engine
     MetricSpec("preble_router_decisions_total", "counter", "routing decisions"),
     MetricSpec("preble_router_rejected_total", "counter", "requests refused: the router was at capacity"),
-    MetricSpec(
-        "preble_router_request_latency_seconds", "histogram", "request latency at the router", LATENCY_BUCKETS
-    ),  # fmt: skip
+    MetricSpec("preble_router_failures_total", "counter", "requests that ended with an error, by reason"),
+    MetricSpec("preble_router_e2e_request_latency_seconds", "histogram", "arrival to final response",
+               LATENCY_BUCKETS),
+    MetricSpec("preble_router_time_to_first_token_seconds", "histogram", "arrival to first token",
+               LATENCY_BUCKETS),
+    MetricSpec("preble_router_time_per_output_token_seconds", "histogram",
+               "first to last token over the tokens after the first", TOKEN_LATENCY_BUCKETS),
+    MetricSpec("preble_router_queue_time_seconds", "histogram",
+               "arrival to forwarded (waiting for a forwarding slot, tokenizing, routing)", LATENCY_BUCKETS),
+    MetricSpec("preble_router_request_prompt_tokens", "histogram", "prompt tokens per request",
+               TOKEN_BUCKETS),
+    MetricSpec("preble_router_request_generation_tokens", "histogram", "generated tokens per request",
+               TOKEN_BUCKETS),
+    MetricSpec("preble_router_prompt_tokens_total", "counter", "prompt tokens of finished requests"),
+    MetricSpec("preble_router_cached_prompt_tokens_total", "counter",
+               "prompt tokens the engines' prefix caches served"),
     MetricSpec("preble_router_engine_up", "gauge", "1 while the engine takes requests, 0 once it failed"),
-]
+]  # fmt: skip
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -99,6 +117,10 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"instance": engine.name})
+        self.metrics.count("preble_router_rejected_total", 0)  # every series exists from the start
+        for reason in FAILURES.values():
+            labels = {"policy": self.policy.name, "reason": reason}
+            self.metrics.count("preble_router_failures_total", 0, labels)
         self.monitor = EngineMonitor(
             self.engines, self._engine_down, self._engine_up,
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
@@ -118,6 +140,7 @@ class TritonPythonModel:
                 )
             except (BadRequest, ValueError) as exc:
                 send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                self._count_failure(pb_utils.TritonError.INVALID_ARG)
                 continue
             flight = self.flights.admit(sender)
             if flight is None:
@@ -150,8 +173,9 @@ class TritonPythonModel:
             engine = self.engines[decision.instance]
             labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
             self.metrics.count("preble_router_decisions_total", 1, labels)
-            self._forward(flight, req, routing, engine)
-            self.metrics.observe("preble_router_request_latency_seconds", time.monotonic() - arrival)
+            self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
+                                 {"policy": self.policy.name})  # fmt: skip
+            self._forward(flight, req, routing, engine, arrival)
         except (BadRequest, ValueError) as exc:
             self._fail(flight, str(exc), pb_utils.TritonError.INVALID_ARG)
         except EngineUnavailable as exc:
@@ -166,18 +190,20 @@ class TritonPythonModel:
         finally:
             self._settle(flight)
 
-    def _forward(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine) -> None:
+    def _forward(
+        self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine, arrival: float
+    ) -> None:
         """Stream the engine's answer back to the client."""
         instance = flight.instance
         answer = Answer(req, self.tokenizer, len(routing.input_ids))
         cancelled = False
-        start, ttft = time.monotonic(), None
+        start, first_token_at = time.monotonic(), None
         with self.lock:
             cursor = self.feeds[instance].cursor
         for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json, cursor):
             self.monitor.progress(instance)
-            if ttft is None and resp.token_ids:
-                ttft = time.monotonic() - start
+            if first_token_at is None and resp.token_ids:
+                first_token_at = time.monotonic()
             if not cancelled and flight.is_cancelled():  # or ended elsewhere
                 cancelled = True
                 engine.abort(routing.request_id)  # keep reading: the final response confirms it
@@ -185,11 +211,13 @@ class TritonPythonModel:
             if resp.final:
                 batch, load = decode_report(resp.report) if resp.report else (None, {})
                 self._learn(instance, engine, load)
+                ttft = None if first_token_at is None else first_token_at - start  # the engine's
                 with self.lock:
                     events = self._mirror(instance, batch)
                     flight.engine_finished = True
                     info = FinishInfo(events, load, ttft, answer.num_output)
                     self.policy.on_finish(instance, routing, info)
+                self._observe(engine.name, arrival, first_token_at, answer, resp.num_cached_tokens)
             if cancelled:
                 continue
             if req.stream and (delta or resp.final):
@@ -201,12 +229,34 @@ class TritonPythonModel:
         elif not flight.closed:
             raise EngineError(f"engine {engine.name} ended the stream without a final response")
 
+    def _observe(self, engine: str, arrival: float, first_token_at: float | None, answer: Answer,
+                 cached: int) -> None:  # fmt: skip
+        """A finished request's latencies and token counts, as the client saw them."""
+        now, labels = time.monotonic(), {"policy": self.policy.name, "instance": engine}
+        observe = self.metrics.observe
+        observe("preble_router_e2e_request_latency_seconds", now - arrival, labels)
+        if first_token_at is not None:
+            observe("preble_router_time_to_first_token_seconds", first_token_at - arrival, labels)
+            if answer.num_output > 1:
+                tpot = (now - first_token_at) / (answer.num_output - 1)
+                observe("preble_router_time_per_output_token_seconds", tpot, labels)
+        observe("preble_router_request_prompt_tokens", answer.num_input_tokens, labels)
+        observe("preble_router_request_generation_tokens", answer.num_output, labels)
+        self.metrics.count("preble_router_prompt_tokens_total", answer.num_input_tokens, labels)
+        self.metrics.count("preble_router_cached_prompt_tokens_total", cached, labels)
+
+    def _count_failure(self, code) -> None:
+        names = {getattr(pb_utils.TritonError, name): reason for name, reason in FAILURES.items()}
+        labels = {"policy": self.policy.name, "reason": names.get(code, "internal")}
+        self.metrics.count("preble_router_failures_total", 1, labels)
+
     def _send(self, flight: Flight, outputs: dict[str, np.ndarray], final: bool) -> None:
         tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
         flight.send(pb_utils.InferenceResponse(output_tensors=tensors), final, FINAL)
 
     def _fail(self, flight: Flight, message: str, code) -> None:
-        flight.end(lambda: send_error(flight.sender, message, code))
+        if flight.end(lambda: send_error(flight.sender, message, code)):
+            self._count_failure(code)
 
     def _settle(self, flight: Flight) -> None:
         """The router's bookkeeping for a routed request, once, whoever ends it first."""

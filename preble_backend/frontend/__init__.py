@@ -1,0 +1,1 @@
+"""Front ends beside Triton's own endpoints: an OpenAI-compatible HTTP server."""

@@ -1,0 +1,223 @@
+"""OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` requests mapped onto the
+router's contract (Triton's vLLM-backend inputs), and the router's answers and errors in
+OpenAI's shapes. Free of HTTP and gRPC: the server (``openai_server``) moves the bytes.
+
+Sampling follows vLLM's OpenAI server: OpenAI's keys (``max_tokens``, or
+``max_completion_tokens`` for chat; ``temperature``, ``top_p``, ``stop``, ``seed``,
+``presence_penalty``, ``frequency_penalty``) and vLLM's extras (``top_k``,
+``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``). What the
+engine cannot do (``n`` > 1, ``best_of``, ``logit_bias``, ``suffix``, tools, a
+``response_format`` other than text) is refused, naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from preble_backend.common.sampling_params import SamplingParams
+
+SAMPLING_KEYS = (
+    "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+    "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
+)  # fmt: skip
+IGNORED_KEYS = ("model", "stream", "stream_options", "user", "messages", "prompt", "echo", "max_tokens",
+                "max_completion_tokens", "n", "best_of", "logit_bias", "suffix", "response_format",
+                "tools", "tool_choice", "logprobs", "top_logprobs", "parallel_tool_calls")  # fmt: skip
+DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
+
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+class OpenAIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ERROR_TYPES.get(status, "internal_error")
+
+    def body(self) -> dict:
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
+        return {"error": error}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param)
+
+
+@dataclass
+class RouterCall:
+    """One request for the router: the prompt text and its sampling parameters."""
+
+    prompt: str
+    params: dict
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    chat: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _check_unsupported(body: dict) -> None:
+    if body.get("n", 1) != 1:
+        raise bad_request("n must be 1: this server returns one choice per request", "n")
+    if body.get("best_of", 1) not in (1, None):
+        raise bad_request("best_of is not supported", "best_of")
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", "suffix")
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tools are not supported", "tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("response_format must be {'type': 'text'}", "response_format")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        message = "logprobs are not supported by the OpenAI endpoint; the Triton endpoints return them"
+        raise bad_request(message, "logprobs")
+    unknown = sorted(set(body) - set(SAMPLING_KEYS) - set(IGNORED_KEYS))
+    if unknown:
+        raise bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+
+
+def _sampling(body: dict, max_tokens_key: str) -> dict:
+    params = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
+    max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
+    params["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    try:
+        SamplingParams.from_dict(params)  # the router checks again; a bad value is a 400 here
+    except (ValueError, TypeError) as exc:
+        raise bad_request(str(exc)) from None
+    return params
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if options and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def check_model(body: dict, served: str) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model is required", "model")
+    if model != served:
+        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{served}`", "model",
+                          "not_found_error")  # fmt: skip
+
+
+def parse_completion(body: dict, served: str) -> RouterCall:
+    check_model(body, served)
+    _check_unsupported(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise bad_request("prompt must be a string (one prompt per request)", "prompt")
+    if not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    stream, include_usage = _stream_flags(body)
+    echo = body.get("echo") or False
+    return RouterCall(prompt, _sampling(body, "max_tokens"), stream, include_usage, echo=bool(echo))
+
+
+def message_text(message: dict, index: int) -> tuple[str, str]:
+    """(role, text) of a chat message; content may be a string or a list of text parts."""
+    if not isinstance(message, dict):
+        raise bad_request(f"messages[{index}] must be an object", "messages")
+    role, content = message.get("role"), message.get("content")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise bad_request(f"messages[{index}].role must be system, developer, user or assistant", "messages")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            if not isinstance(text, str):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
+            parts.append(text)
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
+    return role, content
+
+
+def parse_chat(body: dict, served: str, render: Callable[[list[dict]], str]) -> RouterCall:
+    """``render`` applies the model's chat template (with the assistant's turn opened)."""
+    check_model(body, served)
+    _check_unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    turns = [dict(zip(("role", "content"), message_text(m, i))) for i, m in enumerate(messages)]
+    stream, include_usage = _stream_flags(body)
+    prompt = render(turns)
+    return RouterCall(prompt, _sampling(body, "max_completion_tokens"), stream, include_usage, chat=True)
+
+
+# ---- answers -------------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def body(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def _envelope(call: RouterCall, served: str, chunk: bool) -> dict:
+    if call.chat:
+        kind, prefix = ("chat.completion.chunk" if chunk else "chat.completion"), "chatcmpl-"
+    else:
+        kind, prefix = "text_completion", "cmpl-"
+    return {"id": prefix + call.id, "object": kind, "created": call.created, "model": served}
+
+
+def completion_body(call: RouterCall, served: str, text: str, finish: str | None, usage: Usage) -> dict:
+    """The whole answer of a request that did not stream."""
+    if call.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}  # fmt: skip
+    else:
+        choice = {"index": 0, "text": (call.prompt if call.echo else "") + text, "logprobs": None,
+                  "finish_reason": finish}  # fmt: skip
+    return {**_envelope(call, served, False), "choices": [choice], "usage": usage.body()}
+
+
+def chunk_body(call: RouterCall, served: str, text: str | None, finish: str | None, first=False) -> dict:
+    """One streamed chunk: new text, or the finish reason on the last one."""
+    if call.chat:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    body = {**_envelope(call, served, True), "choices": [choice]}
+    if call.include_usage:
+        body["usage"] = None
+    return body
+
+
+def usage_chunk(call: RouterCall, served: str, usage: Usage) -> dict:
+    """The extra last chunk ``stream_options.include_usage`` asks for: no choices, the usage."""
+    return {**_envelope(call, served, True), "choices": [], "usage": usage.body()}
+
+
+def sse(body: dict | str) -> bytes:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n".encode()

@@ -1,0 +1,265 @@
+"""An OpenAI-compatible HTTP server in front of the ``preble`` router: ``/v1/models``,
+``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events when
+asked), ``/health``. Each request is one gRPC stream to the router on a persistent
+channel, so the router's routing, streaming and cancellation hold as they do for Triton's
+own clients; a client that disconnects cancels its stream, and the router aborts the
+request in its engine.
+
+    python -m preble_backend.frontend.openai_server --router 127.0.0.1:8001 --model-path tiny
+
+``preble serve`` starts it beside tritonserver (``--openai-port``) and stops it with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from preble_backend.frontend.openai_protocol import (
+    OpenAIError,
+    RouterCall,
+    Usage,
+    chunk_body,
+    completion_body,
+    parse_chat,
+    parse_completion,
+    sse,
+    usage_chunk,
+)
+
+UNAVAILABLE = ("at capacity", "no engine is available", "failed while serving", "unreachable")
+
+
+@dataclass
+class Piece:
+    """What one router response adds: new text, and on the last one the finish reason."""
+
+    text: str
+    output_tokens: int
+    final: bool
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def router_error(message: str) -> OpenAIError:
+    """The router's error as an OpenAI error: 503 when it is at capacity or has no engine to
+    serve it (retry), 400 when it refused the request, 500 otherwise."""
+    if any(words in message for words in UNAVAILABLE):
+        return OpenAIError(503, message)
+    if "is invalid" in message or "must be" in message or "input '" in message or "encodes to no" in message:
+        return OpenAIError(400, message)
+    return OpenAIError(500, message)
+
+
+class Router:
+    """The router's gRPC endpoint: one channel, a stream per request. The channel is
+    opened inside the server's event loop (``open``), which it is bound to."""
+
+    def __init__(self, url: str, model: str = "preble") -> None:
+        self.url, self.model = url, model
+        self.client = None
+
+    def open(self) -> None:
+        import tritonclient.grpc.aio as grpcaio
+
+        self.client = grpcaio.InferenceServerClient(self.url)
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_model_ready(self.model)
+        except Exception:
+            return False
+
+    async def generate(self, call: RouterCall) -> AsyncIterator[Piece]:
+        from client.triton_client import infer_inputs
+
+        inputs = infer_inputs({
+            "text_input": call.prompt, "stream": True, "sampling_parameters": json.dumps(call.params),
+            "exclude_input_in_output": True, "return_finish_reason": True,
+            "return_num_input_tokens": True, "return_num_output_tokens": True,
+        })  # fmt: skip
+
+        async def one():
+            yield {"model_name": self.model, "inputs": inputs,
+                   "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
+
+        try:
+            responses = self.client.stream_infer(one())
+        except Exception as exc:
+            raise OpenAIError(503, f"the router at {self.url} is unreachable: {exc}") from None
+        done = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise router_error(error.message())
+                final = result.get_response().parameters["triton_final_response"].bool_param
+                yield _piece(result, final)
+                if final:
+                    done = True
+                    return
+            raise OpenAIError(500, "the router closed the stream before its final response")
+        except OpenAIError:
+            raise
+        except Exception as exc:  # the channel broke
+            raise OpenAIError(503, f"the router at {self.url} failed: {exc}") from None
+        finally:
+            if not done:
+                responses.cancel()  # the client went away, or an error: the router aborts the request
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _piece(result, final: bool) -> Piece:
+    def value(name):
+        array = result.as_numpy(name)
+        return None if array is None or array.size == 0 else array.reshape(-1)[0]
+
+    text = value("text_output")
+    reason = value("finish_reason")
+    return Piece(
+        text=text.decode("utf-8") if isinstance(text, bytes) else "",
+        output_tokens=int(value("num_output_tokens") or 0),
+        final=final,
+        finish_reason=reason.decode() if isinstance(reason, bytes) and reason else None,
+        prompt_tokens=int(value("num_input_tokens") or 0),
+        cached_tokens=int(value("num_cached_tokens") or 0),
+    )
+
+
+def chat_renderer(model_path: str):
+    """The model's chat template (transformers' ``apply_chat_template``), the assistant's
+    turn opened; a model without one answers chat requests with a 400 naming it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def render(messages: list[dict]) -> str:
+        if not tokenizer.chat_template:
+            raise OpenAIError(400, f"the model at {model_path} has no chat template: use /v1/completions")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return render
+
+
+def make_app(router: Router, served: str, render):
+    @asynccontextmanager
+    async def lifespan(_app):
+        router.open()
+        yield
+        await router.close()
+
+    app = FastAPI(title="preble OpenAI-compatible API", lifespan=lifespan)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc):
+        return JSONResponse(OpenAIError(400, str(exc)).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        if not await router.ready():
+            raise OpenAIError(503, f"the router model {router.model} at {router.url} is not ready")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        model = {"id": served, "object": "model", "created": 0, "owned_by": "preble"}
+        return {"object": "list", "data": [model]}
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        return body
+
+    async def answer(call: RouterCall):
+        pieces = router.generate(call)
+        if call.stream:
+            first = await anext(pieces)  # an error before the first token is still an HTTP error
+            return StreamingResponse(_events(call, served, first, pieces), media_type="text/event-stream")
+        text, usage, finish = [], Usage(), None
+        async for piece in pieces:
+            text.append(piece.text)
+            finish = _count(usage, piece) or finish
+        return completion_body(call, served, "".join(text), finish, usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(parse_completion(await body_of(request), served))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(parse_chat(await body_of(request), served, render))
+
+    return app
+
+
+def _count(usage: Usage, piece: Piece) -> str | None:
+    usage.completion_tokens += piece.output_tokens
+    if piece.final:
+        usage.prompt_tokens, usage.cached_tokens = piece.prompt_tokens, piece.cached_tokens
+    return piece.finish_reason
+
+
+async def _events(call: RouterCall, served: str, first: Piece, rest: AsyncIterator[Piece]):
+    usage = Usage()
+    if call.chat:
+        yield sse(chunk_body(call, served, None, None, first=True))
+    elif call.echo:
+        yield sse(chunk_body(call, served, call.prompt, None))
+
+    async def all_pieces():
+        yield first
+        async for piece in rest:
+            yield piece
+
+    try:
+        async for piece in all_pieces():
+            finish = _count(usage, piece)
+            if piece.text:
+                yield sse(chunk_body(call, served, piece.text, None))
+            if piece.final:
+                yield sse(chunk_body(call, served, None, finish))
+        if call.include_usage:
+            yield sse(usage_chunk(call, served, usage))
+    except OpenAIError as exc:  # after the first token: the stream ends with the error
+        yield sse(exc.body())
+    yield sse("[DONE]")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from preble_backend.model.pypi_models import resolve
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    parser.add_argument("--router", default="127.0.0.1:8001", help="the router's tritonserver gRPC endpoint")
+    parser.add_argument("--router-model", default="preble", help="the router model's name")
+    parser.add_argument("--model-path", default="tiny", help="the engines' model (its chat template)")
+    parser.add_argument("--served-model-name", default="preble", help="the model name clients send")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=9000)
+    args = parser.parse_args(argv)
+    router = Router(args.router, args.router_model)
+    app = make_app(router, args.served_model_name, chat_renderer(resolve(args.model_path)))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The OpenAI-compatible front against a real tritonserver, driven by the OpenAI SDK:
+completions and chat, whole and streamed, usage with cached tokens, errors in OpenAI's
+shape, and a client that vanishes mid-stream."""
+
+from __future__ import annotations
+
+import pytest
+from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+
+from preble_backend.frontend.process import start_openai_front
+from preble_backend.serving.launcher import free_port
+
+pytestmark = pytest.mark.server
+openai = pytest.importorskip("openai")
+ENGINES = ("preble_engine_0", "preble_engine_1")
+PROMPT = "The router sends each request to the engine that caches its prefix."
+GREEDY = {"temperature": 0, "max_tokens": 12}
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("openai")
+    server = launch(write_test_repository(root / "repo"), root / "server.log")
+    front = start_openai_front(f"127.0.0.1:{server.ports.grpc}", free_port(), tiny_model, root / "front.log")
+    try:
+        front.wait_healthy()
+        yield server, openai.OpenAI(base_url=front.url, api_key="none", max_retries=0)
+        client = client_for(server)
+        for engine in ENGINES:
+            assert_engine_pages_free(client, engine)
+    finally:
+        front.stop()
+        server.stop()
+
+
+def test_models_lists_the_served_model(stack):
+    _, api = stack
+    assert [m.id for m in api.models.list().data] == ["preble"]
+
+
+def test_a_completion_is_the_routers_answer_with_usage(stack):
+    server, api = stack
+    triton = client_for(server).generate(PROMPT, {**GREEDY, **IGNORE_EOS}, exclude_input_in_output=True)
+    done = api.completions.create(model="preble", prompt=PROMPT, extra_body=IGNORE_EOS, **GREEDY)
+    [choice] = done.choices
+    assert choice.text == triton["text_output"] and choice.finish_reason == "length"
+    from transformers import AutoTokenizer
+
+    from preble_backend.model.tiny_model import tiny_model_path
+
+    prompt_tokens = len(AutoTokenizer.from_pretrained(tiny_model_path())(PROMPT).input_ids)
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 12)
+    assert done.usage.total_tokens == prompt_tokens + 12
+    again = api.completions.create(model="preble", prompt=PROMPT, extra_body=IGNORE_EOS, **GREEDY)
+    assert again.choices[0].text == choice.text
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prefix is cached now
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one(stack):
+    _, api = stack
+    whole = api.completions.create(model="preble", prompt=PROMPT, extra_body=IGNORE_EOS, **GREEDY)
+    chunks = list(api.completions.create(model="preble", prompt=PROMPT, stream=True,
+                                         stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+                                         **GREEDY))  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 12
+    echoed = api.completions.create(model="preble", prompt=PROMPT, echo=True, **GREEDY)
+    assert echoed.choices[0].text.startswith(PROMPT)
+
+
+def test_chat_applies_the_models_template(stack):
+    server, api = stack
+    from transformers import AutoTokenizer
+
+    from preble_backend.model.tiny_model import tiny_model_path
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    rendered = AutoTokenizer.from_pretrained(tiny_model_path()).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    triton = client_for(server).generate(rendered, {**GREEDY, **IGNORE_EOS}, exclude_input_in_output=True)
+    done = api.chat.completions.create(model="preble", messages=messages, extra_body=IGNORE_EOS, **GREEDY)
+    assert done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == triton["text_output"]
+    chunks = list(api.chat.completions.create(model="preble", messages=messages, stream=True,
+                                              extra_body=IGNORE_EOS, **GREEDY))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == triton["text_output"]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"temperature": -1}, "BadRequestError", "temperature"),
+        ({"n": 2}, "BadRequestError", "n must be 1"),
+        ({"extra_body": {"frobnicate": 1}}, "BadRequestError", "frobnicate"),
+        ({"model": "gpt-4"}, "NotFoundError", "gpt-4"),
+    ],
+)
+def test_a_bad_request_is_named_in_openais_shape_and_the_next_succeeds(stack, kwargs, error, words):
+    _, api = stack
+    args = {"model": "preble", "prompt": PROMPT, "max_tokens": 4, **kwargs}
+    with pytest.raises(getattr(openai, error)) as info:
+        api.completions.create(**args)
+    assert words in info.value.body["message"] and info.value.body["type"]
+    assert api.completions.create(model="preble", prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+def test_a_client_that_vanishes_mid_stream_frees_its_pages(stack):
+    server, api = stack
+    stream = api.completions.create(model="preble", prompt=PROMPT, stream=True, max_tokens=2000,
+                                    extra_body=IGNORE_EOS)  # fmt: skip
+    next(iter(stream))
+    stream.close()  # the HTTP connection goes away; the router aborts the request
+    client = client_for(server)
+    for engine in ENGINES:
+        assert_engine_pages_free(client, engine)
