@@ -119,3 +119,22 @@ def test_a_client_that_vanishes_mid_stream_frees_its_pages(stack):
     client = client_for(server)
     for engine in ENGINES:
         assert_engine_pages_free(client, engine)
+
+
+def test_logprobs_of_the_sampled_tokens(stack):
+    _, api = stack
+    done = api.completions.create(model="preble", prompt=PROMPT, logprobs=2, extra_body=IGNORE_EOS, **GREEDY)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and sampled == max(top.values()) <= 0  # greedy: the top token
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = api.chat.completions.create(model="preble", messages=messages, logprobs=True, top_logprobs=1,
+                                       extra_body=IGNORE_EOS, **GREEDY)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12 and all(t.top_logprobs[0].logprob == t.logprob for t in content)
+    chunks = list(api.completions.create(model="preble", prompt=PROMPT, logprobs=2, stream=True,
+                                         extra_body=IGNORE_EOS, **GREEDY))  # fmt: skip
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    streamed = [value for chunk in logprobs for value in chunk.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)  # cached prefix: other float sums

@@ -9,6 +9,7 @@ from preble_backend.frontend.openai_protocol import (
     Usage,
     chunk_body,
     completion_body,
+    logprobs_body,
     parse_chat,
     parse_completion,
     usage_chunk,
@@ -45,7 +46,8 @@ def test_chat_renders_text_parts_and_prefers_max_completion_tokens():
         ({"model": "m", "prompt": "x", "top_p": 2}, 400, "top_p"),
         ({"model": "m", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": "m", "prompt": "x", "n": 3}, 400, "n must be 1"),
-        ({"model": "m", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ({"model": "m", "prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed when"),
         ({"model": "m", "prompt": "x", "mystery": 1}, 400, "unknown field(s): mystery"),
     ],
@@ -84,3 +86,29 @@ def test_answers_in_openais_shapes():
                                                                    "finish_reason": "length"}  # fmt: skip
     last = usage_chunk(chat, "m", usage)
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 14
+
+
+STEPS = [  # the router's logprobs: per token, keyed by id, the sampled token first
+    {"5": {"logprob": -0.5, "rank": 2, "decoded_token": "ab"}, "7": {"logprob": -0.1, "rank": 1,
+     "decoded_token": "b"}, "9": {"logprob": -3.0, "rank": 3, "decoded_token": "c"}},
+    {"7": {"logprob": -0.2, "rank": 1, "decoded_token": "b"}, "9": {"logprob": -4.0, "rank": 2,
+     "decoded_token": "c"}},
+]  # fmt: skip
+
+
+def test_logprobs_as_openai_returns_them():
+    call = parse_completion({"model": "m", "prompt": "Q:", "logprobs": 2, "echo": True}, "m")
+    assert call.params["logprobs"] == 2
+    body = completion_body(call, "m", "abb", "length", Usage(), STEPS)["choices"][0]["logprobs"]
+    assert body == {"tokens": ["ab", "b"], "token_logprobs": [-0.5, -0.2],
+                    "top_logprobs": [{"b": -0.1, "ab": -0.5}, {"b": -0.2, "c": -4.0}],
+                    "text_offset": [2, 4]}  # fmt: skip
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                       "top_logprobs": 1}, "m", render)  # fmt: skip
+    [first, _] = logprobs_body(chat, STEPS)["content"]
+    assert first == {"token": "ab", "logprob": -0.5, "bytes": [97, 98],
+                     "top_logprobs": [{"token": "b", "logprob": -0.1, "bytes": [98]}]}  # fmt: skip
+    assert logprobs_body(parse_completion({"model": "m", "prompt": "x"}, "m"), STEPS) is None
+    with pytest.raises(OpenAIError, match="needs logprobs: true"):
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "m",
+                   render)  # fmt: skip

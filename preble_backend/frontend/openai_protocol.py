@@ -5,9 +5,11 @@ OpenAI's shapes. Free of HTTP and gRPC: the server (``openai_server``) moves the
 Sampling follows vLLM's OpenAI server: OpenAI's keys (``max_tokens``, or
 ``max_completion_tokens`` for chat; ``temperature``, ``top_p``, ``stop``, ``seed``,
 ``presence_penalty``, ``frequency_penalty``) and vLLM's extras (``top_k``,
-``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``). What the
-engine cannot do (``n`` > 1, ``best_of``, ``logit_bias``, ``suffix``, tools, a
-``response_format`` other than text) is refused, naming the field.
+``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``); logprobs of
+the sampled tokens as OpenAI returns them (completions: ``logprobs: k``; chat:
+``logprobs: true`` and ``top_logprobs: k``). What the engine cannot do (``n`` > 1,
+``best_of``, ``logit_bias``, ``suffix``, tools, a ``response_format`` other than text) is
+refused, naming the field.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class RouterCall:
     include_usage: bool = False
     echo: bool = False
     chat: bool = False
+    logprobs: int | None = None  # alternatives per token, when logprobs are asked for
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -78,16 +81,15 @@ def _check_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("response_format must be {'type': 'text'}", "response_format")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        message = "logprobs are not supported by the OpenAI endpoint; the Triton endpoints return them"
-        raise bad_request(message, "logprobs")
     unknown = sorted(set(body) - set(SAMPLING_KEYS) - set(IGNORED_KEYS))
     if unknown:
         raise bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
 
 
-def _sampling(body: dict, max_tokens_key: str) -> dict:
+def _sampling(body: dict, max_tokens_key: str, logprobs: int | None) -> dict:
     params = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
+    if logprobs is not None:
+        params["logprobs"] = logprobs
     max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
     params["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     try:
@@ -128,7 +130,11 @@ def parse_completion(body: dict, served: str) -> RouterCall:
         raise bad_request("prompt must not be empty", "prompt")
     stream, include_usage = _stream_flags(body)
     echo = body.get("echo") or False
-    return RouterCall(prompt, _sampling(body, "max_tokens"), stream, include_usage, echo=bool(echo))
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise bad_request("logprobs must be an integer (alternatives per token)", "logprobs")
+    params = _sampling(body, "max_tokens", logprobs)
+    return RouterCall(prompt, params, stream, include_usage, echo=bool(echo), logprobs=logprobs)
 
 
 def message_text(message: dict, index: int) -> tuple[str, str]:
@@ -160,8 +166,14 @@ def parse_chat(body: dict, served: str, render: Callable[[list[dict]], str]) -> 
         raise bad_request("messages must be a non-empty list", "messages")
     turns = [dict(zip(("role", "content"), message_text(m, i))) for i, m in enumerate(messages)]
     stream, include_usage = _stream_flags(body)
-    prompt = render(turns)
-    return RouterCall(prompt, _sampling(body, "max_completion_tokens"), stream, include_usage, chat=True)
+    wanted, top = body.get("logprobs") or False, body.get("top_logprobs")
+    if not isinstance(wanted, bool):
+        raise bad_request("logprobs must be a boolean", "logprobs")
+    if top is not None and (not wanted or isinstance(top, bool) or not isinstance(top, int)):
+        raise bad_request("top_logprobs must be an integer, and needs logprobs: true", "top_logprobs")
+    logprobs = (top or 0) if wanted else None
+    params = _sampling(body, "max_completion_tokens", logprobs)
+    return RouterCall(render(turns), params, stream, include_usage, chat=True, logprobs=logprobs)
 
 
 # ---- answers -------------------------------------------------------------------------------
@@ -190,24 +202,57 @@ def _envelope(call: RouterCall, served: str, chunk: bool) -> dict:
     return {"id": prefix + call.id, "object": kind, "created": call.created, "model": served}
 
 
-def completion_body(call: RouterCall, served: str, text: str, finish: str | None, usage: Usage) -> dict:
-    """The whole answer of a request that did not stream."""
+def logprobs_body(call: RouterCall, steps: list[dict], offset: int = 0) -> dict | None:
+    """OpenAI's logprobs of the sampled tokens from the router's steps (per token, keyed by
+    token id, the sampled token first: ``{"logprob", "rank", "decoded_token"}``); chat's
+    ``content`` list, or the completions' parallel lists with text offsets from ``offset``."""
+    if call.logprobs is None:
+        return None
+    sampled = [next(iter(step.values())) for step in steps]
+    tops = [sorted(step.values(), key=lambda e: e["rank"])[: call.logprobs] for step in steps]
     if call.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        def entry(e):
+            token = e["decoded_token"]
+            return {"token": token, "logprob": e["logprob"], "bytes": list(token.encode())}
+
+        return {"content": [{**entry(s), "top_logprobs": [entry(e) for e in top]}
+                            for s, top in zip(sampled, tops)]}  # fmt: skip
+    offsets = []
+    for s in sampled:
+        offsets.append(offset)
+        offset += len(s["decoded_token"])
+    return {
+        "tokens": [s["decoded_token"] for s in sampled],
+        "token_logprobs": [s["logprob"] for s in sampled],
+        "top_logprobs": [{e["decoded_token"]: e["logprob"] for e in top} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def completion_body(
+    call: RouterCall, served: str, text: str, finish: str | None, usage: Usage, steps: list[dict] = ()
+) -> dict:
+    """The whole answer of a request that did not stream."""
+    echoed = call.prompt if call.echo and not call.chat else ""
+    logprobs = logprobs_body(call, list(steps), len(echoed))
+    if call.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}  # fmt: skip
     else:
-        choice = {"index": 0, "text": (call.prompt if call.echo else "") + text, "logprobs": None,
-                  "finish_reason": finish}  # fmt: skip
+        choice = {"index": 0, "text": echoed + text, "logprobs": logprobs, "finish_reason": finish}
     return {**_envelope(call, served, False), "choices": [choice], "usage": usage.body()}
 
 
-def chunk_body(call: RouterCall, served: str, text: str | None, finish: str | None, first=False) -> dict:
-    """One streamed chunk: new text, or the finish reason on the last one."""
+def chunk_body(
+    call: RouterCall, served: str, text: str | None, finish: str | None, first=False, logprobs=None
+) -> dict:
+    """One streamed chunk: new text (and its tokens' logprobs), or the finish reason on the
+    last one."""
     if call.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     body = {**_envelope(call, served, True), "choices": [choice]}
     if call.include_usage:
         body["usage"] = None

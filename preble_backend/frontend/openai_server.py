@@ -16,7 +16,7 @@ import argparse
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,6 +28,7 @@ from preble_backend.frontend.openai_protocol import (
     Usage,
     chunk_body,
     completion_body,
+    logprobs_body,
     parse_chat,
     parse_completion,
     sse,
@@ -47,6 +48,7 @@ class Piece:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)  # the router's steps, one per new token
 
 
 def router_error(message: str) -> OpenAIError:
@@ -85,6 +87,7 @@ class Router:
             "text_input": call.prompt, "stream": True, "sampling_parameters": json.dumps(call.params),
             "exclude_input_in_output": True, "return_finish_reason": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True,
+            "return_logprobs": call.logprobs is not None,
         })  # fmt: skip
 
         async def one():
@@ -125,6 +128,7 @@ def _piece(result, final: bool) -> Piece:
 
     text = value("text_output")
     reason = value("finish_reason")
+    steps = value("logprobs")
     return Piece(
         text=text.decode("utf-8") if isinstance(text, bytes) else "",
         output_tokens=int(value("num_output_tokens") or 0),
@@ -132,6 +136,7 @@ def _piece(result, final: bool) -> Piece:
         finish_reason=reason.decode() if isinstance(reason, bytes) and reason else None,
         prompt_tokens=int(value("num_input_tokens") or 0),
         cached_tokens=int(value("num_cached_tokens") or 0),
+        logprobs=(json.loads(steps) or []) if isinstance(steps, bytes) else [],  # "null": not asked
     )
 
 
@@ -192,11 +197,12 @@ def make_app(router: Router, served: str, render):
         if call.stream:
             first = await anext(pieces)  # an error before the first token is still an HTTP error
             return StreamingResponse(_events(call, served, first, pieces), media_type="text/event-stream")
-        text, usage, finish = [], Usage(), None
+        text, usage, finish, steps = [], Usage(), None, []
         async for piece in pieces:
             text.append(piece.text)
+            steps.extend(piece.logprobs)
             finish = _count(usage, piece) or finish
-        return completion_body(call, served, "".join(text), finish, usage)
+        return completion_body(call, served, "".join(text), finish, usage, steps)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -217,11 +223,12 @@ def _count(usage: Usage, piece: Piece) -> str | None:
 
 
 async def _events(call: RouterCall, served: str, first: Piece, rest: AsyncIterator[Piece]):
-    usage = Usage()
+    usage, offset = Usage(), 0
     if call.chat:
         yield sse(chunk_body(call, served, None, None, first=True))
     elif call.echo:
         yield sse(chunk_body(call, served, call.prompt, None))
+        offset = len(call.prompt)
 
     async def all_pieces():
         yield first
@@ -231,8 +238,10 @@ async def _events(call: RouterCall, served: str, first: Piece, rest: AsyncIterat
     try:
         async for piece in all_pieces():
             finish = _count(usage, piece)
-            if piece.text:
-                yield sse(chunk_body(call, served, piece.text, None))
+            if piece.text or piece.logprobs:
+                logprobs = logprobs_body(call, piece.logprobs, offset)
+                offset += sum(len(t) for t in logprobs["tokens"]) if logprobs and not call.chat else 0
+                yield sse(chunk_body(call, served, piece.text, None, logprobs=logprobs))
             if piece.final:
                 yield sse(chunk_body(call, served, None, finish))
         if call.include_usage:
