@@ -4,6 +4,12 @@ shape, and a client that vanishes mid-stream."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
 
@@ -138,3 +144,33 @@ def test_logprobs_of_the_sampled_tokens(stack):
     logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     streamed = [value for chunk in logprobs for value in chunk.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)  # cached prefix: other float sums
+
+
+GENAI_PERF = Path(__file__).resolve().parent.parent / ".venv-genai-perf" / "bin" / "genai-perf"
+
+
+@pytest.mark.parametrize("endpoint", ["kserve", "chat"])
+def test_a_short_genai_perf_profile_runs_clean(stack, tmp_path, tiny_model, endpoint):
+    """genai-perf 0.0.16 as docs/SERVING.md shows it: Triton's gRPC streaming with the vLLM
+    backend's inputs (max_tokens arrives as a string), and the OpenAI chat endpoint."""
+    if not GENAI_PERF.is_file():
+        pytest.skip("genai-perf is not installed: make genai-perf (make test does)")
+    server, api = stack
+    if endpoint == "kserve":
+        url, kind = f"127.0.0.1:{server.ports.grpc}", ["--backend", "vllm", "--endpoint-type", "kserve"]
+    else:
+        url, kind = f"{api.base_url.host}:{api.base_url.port}", ["--endpoint-type", "chat"]
+    command = [
+        str(GENAI_PERF), "profile", "-m", "preble", *kind, "--streaming", "--url", url,
+        "--tokenizer", tiny_model, "--synthetic-input-tokens-mean", "64",
+        "--synthetic-input-tokens-stddev", "0",
+        "--output-tokens-mean", "16", "--num-prefix-prompts", "2", "--prefix-prompt-length", "128",
+        "--concurrency", "2", "--measurement-interval", "3000", "--artifact-dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    [export] = tmp_path.glob("*/profile_export_genai_perf.json")
+    stats = json.loads(export.read_text())
+    assert stats["request_throughput"]["avg"] > 0 and stats["request_count"]["avg"] >= 4
+    assert 0 < stats["time_to_first_token"]["avg"] <= stats["request_latency"]["avg"]
