@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -27,7 +26,7 @@ from preble_backend.serving.launcher import (
     check_port_free,
     start_server,
 )
-from preble_backend.serving.repository import write_repository
+from preble_backend.serving.repository import config_parameter, write_repository
 from scheduler.sim.profile import profile
 from scheduler.sim.replay import replay
 from scheduler.sim.simulator import SimConfig
@@ -135,9 +134,8 @@ def serve(args: argparse.Namespace) -> int:
 def router_model_path(repository: Path) -> str:
     """The engines' model as the repository's router names it, resolved as the router does."""
     config = repository / "preble" / "config.pbtxt"
-    found = re.search(r'key:\s*"model_path"\s*value:\s*\{\s*string_value:\s*"([^"]*)"',
-                      config.read_text() if config.is_file() else "")  # fmt: skip
-    return resolve_model(found.group(1) if found else "tiny", base=repository)
+    model_path = config_parameter(config.read_text(), "model_path") if config.is_file() else None
+    return resolve_model(model_path or "tiny", base=repository)
 
 
 def repo(args: argparse.Namespace) -> int:

@@ -26,9 +26,11 @@ SAMPLING_KEYS = (
     "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
     "top_k", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
 )  # fmt: skip
-IGNORED_KEYS = ("model", "stream", "stream_options", "user", "messages", "prompt", "echo", "max_tokens",
-                "max_completion_tokens", "n", "best_of", "logit_bias", "suffix", "response_format",
-                "tools", "tool_choice", "logprobs", "top_logprobs", "parallel_tool_calls")  # fmt: skip
+OTHER_KEYS = (  # read by the parsers or checked by _check_unsupported (``user``: ignored)
+    "model", "stream", "stream_options", "user", "messages", "prompt", "echo", "max_tokens",
+    "max_completion_tokens", "n", "best_of", "logit_bias", "suffix", "response_format",
+    "tools", "tool_choice", "logprobs", "top_logprobs", "parallel_tool_calls",
+)  # fmt: skip
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 
 
@@ -81,7 +83,7 @@ def _check_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("response_format must be {'type': 'text'}", "response_format")
-    unknown = sorted(set(body) - set(SAMPLING_KEYS) - set(IGNORED_KEYS))
+    unknown = sorted(set(body) - set(SAMPLING_KEYS) - set(OTHER_KEYS))
     if unknown:
         raise bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
 

@@ -6,7 +6,6 @@ and to ``grpc://host:port/model`` for one on another server. Both stream
 from __future__ import annotations
 
 import json
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -62,13 +61,34 @@ def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
     )
 
 
-class EngineClient(ABC):
-    def __init__(self, name: str) -> None:
-        self.name = name
+class EngineClient:
+    """An engine model behind a gRPC endpoint: one channel per engine, kept for the
+    router's life, and a stream per request on it. The channel reconnects by itself when
+    its server is back."""
 
-    @abstractmethod
+    wait_for_ready = False  # a server that does not listen fails the call at once
+
+    def __init__(self, url: str, model: str, name: str) -> None:
+        self.url, self.model, self.name = url, model, name
+        self._channel, self._stub = open_grpc(url)  # connects on first use
+
     def _call(self, inputs: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray | None]]:
         """Send one request; yield each response's outputs; raise EngineError on error."""
+        import grpc
+
+        try:
+            calls = stream_infer(self._stub, self.model, inputs, wait_for_ready=self.wait_for_ready)
+            with closing(calls) as responses:
+                for outputs, final in responses:
+                    yield {name: outputs.get(name) for name in OUTPUTS}
+                    if final:
+                        return
+            raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
+        except StreamError as exc:
+            raise EngineError(str(exc)) from None
+        except grpc.RpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+            raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
 
     def generate(
         self, request_id: str, input_ids: list[int], params_json: str, events_since: str = ""
@@ -105,43 +125,18 @@ class EngineClient(ABC):
         return json.loads(self.control("health"))["load"]
 
     def close(self) -> None:
-        """Release connections (remote engines)."""
-
-
-class RemoteEngine(EngineClient):
-    """An engine model on another tritonserver: one gRPC channel per engine, kept for the
-    router's life, and a stream per request on it. A lost server fails the stream at once
-    with UNAVAILABLE; the channel reconnects by itself when it is back."""
-
-    wait_for_ready = False  # a remote server that does not listen fails the request at once
-
-    def __init__(self, url: str, model: str, name: str | None = None) -> None:
-        super().__init__(name or f"grpc://{url}/{model}")
-        self.url, self.model = url, model
-        self._channel, self._stub = open_grpc(url)  # connects on first use
-
-    def _call(self, inputs):
-        import grpc
-
-        try:
-            calls = stream_infer(self._stub, self.model, inputs, wait_for_ready=self.wait_for_ready)
-            with closing(calls) as responses:
-                for outputs, final in responses:
-                    yield {name: outputs.get(name) for name in OUTPUTS}
-                    if final:
-                        return
-            raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
-        except StreamError as exc:
-            raise EngineError(str(exc)) from None
-        except grpc.RpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-            raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
-
-    def close(self) -> None:
         self._channel.close()
 
 
-class LocalEngine(RemoteEngine):
+class RemoteEngine(EngineClient):
+    """An engine model on another tritonserver (``grpc://host:port/model``): a lost server
+    fails the stream at once with UNAVAILABLE."""
+
+    def __init__(self, url: str, model: str) -> None:
+        super().__init__(url, model, f"grpc://{url}/{model}")
+
+
+class LocalEngine(EngineClient):
     """An engine model in the router's own tritonserver, reached over that server's gRPC
     endpoint. Not through decoupled BLS: in Triton 2.51's Python backend, the responses of
     a decoupled BLS call are freed on the stub's cleanup thread without the GIL whenever
@@ -156,7 +151,7 @@ class LocalEngine(RemoteEngine):
     wait_for_ready = True
 
     def __init__(self, model: str, server_url: str) -> None:
-        super().__init__(server_url, model, name=model)
+        super().__init__(server_url, model, model)
 
 
 def make_engine_clients(spec: str, server_url: Callable[[], str]) -> list[EngineClient]:

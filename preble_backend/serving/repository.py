@@ -127,6 +127,12 @@ def _split_cores(host_cores: int, engines: int) -> list[str]:
     return [f"{i * per}-{(i + 1) * per - 1}" if per > 1 else str(i) for i in range(engines)]
 
 
+def config_parameter(config_pbtxt: str, key: str) -> str | None:
+    """The string value of a ``parameters`` entry of a ``config.pbtxt`` (None: not set)."""
+    found = re.search(rf'key:\s*"{re.escape(key)}"\s*value:\s*\{{\s*string_value:\s*"([^"]*)"', config_pbtxt)
+    return found.group(1) if found else None
+
+
 def check_local_engines(repository: Path, names: list[str], page_size: int) -> None:
     """Fail the router's load, naming the problem, when a local engine it forwards to is
     not a decoupled model of this repository or pages its KV differently (the router
@@ -138,8 +144,8 @@ def check_local_engines(repository: Path, names: list[str], page_size: int) -> N
         text = config.read_text()
         if not re.search(r"model_transaction_policy\s*\{\s*decoupled\s*:\s*true\s*\}", text):
             raise ValueError(f"engines: model {name!r} is not decoupled (model_transaction_policy)")
-        found = re.search(r'key:\s*"page_size"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-        theirs = found.group(1) if found else str(DEFAULT_PAGE_SIZE)
+        theirs = config_parameter(text, "page_size")
+        theirs = str(DEFAULT_PAGE_SIZE) if theirs is None else theirs
         if theirs != str(page_size):
             raise ValueError(
                 f"page_size={page_size} is invalid: engine {name!r} pages its KV cache by {theirs} tokens"

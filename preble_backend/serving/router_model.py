@@ -117,6 +117,8 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"instance": engine.name})
+        # pb_utils.TritonError exists once the stub runs, not when this module is imported
+        self.failure_reasons = {getattr(pb_utils.TritonError, code): r for code, r in FAILURES.items()}
         self.metrics.count("preble_router_rejected_total", 0)  # every series exists from the start
         for reason in FAILURES.values():
             labels = {"policy": self.policy.name, "reason": reason}
@@ -246,8 +248,7 @@ class TritonPythonModel:
         self.metrics.count("preble_router_cached_prompt_tokens_total", cached, labels)
 
     def _count_failure(self, code) -> None:
-        names = {getattr(pb_utils.TritonError, name): reason for name, reason in FAILURES.items()}
-        labels = {"policy": self.policy.name, "reason": names.get(code, "internal")}
+        labels = {"policy": self.policy.name, "reason": self.failure_reasons.get(code, "internal")}
         self.metrics.count("preble_router_failures_total", 1, labels)
 
     def _send(self, flight: Flight, outputs: dict[str, np.ndarray], final: bool) -> None:
