@@ -14,6 +14,9 @@ torch.set_num_threads(2)
 # is decorated, so this must precede every import of ``kernels``.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# PREBLE_TEST_DEVICE=cuda runs every engine the tests build on the GPU (in fp32, so the
+# parity suites still hold token for token); the references stay on the CPU.
+TEST_DEVICE = os.environ.get("PREBLE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -134,6 +137,7 @@ def make_engine():
     engines: list[Engine] = []
 
     def build(model_path: str, **overrides) -> Engine:
+        overrides = {"device": TEST_DEVICE, "dtype": "float32", **overrides}
         engine = Engine(EngineConfig(model_path=model_path, **overrides))
         engines.append(engine)
         return engine

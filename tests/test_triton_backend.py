@@ -84,8 +84,11 @@ def test_triton_backend_on_cpu_needs_the_interpreter(one_layer_model, monkeypatc
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU backends need CUDA")
-@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend):
+@pytest.mark.parametrize("backend,dtype", [("triton", "float32"), ("flashinfer", "bfloat16")])
+def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend, dtype):
+    """On CUDA each backend gives the torch backend's logits: to 1e-4 in fp32; in bf16
+    (FlashInfer has no fp32 kernels) to 3% of the largest logit, where a wrong attention
+    would be off by the logits' own size."""
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
     shared = random_prompts([SHARED], 512, seed=1)[0]
@@ -93,12 +96,18 @@ def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend)
     params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     logits = {}
     for name in ("torch", backend):
-        engine = make_engine(one_layer_model, attention_backend=name, device="cuda", dtype="float32")
+        engine = make_engine(one_layer_model, attention_backend=name, device="cuda", dtype=dtype)
         logits[name] = record_logits(engine)
         engine.generate([shared + [5]], params)
         engine.generate(prompts, params)
+    assert len(logits["torch"]) == len(logits[backend]) > 6
     for a, b in zip(logits["torch"], logits[backend]):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+        if dtype == "float32":
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+        elif a.numel():
+            assert (a.float() - b.float()).abs().max() / a.float().abs().max() < 3e-2
+            if not torch.equal(a.argmax(-1), b.argmax(-1)):
+                break  # bf16 rounding picked another token: later forwards see other inputs
 
 
 def test_auto_backend_is_torch_on_cpu_and_unknown_names_are_refused():
@@ -109,3 +118,15 @@ def test_auto_backend_is_torch_on_cpu_and_unknown_names_are_refused():
         make_attention_backend("cuda_magic", torch.device("cpu"))
     with pytest.raises(ValueError, match="'flashinfer' needs a CUDA device"):
         make_attention_backend("flashinfer", torch.device("cpu"))
+
+
+def test_backend_benchmark_runs_and_its_backends_agree_with_transformers(capsys):
+    """The GPU engine benchmark's code paths on tiny shapes: every backend it can run here
+    gives transformers' greedy tokens, and its table has a row per backend."""
+    from preble_backend.engine.bench_backends import main
+
+    assert main(["--smoke", "--backends", "torch,triton"]) == 0
+    table = capsys.readouterr().out.split("| backend |")[1]
+    for backend in ("torch", "triton"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| {backend} |"))
+        assert "| 2/2 (mean 4.0) |" in row, row
