@@ -19,10 +19,11 @@ paper's Figure 5.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ class BenchRequest:
     arrival: float  # seconds after the run starts
     prompt: str
     max_tokens: int
+    input_ids: list[int] | None = None  # the prompt as an engine takes it (``direct``)
 
 
 @dataclass
@@ -66,6 +68,9 @@ class BenchConfig:
     tokenizer: str | None = None  # size prompts in this model's tokens (else ~words)
     seed: int = 0
     timeout_s: float = 600.0
+    transport: str = "grpc"  # grpc (streaming) | sse (HTTP generate_stream)
+    http_url: str = "127.0.0.1:8000"  # the server's HTTP endpoint (sse)
+    direct: str = ""  # an engine model: also run the trace straight to it, as policy "direct"
 
 
 def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
@@ -83,7 +88,13 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     words = Materializer(tokenizer=tokenizer)
     reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)
-    return [BenchRequest(r.arrival, words.text(r), r.output_len) for r in reqs], False
+    out = [BenchRequest(r.arrival, words.text(r), r.output_len) for r in reqs]
+    if cfg.direct:
+        if tokenizer is None:
+            raise ValueError("direct: an engine takes token ids; name the model's tokenizer too")
+        for r in out:  # as the router tokenizes
+            r.input_ids = tokenizer(r.prompt).input_ids
+    return out, False
 
 
 # ---- switching the policy, the Triton way ----------------------------------------------------
@@ -116,64 +127,160 @@ def switch_policy(url: str, model: str, policy: str) -> None:
 # ---- one run -------------------------------------------------------------------------------
 
 
-async def _one(client, model: str, req: BenchRequest, start: float, timeout_s: float) -> Outcome:
-    params = json.dumps({"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True})
-    inputs = infer_inputs({"text_input": req.prompt, "stream": True, "sampling_parameters": params,
-                           "exclude_input_in_output": True, "return_num_input_tokens": True,
-                           "return_num_output_tokens": True})  # fmt: skip
+def _sampling(req: BenchRequest) -> str:
+    return json.dumps({"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True})
 
-    async def one():
-        yield {"model_name": model, "inputs": inputs,
-               "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
 
-    await asyncio.sleep(max(0.0, start + req.arrival - time.monotonic()))
-    out = Outcome(sent=time.monotonic() - start)
+def _tokens_arrived(out: Outcome, now: float, n: int) -> None:
+    if n and out.first_token is None:
+        out.first_token = now
+    out.output_tokens += n
 
-    async def stream():
-        async for result, error in client.stream_infer(one()):
+
+class GrpcRouter:
+    """The router over Triton's gRPC streaming (the vLLM backend's inputs)."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        import tritonclient.grpc.aio as grpcaio
+
+        self.client, self.model = grpcaio.InferenceServerClient(cfg.url), cfg.model
+
+    def inputs(self, req: BenchRequest) -> list:
+        return infer_inputs({"text_input": req.prompt, "stream": True, "sampling_parameters": _sampling(req),
+                             "exclude_input_in_output": True, "return_num_input_tokens": True,
+                             "return_num_output_tokens": True})  # fmt: skip
+
+    def arrived(self, result, names: set[str], out: Outcome, now: float) -> None:
+        if "num_output_tokens" in names:
+            _tokens_arrived(out, now, int(result.as_numpy("num_output_tokens").reshape(-1)[0]))
+        if "num_input_tokens" in names:
+            out.input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
+        if "instance" in names:
+            out.instance = bytes(result.as_numpy("instance").reshape(-1)[0]).decode()
+
+    async def __call__(self, req: BenchRequest, out: Outcome, start: float) -> None:
+        async def one():
+            yield {"model_name": self.model, "inputs": self.inputs(req),
+                   "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
+
+        async for result, error in self.client.stream_infer(one()):
             if error is not None:
                 out.error = error.message() if hasattr(error, "message") else str(error)
                 return
             response = result.get_response()
             names = {o.name for o in response.outputs}
-            now = time.monotonic() - start
-            if "num_output_tokens" in names:
-                n = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
-                if n and out.first_token is None:
-                    out.first_token = now
-                out.output_tokens += n
-            if "num_input_tokens" in names:
-                out.input_tokens = int(result.as_numpy("num_input_tokens").reshape(-1)[0])
+            self.arrived(result, names, out, time.monotonic() - start)
             if "num_cached_tokens" in names:
                 out.cached_tokens = int(result.as_numpy("num_cached_tokens").reshape(-1)[0])
-            if "instance" in names:
-                out.instance = bytes(result.as_numpy("instance").reshape(-1)[0]).decode()
             if response.parameters["triton_final_response"].bool_param:
-                out.finished = now
+                out.finished = time.monotonic() - start
                 return
 
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class GrpcEngine(GrpcRouter):
+    """One engine addressed directly (``--direct``): token ids in and out, no router. It
+    reads the engine's cache events from where the last answer left off, as a router
+    would, so no answer carries a snapshot of the whole cache."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        super().__init__(cfg)
+        self.cursor = ""
+
+    def inputs(self, req: BenchRequest) -> list:
+        import tritonclient.grpc as grpcclient
+
+        ids = grpcclient.InferInput("input_ids", [len(req.input_ids)], "INT32")
+        ids.set_data_from_numpy(np.array(req.input_ids, dtype=np.int32))
+        rest = infer_inputs({"sampling_parameters": _sampling(req), "events_since": self.cursor})
+        return [ids, *rest]
+
+    async def __call__(self, req: BenchRequest, out: Outcome, start: float) -> None:
+        out.input_tokens, out.instance = len(req.input_ids), self.model
+        await super().__call__(req, out, start)
+
+    def arrived(self, result, names: set[str], out: Outcome, now: float) -> None:
+        if "token_ids" in names:
+            _tokens_arrived(out, now, int(result.as_numpy("token_ids").size))
+        if "report" in names:
+            log = json.loads(bytes(result.as_numpy("report").reshape(-1)[0]).decode()).get("log")
+            if log:  # [log id, first, next, snapshot]: read on after the furthest ``next``
+                log_id, _, next_event, _ = log
+                mine = self.cursor.rsplit("/", 1)
+                if mine[0] != log_id or next_event > int(mine[1]):
+                    self.cursor = f"{log_id}/{next_event}"
+
+
+class SseRouter:
+    """The router over HTTP: Triton's ``generate_stream``, server-sent events."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        import aiohttp
+
+        # One connection per request in flight, as that many separate clients would hold.
+        connector = aiohttp.TCPConnector(limit=0)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        self.endpoint = f"http://{cfg.http_url}/v2/models/{cfg.model}/generate_stream"
+
+    async def __call__(self, req: BenchRequest, out: Outcome, start: float) -> None:
+        body = {"text_input": req.prompt, "stream": True, "sampling_parameters": _sampling(req),
+                "exclude_input_in_output": True, "return_num_input_tokens": True,
+                "return_num_output_tokens": True}  # fmt: skip
+        async with self.session.post(self.endpoint, json=body) as resp:
+            if resp.status != 200:
+                out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    out.error = str(event["error"])
+                    return
+                now = time.monotonic() - start
+                _tokens_arrived(out, now, int(_scalar(event.get("num_output_tokens", 0))))
+                out.input_tokens = int(_scalar(event.get("num_input_tokens", out.input_tokens)))
+                out.cached_tokens = int(_scalar(event.get("num_cached_tokens", out.cached_tokens)))
+                out.instance = str(_scalar(event.get("instance", out.instance)))
+        out.finished = time.monotonic() - start  # the stream ends with the last response
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+def _scalar(value):
+    """Triton's JSON gives a one-element tensor as a list or as the element."""
+    return value[0] if isinstance(value, list) else value
+
+
+TRANSPORTS = {"grpc": GrpcRouter, "sse": SseRouter}
+
+
+async def _one(transport, req: BenchRequest, start: float, timeout_s: float) -> Outcome:
+    await asyncio.sleep(max(0.0, start + req.arrival - time.monotonic()))
+    out = Outcome(sent=time.monotonic() - start)
     try:
-        await asyncio.wait_for(stream(), timeout_s)
+        await asyncio.wait_for(transport(req, out, start), timeout_s)
     except Exception as exc:  # a transport failure or a timeout is an outcome too
         out.error = f"{type(exc).__name__}: {exc}"
     return out
 
 
-async def _replay(url: str, model: str, requests: list[BenchRequest], timeout_s: float, bar) -> list[Outcome]:
-    import tritonclient.grpc.aio as grpcaio
-
-    client = grpcaio.InferenceServerClient(url)
+async def _replay(make_transport, requests: list[BenchRequest], timeout_s: float, bar) -> list[Outcome]:
+    transport = make_transport()  # inside the event loop: its connections belong to it
     start = time.monotonic()
 
     async def tracked(req):
-        out = await _one(client, model, req, start, timeout_s)
+        out = await _one(transport, req, start, timeout_s)
         bar.update(1)
         return out
 
     try:
         return list(await asyncio.gather(*(tracked(r) for r in requests)))
     finally:
-        await client.close()
+        await transport.close()
 
 
 def summarize(outcomes: list[Outcome]) -> dict:
@@ -198,6 +305,7 @@ def summarize(outcomes: list[Outcome]) -> dict:
         "throughput_rps": len(done) / span if span > 0 else 0.0,
         "cache_hit_ratio": sum(o.cached_tokens for o in done) / max(1, sum(o.input_tokens for o in done)),
         "prompt_tokens": sum(o.input_tokens for o in done),
+        "output_tokens": sum(o.output_tokens for o in done),
         "per_engine": dict(Counter(o.instance for o in done)),
     }
 
@@ -207,17 +315,21 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
     base, recorded = build_trace(cfg)
     rates = [None] if recorded else cfg.rates
     records = []
-    order = list(cfg.policies)
+    order = list(cfg.policies) + (["direct"] if cfg.direct else [])
     for repeat in range(cfg.repeats):
         for rps in rates:
             for policy in order:
-                requests = base if rps is None else [BenchRequest(r.arrival / rps, r.prompt, r.max_tokens)
-                                                     for r in base]  # fmt: skip
-                switch_policy(cfg.url, cfg.model, policy)
+                requests = base if rps is None else [replace(r, arrival=r.arrival / rps) for r in base]
+                if policy == "direct":
+                    PrebleClient(grpc_url=cfg.url).engine_control(cfg.direct, "flush_cache")
+                    make = functools.partial(GrpcEngine, replace(cfg, model=cfg.direct))
+                else:
+                    switch_policy(cfg.url, cfg.model, policy)
+                    make = functools.partial(TRANSPORTS[cfg.transport], cfg)
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
                 cpu = HostCPU()
                 with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:
-                    outcomes = asyncio.run(_replay(cfg.url, cfg.model, requests, cfg.timeout_s, bar))
+                    outcomes = asyncio.run(_replay(make, requests, cfg.timeout_s, bar))
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
                        "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip
                 records.append(rec)

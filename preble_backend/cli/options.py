@@ -194,6 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC host:port")
     p.add_argument("--model", default="preble", help="the router model")
+    p.add_argument(
+        "--transport", default="grpc", choices=("grpc", "sse"),
+        help="grpc: Triton gRPC streaming; sse: HTTP generate_stream (server-sent events)",
+    )  # fmt: skip
+    p.add_argument("--http-url", default="127.0.0.1:8000", help="HTTP host:port (--transport sse)")
+    p.add_argument(
+        "--direct", default="", metavar="ENGINE",
+        help="also send the trace straight to this engine model (token ids; needs --tokenizer), run as "
+        "policy 'direct': against a one-engine router, the difference is the router's overhead",
+    )  # fmt: skip
     p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
     p.add_argument("--trace", default=None, help="a JSONL trace (preble workload generate): its own arrivals")
     p.add_argument("--requests", type=_positive(int), default=100, help="requests per run")
