@@ -124,6 +124,27 @@ def switch_policy(url: str, model: str, policy: str) -> None:
         client.close()
 
 
+def describe_cluster(url: str, model: str) -> str:
+    """What the router routes to, for a plot's caption: engine count, model or emulation."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        def params(name: str) -> dict[str, str]:
+            config = client.get_model_config(name, as_json=True)["config"]
+            return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+        engines = [e for e in params(model).get("engines", "").split(",") if e]
+        first = params(engines[0]) if engines and "://" not in engines[0] else {}
+    finally:
+        client.close()
+    if first.get("compute") == "emulated":
+        what = f"emulated {first.get('cost_model', '')}, slowdown {first.get('emulated_slowdown', '1')}"
+    else:
+        what = f"model {first.get('model_path', '?')}"
+    return f"{len(engines)} engines ({what})"
+
+
 # ---- one run -------------------------------------------------------------------------------
 
 

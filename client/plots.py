@@ -20,23 +20,41 @@ def latency_vs_rate(records: list[dict], path: str | Path, caption: str) -> None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
+    peaks: list[dict[str, float]] = [{}, {}]  # per axis: each policy's highest point
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in records)):
         rows = [r for r in records if r["policy"] == policy]
         rates = sorted({r["rps"] for r in rows})
-        for ax, key in zip(axes, ("avg_latency_s", "p99_latency_s")):
+        for ax, key, peak in zip(axes, ("avg_latency_s", "p99_latency_s"), peaks):
             values = [[r[key] for r in rows if r["rps"] == rps] for rps in rates]
             mean = [float(np.mean(v)) for v in values]
             spread = [[m - min(v) for m, v in zip(mean, values)], [max(v) - m for m, v in zip(mean, values)]]
-            ax.errorbar(rates, mean, yerr=spread, marker=MARKERS[k % len(MARKERS)],
-                        linestyle=STYLES[k % len(STYLES)], capsize=3, label=policy)  # fmt: skip
+            # Hollow markers, each policy's smaller than the one before: where two policies
+            # coincide (round-robin and least-load often do) both stay visible.
+            ax.errorbar(rates, mean, yerr=spread, marker=MARKERS[k % len(MARKERS)], markersize=11 - 1.2 * k,
+                        markerfacecolor="none", markeredgewidth=1.6, linestyle=STYLES[k % len(STYLES)],
+                        capsize=3, label=policy)  # fmt: skip
+            peak[policy] = max(mean)
+    for ax, peak in zip(axes, peaks):
+        _clip_outlier(ax, peak)
     for ax, title in zip(axes, ("average latency (s)", "p99 latency (s)")):
         ax.set_xlabel("requests per second")
         ax.set_ylabel(title)
         ax.set_ylim(bottom=0)
         ax.ticklabel_format(style="plain", axis="both")
         ax.grid(True, alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(loc="upper left")
     fig.suptitle(caption)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def _clip_outlier(ax, peak: dict[str, float], factor: float = 2.5) -> None:
+    """One policy far above the rest would flatten them all: cut the axis above the
+    others and print the outlier's highest value instead."""
+    ranked = sorted(peak.items(), key=lambda item: item[1], reverse=True)
+    if len(ranked) < 2 or ranked[0][1] <= factor * ranked[1][1]:
+        return
+    ax.set_ylim(0, 1.3 * ranked[1][1])
+    ax.text(0.98, 0.97, f"{ranked[0][0]} off scale (up to {ranked[0][1]:,.0f} s)", transform=ax.transAxes,
+            ha="right", va="top", fontsize=8, color="dimgray")  # fmt: skip

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from client.bench import BenchConfig, bench
+from client.bench import BenchConfig, bench, describe_cluster
 from client.bench import write as write_bench
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
@@ -219,9 +219,13 @@ def bench_cmd(args: argparse.Namespace) -> int:
     if args.simulate:
         cost = CostModel.load(args.cost_model).scaled(args.slowdown)
         records = replay(cfg, SimConfig.of(args.simulate, args.capacity_tokens), cost)
+        cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
     else:
+        cluster = describe_cluster(cfg.url, cfg.model)
         records = bench(cfg)
-    caption = args.caption or f"{cfg.trace or cfg.workload}, {cfg.requests} requests, scale {cfg.scale}"
+    caption = args.caption or (
+        f"{cfg.trace or cfg.workload} x{cfg.scale:g}, {cfg.requests} requests; {cluster}; {cfg.transport}"
+    )
     data, image = write_bench(records, cfg, args.output, caption)
     print(f"wrote {data} and {image}")
     return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1

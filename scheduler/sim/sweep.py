@@ -2,8 +2,9 @@
 
 ``find_stress_rps`` looks for the load the issue asks about: starting light, the request
 rate grows by ×1.5 until round-robin's p99 latency is at least 5× its light-load p99.
-``sweep`` then runs every policy at the light, the middle and the stress rate, on the
-same requests and arrival times (and on more traces with ``seeds``), and returns one
+``sweep`` then runs every policy at the light rate and at a quarter, half, three quarters
+and all of the stress rate (evenly spaced, so a linear axis shows the knee), on the same
+requests and arrival times (and on more traces with ``seeds``), and returns one
 ``simulator.metrics`` record per policy and rate.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -132,7 +132,7 @@ def sweep(
         f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "
         f"stress {stress:.2f} rps (RR p99 {stress_p99:.2f}s)"
     )
-    rates = sorted({light, math.sqrt(light * stress), stress})
+    rates = sorted({light, *(stress * k / 4 for k in range(1, 5))})  # the knee on a linear axis
     grid = [(rps, policy) for rps in rates for policy in policies]
     work = [(workload, n, seed + k, rps, policy, cfg, cost) for k in range(seeds) for rps, policy in grid]
     # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
