@@ -68,6 +68,7 @@ class BenchConfig:
     tokenizer: str | None = None  # size prompts in this model's tokens (else ~words)
     seed: int = 0
     timeout_s: float = 600.0
+    stall_s: float = 60.0  # no token from any open request this long: the server is gone
     transport: str = "grpc"  # grpc (streaming) | sse (HTTP generate_stream)
     http_url: str = "127.0.0.1:8000"  # the server's HTTP endpoint (sse)
     direct: str = ""  # an engine model: also run the trace straight to it, as policy "direct"
@@ -279,9 +280,10 @@ def _scalar(value):
 TRANSPORTS = {"grpc": GrpcRouter, "sse": SseRouter}
 
 
-async def _one(transport, req: BenchRequest, start: float, timeout_s: float) -> Outcome:
+async def _one(transport, req: BenchRequest, start: float, timeout_s: float, started: list) -> Outcome:
     await asyncio.sleep(max(0.0, start + req.arrival - time.monotonic()))
     out = Outcome(sent=time.monotonic() - start)
+    started.append(out)
     try:
         await asyncio.wait_for(transport(req, out, start), timeout_s)
     except Exception as exc:  # a transport failure or a timeout is an outcome too
@@ -289,18 +291,47 @@ async def _one(transport, req: BenchRequest, start: float, timeout_s: float) -> 
     return out
 
 
-async def _replay(make_transport, requests: list[BenchRequest], timeout_s: float, bar) -> list[Outcome]:
+async def _watch(started: list[Outcome], stall_s: float) -> str:
+    """Return once requests are open and no token or answer has arrived for ``stall_s``:
+    a server that stopped answering (a dead router stub keeps its streams open) ends the
+    run then, not each request's timeout later. Streaming answers move every iteration,
+    so silence this long is not a queue."""
+    last, quiet_since = None, time.monotonic()
+    while True:
+        await asyncio.sleep(min(1.0, stall_s / 4))
+        now = time.monotonic()
+        seen = (sum(o.output_tokens for o in started), sum(o.finished is not None or o.error is not None
+                                                           for o in started))  # fmt: skip
+        waiting = seen[1] < len(started)
+        if seen != last or not waiting:
+            last, quiet_since = seen, now
+        elif now - quiet_since >= stall_s:
+            return f"no answer for {stall_s:g} s with {len(started) - seen[1]} requests open"
+
+
+async def _replay(make_transport, requests: list[BenchRequest], timeout_s: float, stall_s: float, bar):
+    """Every request at its arrival time; if the server falls silent (``_watch``), what
+    is still unanswered ends with the reason as its error."""
     transport = make_transport()  # inside the event loop: its connections belong to it
-    start = time.monotonic()
+    start, started = time.monotonic(), []
 
     async def tracked(req):
-        out = await _one(transport, req, start, timeout_s)
+        out = await _one(transport, req, start, timeout_s, started)
         bar.update(1)
         return out
 
+    tasks = [asyncio.ensure_future(tracked(r)) for r in requests]
+    watchdog = asyncio.ensure_future(_watch(started, stall_s))
     try:
-        return list(await asyncio.gather(*(tracked(r) for r in requests)))
+        await asyncio.wait([asyncio.gather(*tasks), watchdog], return_when=asyncio.FIRST_COMPLETED)
+        reason = watchdog.result() if watchdog.done() else None
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return [r if isinstance(r, Outcome) else Outcome(sent=req.arrival, error=reason or repr(r))
+                for r, req in zip(results, requests)]  # fmt: skip
     finally:
+        watchdog.cancel()
         await transport.close()
 
 
@@ -350,7 +381,7 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
                 cpu = HostCPU()
                 with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:
-                    outcomes = asyncio.run(_replay(make, requests, cfg.timeout_s, bar))
+                    outcomes = asyncio.run(_replay(make, requests, cfg.timeout_s, cfg.stall_s, bar))
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
                        "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip
                 records.append(rec)

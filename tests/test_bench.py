@@ -4,10 +4,13 @@ and the plot written. The numbers live in docs/BENCHMARKS.md, not in assertions.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
 from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+from tqdm import tqdm
 
 from preble_backend.cli import main
 from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL
@@ -67,3 +70,27 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model):
             assert_engine_pages_free(client, engine)
     finally:
         server.stop()
+
+
+class _Silent:
+    """A transport whose server answers requests of one token and then falls silent."""
+
+    async def __call__(self, req, out, start):
+        if req.max_tokens == 1:
+            out.output_tokens, out.first_token, out.finished = 1, 0.001, 0.002
+            return
+        await asyncio.sleep(3600)  # a stream that is never answered
+
+    async def close(self):
+        pass
+
+
+def test_a_server_that_falls_silent_ends_the_run_with_the_reason():
+    from client.bench import BenchRequest, _replay
+
+    requests = [BenchRequest(0.0, "a", 1), BenchRequest(0.0, "b", 5), BenchRequest(0.05, "c", 5)]
+    began = time.monotonic()
+    outcomes = asyncio.run(_replay(_Silent, requests, 600.0, 0.5, tqdm(disable=True)))
+    assert time.monotonic() - began < 5  # not the 600 s request timeout
+    assert outcomes[0].error is None and outcomes[0].finished
+    assert outcomes[1].error == outcomes[2].error == "no answer for 0.5 s with 2 requests open"
