@@ -76,26 +76,28 @@ class BenchConfig:
 
 def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
     """The requests at rate 1 (arrivals to be scaled per rate), or a file's own arrivals
-    (second value True: play as recorded)."""
-    if cfg.trace:
-        rows = [json.loads(line) for line in Path(cfg.trace).read_text().splitlines() if line.strip()]
-        rows = rows[: cfg.requests] if cfg.requests else rows
-        start = rows[0]["arrival"] if rows else 0.0
-        return [BenchRequest(r["arrival"] - start, r["text_input"], int(r["max_tokens"])) for r in rows], True
+    (second value True: play as recorded). With ``direct`` each prompt is also tokenized,
+    as the router would, for the engine."""
     tokenizer = None
     if cfg.tokenizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    words = Materializer(tokenizer=tokenizer)
-    reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)
-    out = [BenchRequest(r.arrival, words.text(r), r.output_len) for r in reqs]
+    if cfg.trace:
+        rows = [json.loads(line) for line in Path(cfg.trace).read_text().splitlines() if line.strip()]
+        rows = rows[: cfg.requests] if cfg.requests else rows
+        start = rows[0]["arrival"] if rows else 0.0
+        out = [BenchRequest(r["arrival"] - start, r["text_input"], int(r["max_tokens"])) for r in rows]
+    else:
+        words = Materializer(tokenizer=tokenizer)
+        reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)
+        out = [BenchRequest(r.arrival, words.text(r), r.output_len) for r in reqs]
     if cfg.direct:
         if tokenizer is None:
-            raise ValueError("direct: an engine takes token ids; name the model's tokenizer too")
-        for r in out:  # as the router tokenizes
+            raise ValueError("--direct needs --tokenizer (an engine takes token ids)")
+        for r in out:
             r.input_ids = tokenizer(r.prompt).input_ids
-    return out, False
+    return out, bool(cfg.trace)
 
 
 # ---- switching the policy, the Triton way ----------------------------------------------------
@@ -209,14 +211,15 @@ class GrpcEngine(GrpcRouter):
 
     def __init__(self, cfg: BenchConfig) -> None:
         super().__init__(cfg)
-        self.cursor = ""
+        self.log_id, self.next_event = "", 0  # where in the engine's event log to read on
 
     def inputs(self, req: BenchRequest) -> list:
         import tritonclient.grpc as grpcclient
 
         ids = grpcclient.InferInput("input_ids", [len(req.input_ids)], "INT32")
         ids.set_data_from_numpy(np.array(req.input_ids, dtype=np.int32))
-        rest = infer_inputs({"sampling_parameters": _sampling(req), "events_since": self.cursor})
+        cursor = f"{self.log_id}/{self.next_event}" if self.log_id else ""
+        rest = infer_inputs({"sampling_parameters": _sampling(req), "events_since": cursor})
         return [ids, *rest]
 
     async def __call__(self, req: BenchRequest, out: Outcome, start: float) -> None:
@@ -230,9 +233,8 @@ class GrpcEngine(GrpcRouter):
             log = json.loads(bytes(result.as_numpy("report").reshape(-1)[0]).decode()).get("log")
             if log:  # [log id, first, next, snapshot]: read on after the furthest ``next``
                 log_id, _, next_event, _ = log
-                mine = self.cursor.rsplit("/", 1)
-                if mine[0] != log_id or next_event > int(mine[1]):
-                    self.cursor = f"{log_id}/{next_event}"
+                if log_id != self.log_id or next_event > self.next_event:
+                    self.log_id, self.next_event = log_id, next_event
 
 
 class SseRouter:

@@ -18,7 +18,7 @@ import argparse
 import gc
 import platform
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     shape = SMOKE if args.smoke else GPU
     if args.layers:
-        shape.layers = args.layers
+        shape = replace(shape, layers=args.layers)
     args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_backends needs a CUDA GPU (or --smoke)")
