@@ -163,17 +163,25 @@ def open_grpc(url: str):
 
 
 def stream_infer(
-    stub, model: str, inputs: dict[str, np.ndarray], timeout: float | None = None, wait_for_ready=False
+    stub,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    timeout: float | None = None,
+    wait_for_ready=False,
+    open_calls: set | None = None,
 ) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
     """One request on its own bidirectional ``ModelStreamInfer`` stream (errors on a shared
     stream would not say which request they belong to): yield each response's outputs and
     whether it is the final one. An error response raises ``StreamError``; a lost server,
     ``grpc.RpcError`` (unless ``wait_for_ready``: then the call waits for the server to
-    listen). Closing the generator early cancels the request on the server."""
+    listen). Closing the generator early cancels the request on the server; so does
+    ``cancel()`` on the call, which stays in ``open_calls`` while it streams."""
     from tritonclient.grpc import InferResult
 
     request = iter([_infer_request(model, inputs)])
     call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready)
+    if open_calls is not None:
+        open_calls.add(call)
     try:
         for message in call:
             if message.error_message:
@@ -186,6 +194,8 @@ def stream_infer(
                 return
     finally:
         call.cancel()  # a no-op once the stream is done; cancels the request otherwise
+        if open_calls is not None:
+            open_calls.discard(call)
 
 
 def infer_inputs(values: dict[str, object]) -> list:

@@ -4,6 +4,8 @@ module, and the check that every engine got every KV page back."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -11,6 +13,64 @@ from pathlib import Path
 from client.triton_client import PrebleClient
 from preble_backend.serving.launcher import ServerPorts, free_port, start_server
 from preble_backend.serving.repository import write_repository
+
+# x86-64 system calls a thread may sleep in while it holds no lock: a futex wait
+# (FUTEX_WAIT, FUTEX_WAIT_BITSET once the flags are masked off), poll, select, sleeps, and
+# restart_syscall (219), which a timed wait or sleep that the stop interrupted shows.
+_FUTEX, _FUTEX_WAITS = 202, (0, 9)
+_SLEEPS = {7, 23, 35, 219, 230, 232, 270, 271, 281}
+
+
+def _code_ranges(pid: int, names: tuple[str, ...]) -> list[tuple[int, int]]:
+    """Address ranges of the executable mappings whose file name contains one of ``names``."""
+    ranges = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and "x" in fields[1] and any(n in fields[5] for n in names):
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+def _holds_no_shared_lock(pid: int) -> bool:
+    """Whether no thread of a stopped stub can be inside the code that holds a mutex it
+    shares with tritonserver: the stub's own IPC code and the libc/pthread lock calls.
+    A thread computing in torch or Python, or asleep in a futex wait, holds none."""
+    unsafe = _code_ranges(pid, ("triton_python_backend_stub", "libc.so", "libpthread"))
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "syscall").read_text().split()
+        number = int(fields[0])
+        if number == -1:  # stopped in user space: where?
+            pc = int(fields[2], 16)
+            if any(lo <= pc < hi for lo, hi in unsafe):
+                return False
+        elif number == _FUTEX:
+            if int(fields[2], 16) & 0x7F not in _FUTEX_WAITS:
+                return False  # a wake: sem_post or a notify, possibly under the mutex
+        elif number not in _SLEEPS:
+            return False
+    return True
+
+
+def kill_stub_between_sends(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL a Python-backend stub at a moment it holds no mutex it shares with
+    tritonserver. Triton 2.51's Python backend aborts the whole server when it locks a
+    response mutex whose owner died (``ResponseSendDecoupled``: boost ``lock_exception``),
+    and a stub streaming tokens holds one often enough that a blind ``kill -9`` took the
+    server down in 2 of 10 runs. That is Triton's failure, not the router's: a test of the
+    router stops the stub, kills it if it is in between, and lets it run on otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        os.kill(pid, signal.SIGSTOP)
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        while any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for t in tasks):
+            time.sleep(0.001)
+        if _holds_no_shared_lock(pid):
+            os.kill(pid, signal.SIGKILL)
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.002)
+    raise AssertionError(f"stub {pid} was never found between two sends")
 
 
 def fresh_ports() -> ServerPorts:

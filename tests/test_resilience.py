@@ -13,7 +13,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+from server_utils import (
+    assert_engine_pages_free,
+    client_for,
+    kill_stub_between_sends,
+    launch,
+    write_test_repository,
+)
 
 from client.stress import BurstConfig, run_burst
 from client.triton_client import PrebleError
@@ -146,7 +152,7 @@ def test_killed_engine_fails_its_requests_fast_and_is_routed_around(small):
     for t in threads:
         t.start()
     _wait_running(client, first)
-    os.kill(pid, signal.SIGKILL)
+    kill_stub_between_sends(pid)
     killed_at = time.monotonic()
     for t in threads:
         t.join(60)

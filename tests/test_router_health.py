@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 import time
+import uuid
 
 import pytest
 from test_e2 import e2, route, stored
@@ -128,9 +129,74 @@ def test_monitor_waits_for_a_silent_engine_only_while_its_tokens_stop_too():
         monitor.stop()
 
 
-def test_stopping_the_monitor_waits_for_a_probe_in_flight():
-    """finalize must not return while a probe thread is inside a BLS call: the stub's
-    interpreter would shut down under it."""
+class SilentEngine:
+    """A gRPC endpoint that takes every ``ModelStreamInfer`` stream and never answers, as
+    a killed engine stub's model does in Triton 2.51; it counts the streams it holds."""
+
+    def __init__(self) -> None:
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc
+
+        class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+            def ModelStreamInfer(inner, requests, context):  # noqa: N802, N805 (gRPC's name)
+                next(requests)
+                with self.lock:
+                    self.open += 1
+                done = threading.Event()
+                context.add_callback(done.set)  # the client cancelled or went away
+                done.wait()
+                with self.lock:
+                    self.open -= 1
+                return iter(())
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.lock, self.open = threading.Lock(), 0
+        self.server = grpc.server(ThreadPoolExecutor(8))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), self.server)
+        self.url = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+
+@pytest.fixture
+def silent_engine():
+    engine = SilentEngine()
+    yield engine
+    engine.server.stop(0)
+
+
+def test_streams_to_an_engine_that_never_answers_are_cancelled_and_free_their_threads(silent_engine):
+    """A router thread waiting on a dead engine holds its client's request, and with it the
+    router model: Triton could never unload it, and tritonserver never exits."""
+    engine = RemoteEngine(silent_engine.url, "preble_engine_0")
+    errors: list[str] = []
+
+    def call(fn) -> None:
+        try:
+            fn()
+        except EngineError as exc:
+            errors.append(str(exc))
+
+    def generate() -> None:
+        list(engine.generate(uuid.uuid4().hex, [1, 2], "{}"))
+
+    threads = [threading.Thread(target=call, args=(fn,)) for fn in (generate, generate, engine.health)]
+    for t in threads:
+        t.start()
+    assert wait_for(lambda: silent_engine.open == 3)
+    assert engine.cancel_all() == 3
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(errors) == 3 and all("unreachable: CANCELLED" in e for e in errors), errors
+    assert wait_for(lambda: silent_engine.open == 0)  # the server saw each stream end
+    assert engine.cancel_all() == 0  # nothing left open
+    engine.close()
+
+
+def test_stopping_the_monitor_cancels_a_probe_that_would_never_return(silent_engine):
+    """finalize must not return while a probe thread is inside gRPC (the stub's interpreter
+    would shut down under it), nor wait on an engine that will never answer."""
     engine = FakeEngine("e0", os.getpid())
     monitor = EngineMonitor([engine], lambda i, why: None, lambda i: None, 0.02, 5.0)
     engine.hang = True
@@ -140,14 +206,16 @@ def test_stopping_the_monitor_waits_for_a_probe_in_flight():
     started = time.monotonic()
     monitor.stop()
     assert time.monotonic() - started >= 0.25 and not monitor._probes[0].is_alive()
-    engine.hang = True  # a probe that never returns is waited for only up to the timeout
-    stuck = EngineMonitor([engine], lambda i, why: None, lambda i: None, 0.02, 5.0)
+    downs: list[str] = []
+    silent = RemoteEngine(silent_engine.url, "preble_engine_0")
+    stuck = EngineMonitor([silent], lambda i, why: downs.append(why), lambda i: None, 0.02, 5.0)
     stuck.start()
-    assert wait_for(lambda: stuck._probing)
+    assert wait_for(lambda: silent_engine.open == 1)
     started = time.monotonic()
-    stuck.stop(timeout_s=0.2)
-    assert time.monotonic() - started < 1.0
-    engine.hang = False
+    stuck.stop()
+    assert time.monotonic() - started < 1.0 and not stuck._probes[0].is_alive()
+    assert downs == []  # the cancelled probe is shutdown, not the engine failing
+    silent.close()
 
 
 def test_process_alive():

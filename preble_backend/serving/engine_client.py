@@ -71,13 +71,15 @@ class EngineClient:
     def __init__(self, url: str, model: str, name: str) -> None:
         self.url, self.model, self.name = url, model, name
         self._channel, self._stub = open_grpc(url)  # connects on first use
+        self._open_calls: set = set()  # the streams in flight (set.add/discard hold the GIL)
 
     def _call(self, inputs: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray | None]]:
         """Send one request; yield each response's outputs; raise EngineError on error."""
         import grpc
 
         try:
-            calls = stream_infer(self._stub, self.model, inputs, wait_for_ready=self.wait_for_ready)
+            open_calls, ready = self._open_calls, self.wait_for_ready
+            calls = stream_infer(self._stub, self.model, inputs, wait_for_ready=ready, open_calls=open_calls)
             with closing(calls) as responses:
                 for outputs, final in responses:
                     yield {name: outputs.get(name) for name in OUTPUTS}
@@ -123,6 +125,16 @@ class EngineClient:
         """The engine loop's answer to a ``health`` probe (its load snapshot and pid); it
         drains no cache events, which belong to the reports on final responses."""
         return json.loads(self.control("health"))["load"]
+
+    def cancel_all(self) -> int:
+        """Cancel every stream in flight to this engine; return how many. A dead engine
+        answers none of them: a router thread left waiting on one would hold its client's
+        request, and with it the router model, which then never unloads (and tritonserver
+        never exits, waiting for the router's open streams)."""
+        calls = list(self._open_calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     def close(self) -> None:
         self._channel.close()

@@ -58,14 +58,17 @@ class EngineMonitor:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop probing and wait (bounded) for probes in flight: a thread still inside a
-        BLS call when the stub's interpreter shuts down touches objects being torn down."""
+        """Stop probing: cancel the probes in flight (one to a dead engine would never be
+        answered) and wait for their threads, which must not be inside gRPC when the stub's
+        interpreter shuts down. Engines failing from here on are not reported."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._stop.set()
             started = self._started
         if started:
             self._thread.join(timeout=timeout_s)
+        for engine in self.engines:
+            engine.cancel_all()
         with self._lock:
             probes = list(self._probes.values())
         for probe in probes:
@@ -138,7 +141,7 @@ class EngineMonitor:
 
     def _down(self, instance: int, reason: str) -> None:
         with self._lock:
-            if not self.up[instance]:
+            if not self.up[instance] or self._stop.is_set():
                 return
             self.up[instance] = False
         self.on_down(instance, reason)

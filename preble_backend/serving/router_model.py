@@ -304,6 +304,7 @@ class TritonPythonModel:
             self._fail(flight, f"engine {name} failed while serving this request: {reason}",
                        pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
             self._settle(flight)
+        self.engines[instance].cancel_all()  # frees the threads waiting on its answers
 
     def _engine_up(self, instance: int) -> None:
         name = self.engines[instance].name
@@ -313,10 +314,11 @@ class TritonPythonModel:
             self.policy.instance_up(instance)
 
     def finalize(self) -> None:
-        """End what is still open (a worker blocked on a dead engine is not waited for)."""
-        self.monitor.stop()
+        """End what is still open: the flights first (so that their clients read why), then
+        every stream to an engine, which frees the threads waiting on one."""
         for flight in self.flights.all():
             self._fail(flight, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+        self.monitor.stop()  # cancels every engine's streams
         self.load_view.stop()
         for engine in self.engines:
             engine.close()
