@@ -68,29 +68,6 @@ def test_a_flight_answers_once_whoever_ends_it():
     assert not second.wait_for_slot() and flights.admit(Sender()).wait_for_slot()
 
 
-def test_a_flight_asks_triton_about_cancellation_at_most_every_poll_interval():
-    """Each ask is a round trip to the server; per token it was a third of the router's
-    wake-ups under a thousand streams."""
-    from preble_backend.serving.flights import CANCEL_POLL_S
-
-    class CancellingSender(Sender):
-        asked, cancelled = 0, False
-
-        def is_cancelled(self) -> bool:
-            self.asked += 1
-            return self.cancelled
-
-    sender = CancellingSender()
-    flight = Flights(1, 0).admit(sender)
-    assert flight.wait_for_slot()
-    assert not any(flight.is_cancelled() for _ in range(100)) and sender.asked == 1
-    sender.cancelled = True  # the client goes away: seen within one interval
-    time.sleep(CANCEL_POLL_S * 1.5)
-    assert flight.is_cancelled() and sender.asked == 2
-    flight.end(lambda: None)
-    assert flight.is_cancelled() and sender.asked == 2  # an ended flight asks no one
-
-
 class FakeEngine(LocalEngine):
     def __init__(self, name: str, pid: int) -> None:
         super().__init__(name, "127.0.0.1:1")

@@ -6,18 +6,17 @@ burst never grows queues or memory without bound.
 
 A flight is the only writer of its client's response sender. A request can be ended from
 two places — the worker thread forwarding it, and the engine monitor when its engine dies
-(the monitor then cancels the worker's stream to that engine) — and the first final
-response wins; later ones are dropped. Closing a flight gives its slot back at once.
+(the worker may then be blocked forever on the dead engine's stream: Triton 2.51's BLS
+iterator cannot be cancelled) — and the first final response wins; later ones are
+dropped. Closing a flight gives its slot back, so a worker stuck on a dead engine holds
+no capacity.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections.abc import Callable
-
-CANCEL_POLL_S = 0.1  # a flight asks Triton whether its client cancelled at most this often
 
 
 class Flight:
@@ -30,7 +29,6 @@ class Flight:
         self._lock = threading.Lock()
         self._closed = False
         self._has_slot = False
-        self._cancel_asked = -CANCEL_POLL_S  # when Triton was last asked
 
     @property
     def closed(self) -> bool:
@@ -49,21 +47,11 @@ class Flight:
             return True
 
     def is_cancelled(self) -> bool:
-        """The client cancelled or went away; an ended flight counts as cancelled. Triton
-        is asked at most every ``CANCEL_POLL_S``: each ask is a round trip to the server
-        that the asking thread sleeps through and then waits for the GIL again, and asked
-        for every token it was a third of the router's per-token wake-ups (with a thousand
-        streams in flight those wake-ups, not the work, filled the router's cores). Asked
+        """The client cancelled or went away; an ended flight counts as cancelled. Asked
         under the lock: ``is_cancelled`` on a sender whose final response was sent reads
         a response factory Triton has freed (a SIGSEGV in the server, seen under load)."""
         with self._lock:
-            if self._closed:
-                return True
-            now = time.monotonic()
-            if now - self._cancel_asked < CANCEL_POLL_S:
-                return False
-            self._cancel_asked = now
-            return self.sender.is_cancelled()
+            return self._closed or self.sender.is_cancelled()
 
     def send(self, response, final: bool, final_flag: int) -> bool:
         """Send unless already ended; a final response ends the flight."""
