@@ -6,10 +6,8 @@ burst never grows queues or memory without bound.
 
 A flight is the only writer of its client's response sender. A request can be ended from
 two places — the worker thread forwarding it, and the engine monitor when its engine dies
-(the worker may then be blocked forever on the dead engine's stream: Triton 2.51's BLS
-iterator cannot be cancelled) — and the first final response wins; later ones are
-dropped. Closing a flight gives its slot back, so a worker stuck on a dead engine holds
-no capacity.
+(the monitor then cancels the worker's stream to that engine) — and the first final
+response wins; later ones are dropped. Closing a flight gives its slot back at once.
 """
 
 from __future__ import annotations
