@@ -32,11 +32,11 @@ def _code_ranges(pid: int, names: tuple[str, ...]) -> list[tuple[int, int]]:
     return ranges
 
 
-def _holds_no_shared_lock(pid: int) -> bool:
+def _holds_no_shared_lock(pid: int, unsafe: list[tuple[int, int]]) -> bool:
     """Whether no thread of a stopped stub can be inside the code that holds a mutex it
-    shares with tritonserver: the stub's own IPC code and the libc/pthread lock calls.
-    A thread computing in torch or Python, or asleep in a futex wait, holds none."""
-    unsafe = _code_ranges(pid, ("triton_python_backend_stub", "libc.so", "libpthread"))
+    shares with tritonserver (``unsafe``: the stub's own IPC code and the libc/pthread
+    lock calls). A thread computing in torch or Python, or asleep in a futex wait, holds
+    none."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         fields = (task / "syscall").read_text().split()
         number = int(fields[0])
@@ -59,13 +59,14 @@ def kill_stub_between_sends(pid: int, timeout: float = 10.0) -> None:
     and a stub streaming tokens holds one often enough that a blind ``kill -9`` took the
     server down in 2 of 10 runs. That is Triton's failure, not the router's: a test of the
     router stops the stub, kills it if it is in between, and lets it run on otherwise."""
+    unsafe = _code_ranges(pid, ("triton_python_backend_stub", "libc.so", "libpthread"))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         os.kill(pid, signal.SIGSTOP)
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
         while any((t / "stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for t in tasks):
             time.sleep(0.001)
-        if _holds_no_shared_lock(pid):
+        if _holds_no_shared_lock(pid, unsafe):
             os.kill(pid, signal.SIGKILL)
             return
         os.kill(pid, signal.SIGCONT)

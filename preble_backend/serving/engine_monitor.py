@@ -58,9 +58,10 @@ class EngineMonitor:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop probing: cancel the probes in flight (one to a dead engine would never be
-        answered) and wait for their threads, which must not be inside gRPC when the stub's
-        interpreter shuts down. Engines failing from here on are not reported."""
+        """Stop probing: cancel every stream to the engines, its probes among them (one to
+        a dead engine would never be answered), and wait for the probe threads, which must
+        not be inside gRPC when the stub's interpreter shuts down. Engines failing from
+        here on are not reported."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._stop.set()
