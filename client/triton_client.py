@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -144,10 +144,12 @@ class StreamError(RuntimeError):
     """The server answered a streamed request with an error; the message is the server's."""
 
 
-def open_grpc(url: str):
-    """A channel to a Triton gRPC endpoint (no message size limits) and its stub. A server
-    that refused a connection is tried again within a second, not after gRPC's default
-    backoff of up to two minutes: a restarted server is reached as soon as it listens."""
+def open_grpc(url: str, asynchronous: bool = False):
+    """A channel to a Triton gRPC endpoint (no message size limits) and its stub; a
+    ``grpc.aio`` one with ``asynchronous`` (made on the event loop that will use it). A
+    server that refused a connection is tried again within a second, not after gRPC's
+    default backoff of up to two minutes: a restarted server is reached as soon as it
+    listens."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc
 
@@ -158,7 +160,7 @@ def open_grpc(url: str):
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
-    channel = grpc.insecure_channel(url, options=options)
+    channel = (grpc.aio if asynchronous else grpc).insecure_channel(url, options=options)
     return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
@@ -176,19 +178,13 @@ def stream_infer(
     ``grpc.RpcError`` (unless ``wait_for_ready``: then the call waits for the server to
     listen). Closing the generator early cancels the request on the server; so does
     ``cancel()`` on the call, which stays in ``open_calls`` while it streams."""
-    from tritonclient.grpc import InferResult
-
     request = iter([_infer_request(model, inputs)])
     call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready)
     if open_calls is not None:
         open_calls.add(call)
     try:
         for message in call:
-            if message.error_message:
-                raise StreamError(message.error_message)
-            result = InferResult(message.infer_response)
-            outputs = {o.name: result.as_numpy(o.name) for o in message.infer_response.outputs}
-            final = message.infer_response.parameters["triton_final_response"].bool_param
+            outputs, final = _stream_response(message)
             yield outputs, final
             if final:
                 return
@@ -196,6 +192,40 @@ def stream_infer(
         call.cancel()  # a no-op once the stream is done; cancels the request otherwise
         if open_calls is not None:
             open_calls.discard(call)
+
+
+async def stream_infer_async(
+    stub, model: str, inputs: dict[str, np.ndarray], wait_for_ready=False, open_calls: set | None = None
+) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+    """``stream_infer`` on a ``grpc.aio`` stub, for many streams on one event loop. The
+    request is cancelled on the server when the generator is closed early, the task
+    reading it is cancelled, or ``cancel()`` is called on the call (on its loop), which
+    stays in ``open_calls`` while it streams."""
+    call = stub.ModelStreamInfer(iter([_infer_request(model, inputs)]), wait_for_ready=wait_for_ready)
+    if open_calls is not None:
+        open_calls.add(call)
+    try:
+        async for message in call:
+            outputs, final = _stream_response(message)
+            yield outputs, final
+            if final:
+                return
+    finally:
+        call.cancel()
+        if open_calls is not None:
+            open_calls.discard(call)
+
+
+def _stream_response(message) -> tuple[dict[str, np.ndarray], bool]:
+    """One ``ModelStreamInferResponse``: its outputs and whether it is the final one; an
+    error response raises ``StreamError``."""
+    from tritonclient.grpc import InferResult
+
+    if message.error_message:
+        raise StreamError(message.error_message)
+    result = InferResult(message.infer_response)
+    outputs = {o.name: result.as_numpy(o.name) for o in message.infer_response.outputs}
+    return outputs, message.infer_response.parameters["triton_final_response"].bool_param
 
 
 def infer_inputs(values: dict[str, object]) -> list:

@@ -4,6 +4,7 @@ routing around a dead instance and forgetting what it cached."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import threading
@@ -19,6 +20,7 @@ from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.engine_client import EngineError, LocalEngine, RemoteEngine
 from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.flights import Flights
+from preble_backend.serving.responder import Responder
 from scheduler.policies import make_policy
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 
@@ -26,46 +28,86 @@ from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 class Sender:
     def __init__(self) -> None:
         self.sent: list[tuple[object, int]] = []
+        self.cancelled, self.asked, self.finished = False, 0, False
 
     def send(self, response, flags=0) -> None:
+        assert not self.finished, "a response after the final one"
         self.sent.append((response, flags))
+        self.finished = bool(flags)
 
     def is_cancelled(self) -> bool:
-        return False
+        assert not self.finished, "is_cancelled on a sender whose final response went"
+        self.asked += 1
+        return self.cancelled
 
 
 def test_admission_refuses_past_inflight_plus_queue_and_slots_come_back():
-    flights = Flights(max_inflight=2, max_queue=1)
-    admitted = [flights.admit(Sender()) for _ in range(3)]
-    assert all(admitted) and flights.admit(Sender()) is None
-    assert admitted[0].wait_for_slot() and admitted[1].wait_for_slot()
-    assert flights.counts() == (3, 1)  # the third waits for a slot
-    waiter = threading.Thread(target=admitted[2].wait_for_slot)
-    waiter.start()
-    admitted[0].send("last", final=True, final_flag=1)  # ends the flight: its slot goes on
-    waiter.join(5)
-    assert not waiter.is_alive() and flights.counts() == (2, 0)
-    assert flights.admit(Sender()) is not None
+    async def scenario() -> None:
+        flights = Flights(max_inflight=2, max_queue=1)
+        admitted = [flights.admit(Sender()) for _ in range(3)]
+        assert all(admitted) and flights.admit(Sender()) is None
+        assert await admitted[0].wait_for_slot() and await admitted[1].wait_for_slot()
+        assert flights.counts() == (3, 1)  # the third waits for a slot
+        waiter = asyncio.create_task(admitted[2].wait_for_slot())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        assert admitted[0].close()  # its final response is queued: its slot goes on
+        assert await asyncio.wait_for(waiter, 5) and flights.counts() == (2, 0)
+        assert flights.admit(Sender()) is not None
+
+    asyncio.run(scenario())
 
 
 def test_a_flight_answers_once_whoever_ends_it():
-    flights = Flights(1, 0)
-    sender = Sender()
-    flight = flights.admit(sender)
-    assert flight.wait_for_slot()
-    assert flight.send("token", final=False, final_flag=1)
-    assert flight.end(lambda: sender.send("engine died", 1))  # the monitor ends it
-    assert not flight.send("late token", final=True, final_flag=1)  # the worker, later
-    assert not flight.end(lambda: sender.send("second error", 1))
-    assert [r for r, _ in sender.sent] == ["token", "engine died"]
-    assert flight.is_cancelled() and flights.counts() == (0, 0)
-    # A flight ended while it waited for a slot never takes one.
-    flights = Flights(1, 1)
-    first, second = flights.admit(Sender()), flights.admit(Sender())
-    assert first.wait_for_slot()
-    second.end(lambda: None)
-    first.end(lambda: None)
-    assert not second.wait_for_slot() and flights.admit(Sender()).wait_for_slot()
+    """The responder sends what the loop queues, in order, and nothing after a flight's
+    final response; it never asks a finished sender whether it was cancelled."""
+
+    async def scenario() -> None:
+        responder = Responder(lambda outputs: outputs["text"], lambda message, code: message, 1, print)
+        try:
+            flights = Flights(1, 0)
+            sender = Sender()
+            flight = flights.admit(sender)
+            assert await flight.wait_for_slot()
+            assert responder.send(flight, {"text": "token"}, final=False)
+            assert responder.fail(flight, "engine died", None)  # the monitor ends it
+            assert not responder.send(flight, {"text": "late token"}, final=True)  # its task, later
+            assert not responder.fail(flight, "second error", None)
+            assert flight.closed and flights.counts() == (0, 0)
+            # A flight ended while it waited for a slot never takes one.
+            flights = Flights(1, 1)
+            first, second = flights.admit(Sender()), flights.admit(Sender())
+            assert await first.wait_for_slot()
+            waiter = asyncio.create_task(second.wait_for_slot())
+            second.close()
+            first.close()
+            assert not await waiter and await flights.admit(Sender()).wait_for_slot()
+        finally:
+            responder.stop()
+        assert sender.sent == [("token", 0), ("engine died", 1)]
+        assert sender.asked == 1  # before the token; never once the final response went
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_went_away_is_found_by_the_responder_and_gets_nothing_more():
+    async def scenario() -> tuple[Sender, object]:
+        responder = Responder(lambda outputs: outputs["text"], lambda message, code: message, 1, print)
+        flights = Flights(1, 0)
+        sender = Sender()
+        flight = flights.admit(sender)
+        responder.send(flight, {"text": "a"}, final=False)
+        assert wait_for(lambda: sender.sent)
+        sender.cancelled = True
+        responder.probe(flight)  # a response that sends nothing still asks
+        responder.send(flight, {"text": "b"}, final=False)
+        responder.fail(flight, "request was cancelled", None)  # what the loop then sends
+        responder.stop()
+        return sender, flight
+
+    sender, flight = asyncio.run(scenario())
+    assert flight.client_gone
+    assert sender.sent == [("a", 0), ("request was cancelled", 1)]
 
 
 class FakeEngine(LocalEngine):
@@ -165,33 +207,47 @@ def silent_engine():
     engine.server.stop(0)
 
 
-def test_streams_to_an_engine_that_never_answers_are_cancelled_and_free_their_threads(silent_engine):
-    """A router thread waiting on a dead engine holds its client's request, and with it the
-    router model: Triton could never unload it, and tritonserver never exits."""
+def test_streams_to_an_engine_that_never_answers_are_cancelled_and_end(silent_engine):
+    """A request waiting on a dead engine holds its client's request, and with it the
+    router model: Triton could never unload it, and tritonserver never exits. Cancelling
+    from another thread (the monitor's) ends the streams on the loop and a probe."""
     engine = RemoteEngine(silent_engine.url, "preble_engine_0")
     errors: list[str] = []
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever)
+    loop_thread.start()
 
-    def call(fn) -> None:
+    async def generate() -> None:
         try:
-            fn()
+            async for _ in engine.generate(uuid.uuid4().hex, [1, 2], "{}"):
+                pass
         except EngineError as exc:
             errors.append(str(exc))
 
-    def generate() -> None:
-        list(engine.generate(uuid.uuid4().hex, [1, 2], "{}"))
+    def probe() -> None:
+        try:
+            engine.health()
+        except EngineError as exc:
+            errors.append(str(exc))
 
-    threads = [threading.Thread(target=call, args=(fn,)) for fn in (generate, generate, engine.health)]
-    for t in threads:
-        t.start()
-    assert wait_for(lambda: silent_engine.open == 3)
-    assert engine.cancel_all() == 3
-    for t in threads:
-        t.join(5)
-    assert not any(t.is_alive() for t in threads)
-    assert len(errors) == 3 and all("unreachable: CANCELLED" in e for e in errors), errors
-    assert wait_for(lambda: silent_engine.open == 0)  # the server saw each stream end
-    assert engine.cancel_all() == 0  # nothing left open
-    engine.close()
+    streams = [asyncio.run_coroutine_threadsafe(generate(), loop) for _ in range(2)]
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        assert wait_for(lambda: silent_engine.open == 3)
+        assert engine.cancel_all() == 3
+        for stream in streams:
+            stream.result(5)
+        prober.join(5)
+        assert not prober.is_alive()
+        assert len(errors) == 3 and all("unreachable: CANCELLED" in e for e in errors), errors
+        assert wait_for(lambda: silent_engine.open == 0)  # the server saw each stream end
+        assert engine.cancel_all() == 0  # nothing left open
+    finally:
+        asyncio.run_coroutine_threadsafe(engine.aclose(), loop).result(5)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(5)
+        engine.close()
 
 
 def test_stopping_the_monitor_cancels_a_probe_that_would_never_return(silent_engine):

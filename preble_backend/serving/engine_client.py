@@ -1,18 +1,19 @@
-"""How the router reaches an engine: a gRPC stream per request, over one persistent
-channel per engine, to its own tritonserver's endpoint for an engine in the same server
-and to ``grpc://host:port/model`` for one on another server. Both stream
-``EngineResponse``s and take the same control operations."""
+"""How the router reaches an engine: a gRPC stream per request, over persistent channels
+per engine, to its own tritonserver's endpoint for an engine in the same server and to
+``grpc://host:port/model`` for one on another server. Both stream ``EngineResponse``s
+(asynchronously, on the router's event loop) and take the same control operations."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable, Iterator
-from contextlib import closing
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from client.triton_client import StreamError, open_grpc, stream_infer
+from client.triton_client import StreamError, open_grpc, stream_infer, stream_infer_async
 from preble_backend.serving.protocol import ENGINE_OUTPUTS, names
 
 OUTPUTS = names(ENGINE_OUTPUTS)
@@ -62,64 +63,81 @@ def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
 
 
 class EngineClient:
-    """An engine model behind a gRPC endpoint: one channel per engine, kept for the
-    router's life, and a stream per request on it. The channel reconnects by itself when
-    its server is back."""
+    """An engine model behind a gRPC endpoint: two channels per engine, kept for the
+    router's life. Requests stream on a ``grpc.aio`` channel, all of them on the router's
+    one event loop (made there at first use); control operations (the monitor's health
+    probes, tools) are blocking calls on a plain channel. Both reconnect by themselves
+    when the server is back."""
 
     wait_for_ready = False  # a server that does not listen fails the call at once
 
     def __init__(self, url: str, model: str, name: str) -> None:
         self.url, self.model, self.name = url, model, name
         self._channel, self._stub = open_grpc(url)  # connects on first use
-        self._open_calls: set = set()  # the streams in flight (set.add/discard hold the GIL)
+        self._open_calls: set = set()  # blocking calls in flight (set.add/discard hold the GIL)
+        self._aio = None  # (channel, stub, loop), made on the event loop at its first stream
+        self._open_streams: set = set()  # streams in flight, touched on the event loop only
 
-    def _call(self, inputs: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray | None]]:
+    # ---- streams, on the router's event loop ----------------------------------------------
+
+    async def _stream(self, inputs: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray | None]]:
         """Send one request; yield each response's outputs; raise EngineError on error."""
-        import grpc
+        if self._aio is None:
+            self._aio = (*open_grpc(self.url, asynchronous=True), asyncio.get_running_loop())
+        stub = self._aio[1]
+        with self._errors():
+            responses = stream_infer_async(stub, self.model, inputs, self.wait_for_ready, self._open_streams)
+            try:
+                async with aclosing(responses):
+                    async for outputs, final in responses:
+                        yield {name: outputs.get(name) for name in OUTPUTS}
+                        if final:
+                            return
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # the task itself is being cancelled
+                # grpc.aio reports a call cancelled by ``cancel_all`` this way
+                raise EngineUnavailable(f"engine {self.name} is unreachable: CANCELLED: its streams "
+                                        "were cancelled") from None  # fmt: skip
+        raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
 
-        try:
-            open_calls, ready = self._open_calls, self.wait_for_ready
-            calls = stream_infer(self._stub, self.model, inputs, wait_for_ready=ready, open_calls=open_calls)
-            with closing(calls) as responses:
-                for outputs, final in responses:
-                    yield {name: outputs.get(name) for name in OUTPUTS}
-                    if final:
-                        return
-            raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
-        except StreamError as exc:
-            raise EngineError(str(exc)) from None
-        except grpc.RpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-            raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
-
-    def generate(
+    async def generate(
         self, request_id: str, input_ids: list[int], params_json: str, events_since: str = ""
-    ) -> Iterator[EngineResponse]:
+    ) -> AsyncIterator[EngineResponse]:
         inputs = {
             "input_ids": np.asarray(input_ids, dtype=np.int32),
             "sampling_parameters": np.array([params_json.encode()], dtype=np.object_),
             "request_id": np.array([request_id.encode()], dtype=np.object_),
             "events_since": np.array([events_since.encode()], dtype=np.object_),
         }
-        for outputs in self._call(inputs):
-            resp = _response(outputs)
-            if resp is not None:
-                yield resp
+        async with aclosing(self._stream(inputs)) as stream:
+            async for outputs in stream:
+                resp = _response(outputs)
+                if resp is not None:
+                    yield resp
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request in the engine (its stream then ends with a final response)."""
+        async with aclosing(self._stream(_control_inputs("abort", request_id=request_id))) as stream:
+            async for _ in stream:
+                pass
+
+    # ---- blocking control operations, any thread ------------------------------------------
 
     def control(self, op: str, **fields) -> str:
         """Run a control operation; return the engine's report (JSON)."""
-        body = json.dumps({"op": op, **fields}).encode()
         report = None
-        for outputs in self._call({"control": np.array([body], dtype=np.object_)}):
-            resp = _response(outputs)
-            if resp is not None and resp.report is not None:
-                report = resp.report
+        with self._errors():
+            calls = stream_infer(self._stub, self.model, _control_inputs(op, **fields),
+                                 wait_for_ready=self.wait_for_ready, open_calls=self._open_calls)  # fmt: skip
+            with closing(calls) as responses:
+                for outputs, _ in responses:
+                    resp = _response({name: outputs.get(name) for name in OUTPUTS})
+                    if resp is not None and resp.report is not None:
+                        report = resp.report
         if report is None:
             raise EngineError(f"engine {self.name} sent no report for control op {op!r}")
         return report
-
-    def abort(self, request_id: str) -> None:
-        self.control("abort", request_id=request_id)
 
     def health(self) -> dict:
         """The engine loop's answer to a ``health`` probe (its load snapshot and pid); it
@@ -127,17 +145,50 @@ class EngineClient:
         return json.loads(self.control("health"))["load"]
 
     def cancel_all(self) -> int:
-        """Cancel every stream in flight to this engine; return how many. A dead engine
-        answers none of them: a router thread left waiting on one would hold its client's
-        request, and with it the router model, which then never unloads (and tritonserver
-        never exits, waiting for the router's open streams)."""
+        """Cancel every call in flight to this engine, streams and control calls; return
+        how many (any thread). A dead engine answers none of them: a request left waiting
+        on one would hold its client's request, and with it the router model, which then
+        never unloads (and tritonserver never exits, waiting for the router's open
+        streams)."""
         calls = list(self._open_calls)
         for call in calls:
             call.cancel()
-        return len(calls)
+        streams = 0
+        if self._aio is not None and not self._aio[2].is_closed():
+            streams = len(self._open_streams)  # a racy read: a count for the caller's log only
+
+            def cancel_streams() -> None:
+                for stream in list(self._open_streams):
+                    stream.cancel()
+
+            self._aio[2].call_soon_threadsafe(cancel_streams)
+        return len(calls) + streams
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """The engine's error responses as EngineError, a lost connection (or a cancelled
+        call) as EngineUnavailable."""
+        import grpc
+
+        try:
+            yield
+        except StreamError as exc:
+            raise EngineError(str(exc)) from None
+        except grpc.RpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+            raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None
 
     def close(self) -> None:
+        """Close the blocking channel (the streaming one closes on its loop: ``aclose``)."""
         self._channel.close()
+
+    async def aclose(self) -> None:
+        if self._aio is not None:
+            await self._aio[0].close()
+
+
+def _control_inputs(op: str, **fields) -> dict[str, np.ndarray]:
+    return {"control": np.array([json.dumps({"op": op, **fields}).encode()], dtype=np.object_)}
 
 
 class RemoteEngine(EngineClient):

@@ -1,23 +1,30 @@
 """The router model ``preble``: Triton's vLLM-backend I/O in front of the engine instances.
 
-``execute`` reads and validates each request and admits it (or refuses it at once with
-``UNAVAILABLE`` when ``max_inflight + max_queue`` are admitted); a thread per request
-then tokenizes it, routes it with the global scheduler's policy, forwards it to the
-chosen engine (a gRPC stream, to this server's endpoint for a local engine) and streams
-the detokenized text back. Engine reports on final responses keep the policy's view of every engine's cache
-and load current. An engine monitor watches the engines: one that dies is routed around,
-its requests end with an error at once, and its cache is forgotten.
+As in Triton's vLLM backend, ``execute`` only reads and validates each request and hands
+it to the router's event loop, which runs on its own thread; a response thread sends.
+On the loop, a task per request is admitted (or refused at once with ``UNAVAILABLE`` when
+``max_inflight + max_queue`` are admitted), tokenized (on a small thread pool), routed
+with the global scheduler's policy, forwarded to the chosen engine (a gRPC stream, to
+this server's endpoint for a local engine) and its detokenized answer queued for the
+response thread. One loop carries every stream: a thread per request spent the router's
+cores on wake-ups and GIL hand-offs at a thousand streams. The policy lives on the loop
+and needs no lock. Engine reports on final responses keep the policy's view of every
+engine's cache and load current. An engine monitor watches the engines: one that dies is
+routed around, its requests end with an error at once, and its cache is forgotten.
 
 Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +62,7 @@ from preble_backend.serving.protocol import (
     parse_generate,
 )
 from preble_backend.serving.repository import check_local_engines
+from preble_backend.serving.responder import Responder
 from scheduler.nvml_load import LoadView
 from scheduler.policies import make_policy
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
@@ -112,8 +120,8 @@ class TritonPythonModel:
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]
         self.feeds = [EventFeed() for _ in self.engines]  # this router's cursor in each event log
-        self.lock = threading.Lock()  # the policy and the load view
         self.flights = Flights(config.max_inflight, config.max_queue)
+        self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"instance": engine.name})
@@ -123,8 +131,13 @@ class TritonPythonModel:
         for reason in FAILURES.values():
             labels = {"policy": self.policy.name, "reason": reason}
             self.metrics.count("preble_router_failures_total", 0, labels)
+        self.responder = Responder(_response, _error_response, FINAL, pb_utils.Logger.log_error)
+        self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="preble-tokenize")
+        self.loop = asyncio.new_event_loop()
+        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="preble-loop", daemon=True)
+        self.loop_thread.start()
         self.monitor = EngineMonitor(
-            self.engines, self._engine_down, self._engine_up,
+            self.engines, self._on_loop(self._engine_down), self._on_loop(self._engine_up),
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
         )  # fmt: skip
         pb_utils.Logger.log_info(
@@ -144,40 +157,45 @@ class TritonPythonModel:
                 send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
                 self._count_failure(pb_utils.TritonError.INVALID_ARG)
                 continue
-            flight = self.flights.admit(sender)
-            if flight is None:
-                self.metrics.count("preble_router_rejected_total", 1)
-                send_error(sender, self._capacity_message(), pb_utils.TritonError.UNAVAILABLE)
-                continue
-            threading.Thread(target=self._handle, args=(flight, req, time.monotonic()), daemon=True).start()
+            asyncio.run_coroutine_threadsafe(self._serve(sender, req, time.monotonic()), self.loop)
         return None
+
+    def _on_loop(self, fn):
+        """``fn`` called on the event loop, from any thread."""
+        return lambda *args: self.loop.call_soon_threadsafe(fn, *args)
 
     def _capacity_message(self) -> str:
         c = self.config
         return (f"the preble router is at capacity: {c.max_inflight} requests in flight and {c.max_queue} "
                 "queued (max_inflight, max_queue in its config.pbtxt); retry later")  # fmt: skip
 
-    def _handle(self, flight: Flight, req: GenerateRequest, arrival: float) -> None:
+    # ---- a request's task, on the event loop ------------------------------------------------
+
+    async def _serve(self, sender, req: GenerateRequest, arrival: float) -> None:
+        flight = self.flights.admit(sender)
+        if flight is None:
+            self.metrics.count("preble_router_rejected_total", 1)
+            self.responder.refuse(sender, self._capacity_message(), pb_utils.TritonError.UNAVAILABLE)
+            return
+        task = asyncio.current_task()
+        self.tasks.add(task)
         try:
-            if not flight.wait_for_slot():
+            if not await flight.wait_for_slot():
                 return
-            ids = self.tokenizer(req.prompt).input_ids
-            if not ids:
-                raise BadRequest("input 'text_input' encodes to no tokens")
-            routing = RoutingRequest(uuid.uuid4().hex, ids, req.params)
-            routing.chain(self.config.page_size)  # hashed once, outside the policy's lock
-            with self.lock:
-                if not self.policy.live:
-                    raise EngineUnavailable("no engine is available: every engine has failed")
-                decision = self.policy.select(routing, self.loads)
-                self.loads[decision.instance].in_flight += 1
-                flight.instance, flight.routing = decision.instance, routing
+            routing = await self.loop.run_in_executor(self.tokenize_pool, self._routing_request, req)
+            if flight.closed:  # ended while it was tokenized (the server is shutting down)
+                return
+            if not self.policy.live:
+                raise EngineUnavailable("no engine is available: every engine has failed")
+            decision = self.policy.select(routing, self.loads)
+            self.loads[decision.instance].in_flight += 1
+            flight.instance, flight.routing = decision.instance, routing
             engine = self.engines[decision.instance]
             labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
             self.metrics.count("preble_router_decisions_total", 1, labels)
             self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
                                  {"policy": self.policy.name})  # fmt: skip
-            self._forward(flight, req, routing, engine, arrival)
+            await self._forward(flight, req, routing, engine, arrival)
         except (BadRequest, ValueError) as exc:
             self._fail(flight, str(exc), pb_utils.TritonError.INVALID_ARG)
         except EngineUnavailable as exc:
@@ -191,8 +209,19 @@ class TritonPythonModel:
             self._fail(flight, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
         finally:
             self._settle(flight)
+            self.tasks.discard(task)
 
-    def _forward(
+    def _routing_request(self, req: GenerateRequest) -> RoutingRequest:
+        """The prompt tokenized and hashed per page, on a tokenizer thread: a long prompt
+        would hold the loop, and every stream on it, for milliseconds."""
+        ids = self.tokenizer(req.prompt).input_ids
+        if not ids:
+            raise BadRequest("input 'text_input' encodes to no tokens")
+        routing = RoutingRequest(uuid.uuid4().hex, ids, req.params)
+        routing.chain(self.config.page_size)
+        return routing
+
+    async def _forward(
         self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine, arrival: float
     ) -> None:
         """Stream the engine's answer back to the client."""
@@ -200,32 +229,33 @@ class TritonPythonModel:
         answer = Answer(req, self.tokenizer, len(routing.input_ids))
         cancelled = False
         start, first_token_at = time.monotonic(), None
-        with self.lock:
-            cursor = self.feeds[instance].cursor
-        for resp in engine.generate(routing.request_id, routing.input_ids, req.params_json, cursor):
-            self.monitor.progress(instance)
-            if first_token_at is None and resp.token_ids:
-                first_token_at = time.monotonic()
-            if not cancelled and flight.is_cancelled():  # or ended elsewhere
-                cancelled = True
-                engine.abort(routing.request_id)  # keep reading: the final response confirms it
-            delta = answer.add(resp)
-            if resp.final:
-                batch, load = decode_report(resp.report) if resp.report else (None, {})
-                self._learn(instance, engine, load)
-                ttft = None if first_token_at is None else first_token_at - start  # the engine's
-                with self.lock:
-                    events = self._mirror(instance, batch)
+        cursor = self.feeds[instance].cursor
+        stream = engine.generate(routing.request_id, routing.input_ids, req.params_json, cursor)
+        async with aclosing(stream):
+            async for resp in stream:
+                self.monitor.progress(instance)
+                if first_token_at is None and resp.token_ids:
+                    first_token_at = time.monotonic()
+                if not cancelled and (flight.client_gone or flight.closed):  # or ended elsewhere
+                    cancelled = True
+                    await engine.abort(routing.request_id)  # keep reading: the final response confirms it
+                delta = answer.add(resp)
+                if resp.final:
+                    batch, load = decode_report(resp.report) if resp.report else (None, {})
+                    self._learn(instance, engine, load)
+                    ttft = None if first_token_at is None else first_token_at - start  # the engine's
                     flight.engine_finished = True
-                    info = FinishInfo(events, load, ttft, answer.num_output)
+                    info = FinishInfo(self._mirror(instance, batch), load, ttft, answer.num_output)
                     self.policy.on_finish(instance, routing, info)
-                self._observe(engine.name, arrival, first_token_at, answer, resp.num_cached_tokens)
-            if cancelled:
-                continue
-            if req.stream and (delta or resp.final):
-                self._send(flight, answer.outputs(delta, resp, engine.name), resp.final)
-            elif resp.final:
-                self._send(flight, answer.outputs(answer.full_text(), resp, engine.name), final=True)
+                    self._observe(engine.name, arrival, first_token_at, answer, resp.num_cached_tokens)
+                if cancelled:
+                    continue
+                if req.stream and (delta or resp.final):
+                    self.responder.send(flight, answer.outputs(delta, resp, engine.name), resp.final)
+                elif resp.final:
+                    self.responder.send(flight, answer.outputs(answer.full_text(), resp, engine.name), True)
+                else:
+                    self.responder.probe(flight)  # nothing to send: is the client still there?
         if cancelled:
             self._fail(flight, "request was cancelled", pb_utils.TritonError.CANCELLED)
         elif not flight.closed:
@@ -251,27 +281,22 @@ class TritonPythonModel:
         labels = {"policy": self.policy.name, "reason": self.failure_reasons.get(code, "internal")}
         self.metrics.count("preble_router_failures_total", 1, labels)
 
-    def _send(self, flight: Flight, outputs: dict[str, np.ndarray], final: bool) -> None:
-        tensors = [pb_utils.Tensor(name, value) for name, value in outputs.items()]
-        flight.send(pb_utils.InferenceResponse(output_tensors=tensors), final, FINAL)
-
     def _fail(self, flight: Flight, message: str, code) -> None:
-        if flight.end(lambda: send_error(flight.sender, message, code)):
+        if self.responder.fail(flight, message, code):
             self._count_failure(code)
 
     def _settle(self, flight: Flight) -> None:
         """The router's bookkeeping for a routed request, once, whoever ends it first."""
-        with self.lock:
-            if flight.instance is None or flight.settled:
-                return
-            flight.settled = True
-            self.loads[flight.instance].in_flight -= 1
-            if not flight.engine_finished:  # refused or failed: forget the placement
-                self.policy.on_finish(flight.instance, flight.routing, FinishInfo())
+        if flight.instance is None or flight.settled:
+            return
+        flight.settled = True
+        self.loads[flight.instance].in_flight -= 1
+        if not flight.engine_finished:  # refused or failed: forget the placement
+            self.policy.on_finish(flight.instance, flight.routing, FinishInfo())
 
     def _mirror(self, instance: int, batch: EventBatch | None) -> list[CacheEvent]:
-        """The report's cache events this router has not applied yet (under the lock); on a
-        snapshot the policy first drops what earlier events said the engine caches."""
+        """The report's cache events this router has not applied yet; on a snapshot the
+        policy first drops what earlier events said the engine caches."""
         if batch is None:
             return []
         events, resync = self.feeds[instance].take(batch)
@@ -282,44 +307,73 @@ class TritonPythonModel:
     def _learn(self, instance: int, engine: EngineClient, load: dict) -> None:
         """A report's load snapshot; a local engine on ``cuda:N`` gets its GPU sampled through NVML."""
         self.monitor.learn_pid(instance, load)
-        with self.lock:
-            self.load_view.report(instance, load)
-            self.loads[instance].reported = self.load_view.snapshot(instance)
-            device = str(load.get("device", ""))
-            local = isinstance(engine, LocalEngine)
-            if local and device.startswith("cuda") and self.load_view.gpus[instance] is None:
-                self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
-                self.load_view.start()
+        self.load_view.report(instance, load)
+        self.loads[instance].reported = self.load_view.snapshot(instance)
+        device = str(load.get("device", ""))
+        local = isinstance(engine, LocalEngine)
+        if local and device.startswith("cuda") and self.load_view.gpus[instance] is None:
+            self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
+            self.load_view.start()
 
-    # ---- engine health (the monitor's thread) -----------------------------------------------
+    # ---- engine health (the monitor's verdicts, run on the event loop) ----------------------
 
     def _engine_down(self, instance: int, reason: str) -> None:
         name = self.engines[instance].name
         pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
         self.metrics.gauge("preble_router_engine_up", 0, {"instance": name})
-        with self.lock:
-            self.policy.instance_down(instance)
-            self.feeds[instance].reset()
+        self.policy.instance_down(instance)
+        self.feeds[instance].reset()
         for flight in self.flights.on_instance(instance):
             self._fail(flight, f"engine {name} failed while serving this request: {reason}",
                        pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
             self._settle(flight)
-        self.engines[instance].cancel_all()  # frees the threads waiting on its answers
+        self.engines[instance].cancel_all()  # ends the tasks waiting on its answers
 
     def _engine_up(self, instance: int) -> None:
         name = self.engines[instance].name
         pb_utils.Logger.log_info(f"preble router: engine {name} is back; routing to it again")
         self.metrics.gauge("preble_router_engine_up", 1, {"instance": name})
-        with self.lock:
-            self.policy.instance_up(instance)
+        self.policy.instance_up(instance)
+
+    # ---- shutdown ---------------------------------------------------------------------------
 
     def finalize(self) -> None:
         """End what is still open: the flights first (so that their clients read why), then
-        every stream to an engine, which frees the threads waiting on one."""
-        for flight in self.flights.all():
-            self._fail(flight, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+        every stream to an engine (the monitor cancels them), which ends the tasks waiting
+        on one; then the loop, and the response thread once it has sent what is queued."""
+        asyncio.run_coroutine_threadsafe(self._fail_all(), self.loop).result(timeout=10)
         self.monitor.stop()  # cancels every engine's streams
+        asyncio.run_coroutine_threadsafe(self._end_tasks(), self.loop).result(timeout=15)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop_thread.join(timeout=5)
+        if not self.loop_thread.is_alive():
+            self.loop.close()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.responder.stop()
         self.load_view.stop()
         for engine in self.engines:
             engine.close()
         self.metrics.close()
+
+    async def _fail_all(self) -> None:
+        for flight in self.flights.all():
+            self._fail(flight, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+
+    async def _end_tasks(self, timeout_s: float = 5.0) -> None:
+        """Wait for the tasks, whose streams are cancelled; cancel any left; close the
+        streaming channels."""
+        if self.tasks:
+            _, pending = await asyncio.wait(set(self.tasks), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        for engine in self.engines:
+            await engine.aclose()
+
+
+def _response(outputs: dict[str, np.ndarray]):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in outputs.items()])
+
+
+def _error_response(message: str, code):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
