@@ -70,12 +70,26 @@ def server(tmp_path_factory, tiny_model):
 
 def test_bursts_of_200_mixed_clients_all_finish_and_every_page_comes_back(server):
     cfg = _burst(server, requests=200, max_tokens=64, prefix_words=300)
-    for _ in range(3):
-        report, outcomes = run_burst(cfg)
-        assert report.completed == 200, report.errors
-        assert report.by_kind == {"sse": 67, "generate": 67, "grpc": 66}
-        assert {o.finish_reason for o in outcomes} == {"length"}
+    router, threads, done = _router_stub(server), [], threading.Event()
+
+    def count_threads() -> None:  # the router's threads while 200 requests are in flight
+        while not done.wait(0.02):
+            threads.append(len(os.listdir(f"/proc/{router}/task")))
+
+    sampler = threading.Thread(target=count_threads)
+    sampler.start()
+    try:
+        for _ in range(3):
+            report, outcomes = run_burst(cfg)
+            assert report.completed == 200, report.errors
+            assert report.by_kind == {"sse": 67, "generate": 67, "grpc": 66}
+            assert {o.finish_reason for o in outcomes} == {"length"}
+    finally:
+        done.set()
+        sampler.join()
     assert server.process.poll() is None
+    # One event loop carries every stream: no thread per request (that router held 200+).
+    assert max(threads) < 64, max(threads)
     client = client_for(server)
     for engine in ENGINES:
         assert_engine_pages_free(client, engine)

@@ -146,11 +146,8 @@ def _backend_dir(wheel: Path, workdir: Path) -> Path:
 def server_environment(wheel: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    if wheel is not None:
-        import site
-
-        libs = [str(Path(p) / "nvidia_pytriton.libs") for p in site.getsitepackages()]
-        libs.append(sysconfig.get_config_var("LIBDIR") or "")
+    if wheel is not None:  # the wheel's bundled libraries sit beside its package
+        libs = [str(wheel.parents[1] / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")])
     return env
 
