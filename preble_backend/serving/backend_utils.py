@@ -40,14 +40,15 @@ def read_inputs(request, names: tuple[str, ...]) -> dict[str, np.ndarray | None]
     return out
 
 
+def error_response(message: str, code=None) -> pb_utils.InferenceResponse:
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
 def send_error(sender, message: str, code=None) -> None:
     """A final error response; a client that has gone away is not an error of ours."""
-    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
     try:
-        sender.send(
-            pb_utils.InferenceResponse(output_tensors=[], error=error),
-            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
-        )
+        sender.send(error_response(message, code), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
     except Exception:
         pass
 

@@ -39,7 +39,7 @@ class EngineResponse:
 
 def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
     """Decode one engine response; an empty one (a bare final flag) gives None."""
-    if all(v is None for v in outputs.values()):
+    if all(outputs.get(name) is None for name in OUTPUTS):
         return None
     tokens = outputs.get("token_ids")
     reason = outputs.get("finish_reason")
@@ -80,7 +80,7 @@ class EngineClient:
 
     # ---- streams, on the router's event loop ----------------------------------------------
 
-    async def _stream(self, inputs: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray | None]]:
+    async def _stream(self, inputs: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
         """Send one request; yield each response's outputs; raise EngineError on error."""
         if self._aio is None:
             self._aio = (*open_grpc(self.url, asynchronous=True), asyncio.get_running_loop())
@@ -90,7 +90,7 @@ class EngineClient:
             try:
                 async with aclosing(responses):
                     async for outputs, final in responses:
-                        yield {name: outputs.get(name) for name in OUTPUTS}
+                        yield outputs
                         if final:
                             return
             except asyncio.CancelledError:
@@ -132,7 +132,7 @@ class EngineClient:
                                  wait_for_ready=self.wait_for_ready, open_calls=self._open_calls)  # fmt: skip
             with closing(calls) as responses:
                 for outputs, _ in responses:
-                    resp = _response({name: outputs.get(name) for name in OUTPUTS})
+                    resp = _response(outputs)
                     if resp is not None and resp.report is not None:
                         report = resp.report
         if report is None:

@@ -40,26 +40,26 @@ class Responder:
 
     def send(self, flight: Flight, outputs: dict, final: bool) -> bool:
         """Queue a response unless the flight has ended; a final one ends it."""
-        return self._put(flight, flight.sender, ("outputs", outputs), final)
+        return self._put(flight, ("outputs", outputs), final)
 
     def fail(self, flight: Flight, message: str, code) -> bool:
         """End the flight with an error unless it has ended; True if this ended it."""
-        return self._put(flight, flight.sender, ("error", (message, code)), final=True)
+        return self._put(flight, ("error", (message, code)), final=True)
 
     def probe(self, flight: Flight) -> None:
         """Ask whether the client is still there (for a response that sends nothing)."""
-        self._put(flight, flight.sender, None, final=False)
+        self._put(flight, None, final=False)
 
     def refuse(self, sender, message: str, code) -> None:
         """An error for a request that was never admitted."""
         self._queue.put((None, sender, ("error", (message, code)), True))
 
-    def _put(self, flight: Flight, sender, item, final: bool) -> bool:
+    def _put(self, flight: Flight, item, final: bool) -> bool:
         if flight.closed:
             return False
         if final:
             flight.close()
-        self._queue.put((flight, sender, item, final))
+        self._queue.put((flight, flight.sender, item, final))
         return True
 
     def stop(self) -> None:

@@ -34,6 +34,7 @@ from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.serving.answer import Answer
 from preble_backend.serving.backend_utils import (
     config_parameters,
+    error_response,
     exit_with_server,
     read_inputs,
     require_decoupled,
@@ -131,7 +132,7 @@ class TritonPythonModel:
         for reason in FAILURES.values():
             labels = {"policy": self.policy.name, "reason": reason}
             self.metrics.count("preble_router_failures_total", 0, labels)
-        self.responder = Responder(_response, _error_response, FINAL, pb_utils.Logger.log_error)
+        self.responder = Responder(_response, error_response, FINAL, pb_utils.Logger.log_error)
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="preble-tokenize")
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="preble-loop", daemon=True)
@@ -373,7 +374,3 @@ class TritonPythonModel:
 
 def _response(outputs: dict[str, np.ndarray]):
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, v) for n, v in outputs.items()])
-
-
-def _error_response(message: str, code):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
