@@ -16,8 +16,10 @@ Per request:
    default: in the simulator it never helped and cost up to 7% on the embodied agent
    (docs/SCHEDULER.md gives the measurements and why).
 4. **Autoscale**: when the time to first token of a key portion's requests doubles over
-   the window, the least loaded instance that lacks it becomes a replica; its exploiting
-   requests then split over the holders and replicas by load cost.
+   the window, or the key portion is *too hot for its holders* (more of the window's
+   requests than its holders' share of the cluster, while each holder carries over
+   ``hot_load_factor`` × the mean load), the least loaded instance that lacks it becomes a
+   replica; its exploiting requests then split over the holders and replicas by load cost.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class E2(Policy):
         min_decode_units: int = 2,
         default_decode_len: float = 32.0,
         autoscale_min_samples: int = 4,
+        hot_min_requests: int = 16,
+        hot_load_factor: float = 1.5,
         prune_every: int = 200,
         page_size: int = DEFAULT_PAGE_SIZE,
         load_signal: str = "in_flight",
@@ -98,6 +102,8 @@ class E2(Policy):
         self.decode_ratio_threshold = decode_ratio_threshold
         self.min_decode_units = min_decode_units
         self.autoscale_min_samples = autoscale_min_samples
+        self.hot_min_requests = hot_min_requests
+        self.hot_load_factor = hot_load_factor
         self.prune_every = prune_every
         for key, value in (("load_signal", load_signal), ("rebalance_signal", rebalance_signal)):
             if value not in ("history", "in_flight"):
@@ -270,8 +276,30 @@ class E2(Policy):
             key.ttft = TTFTHistory()
         history: TTFTHistory = key.ttft
         history.add(now, ttft, self.tree.window_s)
-        if not history.doubled(self.autoscale_min_samples):
-            return
+        if history.doubled(self.autoscale_min_samples) or self._too_hot(key, now):
+            self._replicate(key, now)
+
+    def _too_hot(self, key: GlobalNode, now: float) -> bool:
+        """A key portion's load is too high for its holders (§4.2, autoscaling) when it drew
+        more of the window's requests than its holders' share of the cluster and each
+        holder carries over ``hot_load_factor`` × the mean load. The TTFT rule misses a
+        prefix that is hot from the start (its TTFT never doubles: its holder's decoding
+        slows instead), and rebalancing waits for ``Th_bal`` × the *lightest* load. The
+        second condition spares a key portion whose traffic its holder carries well (an
+        agent's episode is 1/8 of the traffic while eight run at once)."""
+        holders = (key.holders() | key.replicas) & self.live
+        uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
+        if not holders or uses < self.hot_min_requests:
+            return False
+        routed = sum(self.history[i].routed_in_window(now) for i in self.live)
+        if uses * len(self.live) <= routed * len(holders):
+            return False
+        load = {i: self.load(i, now, "history") for i in self.live}
+        mean = sum(load.values()) / len(load)
+        return all(load[i] > self.hot_load_factor * mean for i in holders)
+
+    def _replicate(self, key: GlobalNode, now: float) -> None:
+        """The least loaded instance that lacks the key portion becomes a replica."""
         lacking = [i for i in sorted(self.live) if not key.held_by(i) and i not in key.replicas]
         if lacking:
             replica = min(lacking, key=lambda i: self.load(i, now, self.load_signal))

@@ -74,15 +74,22 @@ class InstanceHistory:
         if not self.in_flight:  # no rounding drift survives an idle moment
             self.in_flight_prefill_ms = self.in_flight_cached = 0.0
 
+    def routed_in_window(self, now: float) -> int:
+        self._expire(now)
+        return len(self.routed)
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self.routed and self.routed[0][0] < horizon:
+            self.prefill_ms -= self.routed.popleft()[1]
+
     def load(self, now: float, decode_ms: float, signal: str = "history") -> float:
         """L of Algorithm 2, in milliseconds, each request counted as its prefill time plus
         ``decode_ms`` (DECODETIME of the average decoding length): over the requests routed
         within the window (``history``, as Algorithm 2 reads), or over those still in
         flight (``in_flight``, the current load the paper's realization keeps up to date on
         every assignment and completion)."""
-        horizon = now - self.window_s
-        while self.routed and self.routed[0][0] < horizon:
-            self.prefill_ms -= self.routed.popleft()[1]
+        self._expire(now)
         if signal == "in_flight":
             return self.in_flight_prefill_ms + len(self.in_flight) * decode_ms
         return max(0.0, self.prefill_ms) + len(self.routed) * decode_ms

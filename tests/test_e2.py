@@ -215,6 +215,34 @@ def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
     assert (d.instance, d.branch) == (1, "exploit")
 
 
+@pytest.mark.parametrize(
+    "exploits, other_len, replicas",
+    [
+        (15, 200, {1}),  # 16 of 19 requests, and holder 0 carries 627 > 1.5 x the mean 330.75
+        (14, 200, set()),  # 15 uses: under hot_min_requests
+        (15, 600, set()),  # the others carry 632 each: 627 is no heavier than the mean
+    ],
+)
+def test_autoscale_replicates_a_key_portion_too_hot_for_its_holder(exploits, other_len, replicas):
+    """A prefix hot from the start: its TTFT never doubles, but it draws more of the
+    window's requests than one instance's share and its holder carries over 1.5x the mean
+    load (history loads: the first request 100 + 32, each exploit 1 + 32, each other
+    prompt other_len + 32)."""
+    policy, _ = e2(n=4, window_s=100.0, th_bal=float("inf"))  # no rebalancing
+    prefix = list(range(100))
+    r0, d0 = route(policy, prefix, n=4)
+    assert d0.instance == 0
+    policy.on_finish(0, r0, stored(prefix))
+    hot = [route(policy, prefix + [k], n=4) for k in range(exploits)]
+    assert {d.instance for _, d in hot} == {0}
+    others = [route(policy, range(5000 + 1000 * k, 5000 + 1000 * k + other_len), n=4)[1] for k in range(3)]
+    assert sorted(d.instance for d in others) == [1, 2, 3]
+    r, _ = hot[0]
+    policy.on_finish(0, r, stored(prefix + [0]))  # the check runs as a key request finishes
+    key = policy.tree.match(chain_hashes(prefix + [99], 1)).key
+    assert key.replicas == replicas
+
+
 def test_key_portion_is_the_deepest_node_longer_than_its_predecessors():
     policy, _ = e2()
     a = list(range(100))  # system prompt
