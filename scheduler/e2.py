@@ -282,11 +282,12 @@ class E2(Policy):
     def _too_hot(self, key: GlobalNode, now: float) -> bool:
         """A key portion's load is too high for its holders (§4.2, autoscaling) when it drew
         more of the window's requests than its holders' share of the cluster and each
-        holder carries over ``hot_load_factor`` × the mean load. The TTFT rule misses a
-        prefix that is hot from the start (its TTFT never doubles: its holder's decoding
-        slows instead), and rebalancing waits for ``Th_bal`` × the *lightest* load. The
-        second condition spares a key portion whose traffic its holder carries well (an
-        agent's episode is 1/8 of the traffic while eight run at once)."""
+        holder's load over the window exceeds ``hot_load_factor`` × the mean. The TTFT
+        rule misses a prefix that is hot from the start (its TTFT never doubles: its
+        holder's decoding slows instead), and rebalancing waits for ``Th_bal`` × the
+        *lightest* load. The second condition spares a key portion whose traffic its
+        holder carries well (an agent's episode is 1/8 of the traffic while eight run at
+        once)."""
         holders = (key.holders() | key.replicas) & self.live
         uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
         if not holders or uses < self.hot_min_requests:
