@@ -288,7 +288,9 @@ class E2(Policy):
         *lightest* load. The second condition spares a key portion whose traffic its
         holder carries well (an agent's episode is 1/8 of the traffic while eight run at
         once)."""
-        holders = (key.holders() | key.replicas) & self.live
+        if sum(map(len, key.hits.values())) < self.hot_min_requests:  # a bound, before trimming
+            return False
+        holders = self._serving(key)
         uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
         if not holders or uses < self.hot_min_requests:
             return False
@@ -299,9 +301,13 @@ class E2(Policy):
         mean = sum(load.values()) / len(load)
         return all(load[i] > self.hot_load_factor * mean for i in holders)
 
+    def _serving(self, key: GlobalNode) -> set[int]:
+        """The live instances that hold the key portion or replicate it."""
+        return (key.holders() | key.replicas) & self.live
+
     def _replicate(self, key: GlobalNode, now: float) -> None:
         """The least loaded instance that lacks the key portion becomes a replica."""
-        lacking = [i for i in sorted(self.live) if not key.held_by(i) and i not in key.replicas]
+        lacking = sorted(self.live - self._serving(key))
         if lacking:
             replica = min(lacking, key=lambda i: self.load(i, now, self.load_signal))
             key.replicas = key.replicas | {replica}
