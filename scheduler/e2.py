@@ -290,16 +290,16 @@ class E2(Policy):
         once)."""
         if sum(map(len, key.hits.values())) < self.hot_min_requests:  # a bound, before trimming
             return False
-        holders = self._serving(key)
+        serving = self._serving(key)
         uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
-        if not holders or uses < self.hot_min_requests:
+        if not serving or uses < self.hot_min_requests:
             return False
         routed = sum(self.history[i].routed_in_window(now) for i in self.live)
-        if uses * len(self.live) <= routed * len(holders):
+        if uses * len(self.live) <= routed * len(serving):  # no more than the servers' share
             return False
         load = {i: self.load(i, now, "history") for i in self.live}
         mean = sum(load.values()) / len(load)
-        return all(load[i] > self.hot_load_factor * mean for i in holders)
+        return all(load[i] > self.hot_load_factor * mean for i in serving)
 
     def _serving(self, key: GlobalNode) -> set[int]:
         """The live instances that hold the key portion or replicate it."""
