@@ -1,10 +1,14 @@
-"""The paper's five workloads (§3, Table 1) as deterministic generators, plus Azure trace
-replay, mixes and Poisson arrivals.
+"""The paper's five workloads (§3, Table 1) and two that dominate real prefix-sharing
+traffic (multi-turn chat, multi-tenant system prompts) as deterministic generators, plus
+Azure trace replay, mixes and Poisson arrivals.
 
 A request is a list of *segments* (an id and a length in tokens) and an output length.
 Requests that share a segment id share its tokens, so the sharing structure (system
 prompts, tool documentation, demonstrations, videos, documents, multi-turn chains,
-parallel samples) is explicit. Segments become token ids (``token_ids``, for the
+parallel samples) is explicit. A chat turn *follows* the previous one (``after``): it is
+sent ``think_s`` after that answer arrives, closed-loop, as a user types only after
+reading, and its prompt replays that answer (``answer``: the tokens the previous turn
+generates, which the simulator's engine then outputs). Segments become token ids (``token_ids``, for the
 simulator: any vocabulary) or text whose length is measured in a real tokenizer
 (``text``, for live servers). Table 1's statistics over a trace are
 ``scheduler/sim/workload_stats.py``'s.
@@ -41,8 +45,11 @@ class Segment:
 class WorkloadRequest:
     segments: list[Segment]
     output_len: int
-    group: str  # the sharing unit (tool, task, problem, video, document)
-    arrival: float = 0.0
+    group: str  # the sharing unit (tool, task, problem, video, document, tenant)
+    arrival: float = 0.0  # for a follower: its predecessor's arrival + think_s (a lower bound)
+    answer: Segment | None = None  # what it generates, when a later prompt replays it
+    after: int | None = None  # the index of the request whose answer must come first
+    think_s: float = 0.0  # how long after that answer it is sent
 
     @property
     def prompt_len(self) -> int:
@@ -167,13 +174,73 @@ def loogle(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
     return _grouped(n, rng, document)
 
 
+def chat(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """Multi-turn chat: conversations over one of a few application system prompts (Zipf
+    popularity), 40% of them over one shared document as well (Zipf-1.0 over the
+    documents: a few are hot), each turn's prompt the whole conversation so far. Shapes
+    from ShareGPT-style statistics: turns long-tailed around 5, user messages ~90 tokens
+    and answers ~220 with long tails, think times of seconds to minutes."""
+    rng = random.Random(seed)
+    systems = [_lognormal(random.Random(seed * 31 + k), 1300 * scale, 500 * scale, 200 * scale, 4000 * scale)
+               for k in range(3)]  # fmt: skip
+    num_docs = max(6, n // 150)
+    docs = [_lognormal(random.Random(seed * 37 + k), 5000 * scale, 2500 * scale, 500 * scale, 16000 * scale)
+            for k in range(num_docs)]  # fmt: skip
+    out: list[WorkloadRequest] = []
+    conv = 0
+    while len(out) < n:
+        app = _zipf(rng, len(systems), 1.0)
+        history = [Segment(f"ct-system-{app}", systems[app])]
+        group = f"app-{app}"
+        if rng.random() < 0.4:
+            d = _zipf(rng, num_docs, 1.0)
+            history.append(Segment(f"ct-doc-{seed}-{d}", docs[d]))
+            group = f"doc-{d}"
+        for turn in range(_lognormal(rng, 5, 3.5, 1, 24)):
+            user = _lognormal(rng, 90 * scale, 110 * scale, 4, 1500)
+            history.append(Segment(f"ct-u-{seed}-{conv}-{turn}", user))
+            answer = Segment(f"ct-a-{seed}-{conv}-{turn}", _lognormal(rng, 220, 180, 8, 1024))
+            request = WorkloadRequest(list(history), answer.length, group, answer=answer)
+            if turn:
+                request.after, request.think_s = len(out) - 1, _lognormal(rng, 20, 15, 2, 120)
+            out.append(request)
+            history.append(answer)
+            if len(out) == n:
+                break
+        conv += 1
+    return out
+
+
+def multi_tenant(n: int, seed: int = 0, scale: float = 1.0, num_tenants: int = 0) -> list[WorkloadRequest]:
+    """Multi-tenant system prompts, the shape llm-d benchmarks its prefix-cache scorer on:
+    many tenants each with a long private context (~6,000 tokens), several users per
+    tenant (five) each asking ~1,200-token questions, Poisson arrivals. Tenants' traffic is
+    mildly skewed (Zipf-0.6): real tenants differ in size."""
+    rng = random.Random(seed)
+    tenants = num_tenants or max(8, n // 10)
+    context = [_normal(random.Random(seed * 41 + t), 6000 * scale, 1500 * scale, 1000 * scale)
+               for t in range(tenants)]  # fmt: skip
+    out = []
+    for i in range(n):
+        t, user = _zipf(rng, tenants, 0.6), rng.randrange(5)
+        segs = [
+            Segment(f"mt-tenant-{seed}-{t}", context[t]),
+            Segment(f"mt-q-{seed}-{t}-{user}-{i}", _normal(rng, 1200 * scale, 400 * scale, 50 * scale)),
+        ]
+        out.append(WorkloadRequest(segs, _lognormal(rng, 200, 150, 4, 1024), f"tenant-{t}"))
+    return out
+
+
 WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "toolbench": toolbench,
     "embodied_agent": embodied_agent,
     "programming": programming,
     "videoqa": videoqa,
     "loogle": loogle,
+    "chat": chat,
+    "multi_tenant": multi_tenant,
 }
+PAPER_WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle")
 
 
 def generate(name: str, n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
@@ -197,11 +264,20 @@ def mix(parts: list[tuple[list[WorkloadRequest], float]], seed: int = 0) -> list
 
 
 def poisson_arrivals(requests: list[WorkloadRequest], rps: float, seed: int = 0) -> list[WorkloadRequest]:
+    """Poisson arrivals averaging ``rps`` requests per second: the independent requests
+    (conversation starts) at ``rps`` × their share, so that with their followers the trace
+    offers ``rps`` on average; a follower's ``arrival`` is its predecessor's plus its think
+    time, the earliest it can be sent (closed-loop players wait for the answer too)."""
     rng = random.Random(seed)
+    independent = sum(1 for r in requests if r.after is None)
+    rate = rps * independent / len(requests) if requests else rps
     t = 0.0
     for r in requests:
-        t += rng.expovariate(rps)
-        r.arrival = t
+        if r.after is None:
+            t += rng.expovariate(rate)
+            r.arrival = t
+        else:
+            r.arrival = requests[r.after].arrival + r.think_s
     return requests
 
 
@@ -255,14 +331,14 @@ class Materializer:
     _ids: dict[str, list[int]] = field(default_factory=dict)
     _text: dict[str, str] = field(default_factory=dict)
 
-    def _segment_ids(self, seg: Segment) -> list[int]:
+    def segment_ids(self, seg: Segment) -> list[int]:
         if seg.id not in self._ids:
             gen = np.random.default_rng(_stable_seed(seg.id))
             self._ids[seg.id] = gen.integers(10, self.vocab_size, seg.length).tolist()
         return self._ids[seg.id]
 
     def token_ids(self, req: WorkloadRequest) -> list[int]:
-        return [t for seg in req.segments for t in self._segment_ids(seg)]
+        return [t for seg in req.segments for t in self.segment_ids(seg)]
 
     def _segment_text(self, seg: Segment) -> str:
         if seg.id not in self._text:

@@ -24,6 +24,7 @@ Per request:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.load_cost import DecodeLengths, InstanceHistory, memory_cost
+from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
@@ -88,6 +89,7 @@ class E2(Policy):
         page_size: int = DEFAULT_PAGE_SIZE,
         load_signal: str = "in_flight",
         rebalance_signal: str = "history",
+        load_model: str = "batch",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(num_instances, clock)
@@ -108,7 +110,10 @@ class E2(Policy):
         for key, value in (("load_signal", load_signal), ("rebalance_signal", rebalance_signal)):
             if value not in ("history", "in_flight"):
                 raise ValueError(f"{key}={value!r} is invalid: expected history or in_flight")
+        if load_model not in ("batch", "serial"):
+            raise ValueError(f"load_model={load_model!r} is invalid: expected batch or serial")
         self.load_signal = load_signal
+        self.load_model = load_model
         self.rebalance_signal = rebalance_signal
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
         self._next = 0  # where round-robin tie-breaking starts
@@ -126,7 +131,7 @@ class E2(Policy):
         holders = self._key_holders(match) if cached > missed else set()
         if holders:  # exploit: among the instances holding the key portion
             choice = self._cheapest(holders, match, prompt_len, loads, now)
-            lighter = self._rebalance_target(choice, match, loads, now)
+            lighter = self._rebalance_target(choice, match, prompt_len, loads, now)
             if lighter is None:
                 decision = Decision(choice, "exploit")
             else:
@@ -164,27 +169,27 @@ class E2(Policy):
         self._next = (best + 1) % n
         return best
 
-    def _rebalance_target(self, choice: int, match: Match, loads, now: float) -> int | None:
+    def _rebalance_target(self, choice: int, match: Match, prompt_len: int, loads, now: float) -> int | None:
         """Post-assignment rebalancing (§4.2): when the choice is the most loaded instance
         (alone or tied) and its load exceeds ``th_bal`` × the lightest's, the request goes
         to the lightest. Two guards of ours: only a choice with requests in flight
-        (nothing queues on an idle one, so its cache serves best), and only when the load
-        gap exceeds the recompute of the cached tokens the move throws away."""
+        (nothing queues on an idle one, so its cache serves best), and only when the move
+        pays for the cached tokens it throws away: under the ``batch`` load model, when the
+        lightest's L + M + P is below the choice's (one scale for load and recompute);
+        under ``serial``, when the load gap exceeds the recompute."""
         if self.th_bal == math.inf or not self.history[choice].in_flight:
             return None
         load = {i: self.load(i, now, self.rebalance_signal) for i in self.live}
         heaviest = max(load.values())
         lightest = min(self.live, key=lambda i: (load[i], _busy(loads, i), i))
+        if load[choice] != heaviest or lightest == choice or load[choice] <= self.th_bal * load[lightest]:
+            return None
+        if self.load_model == "batch":
+            cost = functools.partial(self.load_cost, match=match, prompt_len=prompt_len, now=now)
+            return lightest if cost(lightest) < cost(choice) else None
         gap = load[choice] - load[lightest]
         recompute = self.cost.prefill_time(match.cached_on(choice))
-        if (
-            load[choice] == heaviest
-            and lightest != choice
-            and load[choice] > self.th_bal * load[lightest]
-            and gap > recompute
-        ):
-            return lightest
-        return None
+        return lightest if gap > recompute else None
 
     def _decode_heavy_instance(self) -> int | None:
         """Explore's first rule when enabled: an instance whose in-flight requests are
@@ -208,13 +213,21 @@ class E2(Policy):
         return self.history[instance].load(now, decode_ms, signal)
 
     def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
-        """L + M + P of sending this request to ``instance`` (milliseconds)."""
+        """L + M + P of sending this request to ``instance`` (milliseconds). With the
+        ``batch`` load model, L is what the instance's batch costs the request and the
+        request costs the batch (``load_cost.batch_load``), and P is paid by the request and
+        by every request decoding beside it while its prefill runs (requests still waiting
+        for their own prefill go first and do not wait for it); with ``serial`` (the
+        paper's), L is a DECODETIME per request and P the request's own prefill."""
         missed = prompt_len - match.cached_on(instance)
-        load = self.load(instance, now, self.load_signal)
         prefill = self.cost.prefill_time(missed)
         need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
         evicted = memory_cost(self.tree, instance, need, match, now, self.cost) if need > 0 else 0.0
-        return load + prefill + evicted
+        if self.load_model == "serial":
+            return self.load(instance, now, self.load_signal) + prefill + evicted
+        history, decode_len = self.history[instance], self.decode_lengths.average(now)
+        load = batch_load(history, self.cost, decode_len, prompt_len, self.capacity[instance])
+        return load + prefill * (1 + history.decoding(self.cost.decode_time(decode_len))) + evicted
 
     # ---- recording a decision ---------------------------------------------------------------
 
@@ -222,9 +235,8 @@ class E2(Policy):
         """Count the request in the instance's load and route it in the tree."""
         prompt_len = len(request.input_ids)
         cached = match.cached_on(instance)
-        self.history[instance].add(
-            request.request_id, now, self.cost.prefill_time(prompt_len - cached), cached / prompt_len
-        )
+        prefill = self.cost.prefill_time(prompt_len - cached)
+        self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the
         # lower half: the key portion is then its new parent.

@@ -54,23 +54,27 @@ class InstanceHistory:
         self.window_s = window_s
         self.routed: deque[tuple[float, float]] = deque()  # (time, prefill ms)
         self.prefill_ms = 0.0
-        self.in_flight: dict[str, tuple[float, float]] = {}  # id -> (prefill ms, cached fraction)
+        self.in_flight: dict[str, tuple[float, float, int]] = {}  # id -> (prefill ms, cached share, tokens)
         self.in_flight_prefill_ms = 0.0
         self.in_flight_cached = 0.0  # Σ cached fraction
+        self.in_flight_tokens = 0  # Σ prompt tokens: the KV the batch holds before decoding
 
-    def add(self, request_id: str, now: float, prefill_ms: float, cached_fraction: float) -> None:
-        """A request routed here: its prefill time and the fraction of its prompt cached."""
+    def add(self, request_id: str, now: float, prefill_ms: float, cached: float, tokens: int) -> None:
+        """A request routed here: its prefill time, the fraction of its prompt cached and
+        its prompt's length."""
         self.routed.append((now, prefill_ms))
         self.prefill_ms += prefill_ms
-        self.in_flight[request_id] = (prefill_ms, cached_fraction)
+        self.in_flight[request_id] = (prefill_ms, cached, tokens)
         self.in_flight_prefill_ms += prefill_ms
-        self.in_flight_cached += cached_fraction
+        self.in_flight_cached += cached
+        self.in_flight_tokens += tokens
 
     def finish(self, request_id: str) -> None:
         entry = self.in_flight.pop(request_id, None)
         if entry is not None:
             self.in_flight_prefill_ms -= entry[0]
             self.in_flight_cached -= entry[1]
+            self.in_flight_tokens -= entry[2]
         if not self.in_flight:  # no rounding drift survives an idle moment
             self.in_flight_prefill_ms = self.in_flight_cached = 0.0
 
@@ -94,12 +98,52 @@ class InstanceHistory:
             return self.in_flight_prefill_ms + len(self.in_flight) * decode_ms
         return max(0.0, self.prefill_ms) + len(self.routed) * decode_ms
 
+    def decoding(self, decode_ms: float) -> float:
+        """How many of the requests in flight are decoding rather than waiting for their
+        prefill, expected from the shares of a request's time the two take: its prefill
+        (the mean in flight) and ``decode_ms``."""
+        b = len(self.in_flight)
+        if not b or decode_ms <= 0:
+            return 0.0
+        return b * decode_ms / (decode_ms + max(0.0, self.in_flight_prefill_ms) / b)
+
     def decode_ratio(self) -> float:
         """How decode-heavy the in-flight requests are: the mean cached fraction of their
         prompts (a fully cached prompt is a pure decoding unit, §4.2)."""
         if not self.in_flight:
             return 0.0
         return self.in_flight_cached / len(self.in_flight)
+
+
+def batch_load(
+    history: InstanceHistory, cost: CostModel, decode_len: float, prompt_len: int, capacity: int
+) -> float:
+    """L for engines that batch (continuous batching, chunked prefill): the time the
+    instance's requests in flight add to this request plus the time it adds to them, from
+    the cost model's iteration time. Algorithm 2's DECODETIME per request in flight prices
+    each one as if it ran alone after the others (seconds each), while in a batch another
+    request lengthens each iteration by its share (``decode_ms_per_request`` plus the
+    attention over its context); pricing load that way put it 20-30x above the recompute it
+    is weighed against, and chat turns left their cached conversations (docs/SCHEDULER.md).
+    Terms, in milliseconds, with ``b`` requests in flight holding ``kv`` tokens at the
+    window's average decoding length ``d``:
+
+    - the prefill queued ahead (Σ PREFILLTIME of the requests in flight);
+    - its ``d`` iterations, each lengthened by the batch: ``b · decode + attention · kv``;
+    - the batch's iterations it lengthens: ``b`` requests over ``d / 2`` steps on average;
+    - when the batch's KV would overflow ``capacity``, the wait for as much of it to finish.
+    """
+    b = len(history.in_flight)
+    if not b:
+        return 0.0
+    kv = history.in_flight_tokens + b * decode_len
+    batch_step = b * cost.decode_ms_per_request + cost.attention_ms_per_context_token * kv
+    own_step = cost.decode_ms_per_request + cost.attention_ms_per_context_token * (prompt_len + decode_len)
+    load = history.in_flight_prefill_ms + decode_len * batch_step + b * decode_len / 2 * own_step
+    over = kv + prompt_len + decode_len - capacity
+    if over > 0:
+        load += min(1.0, over / kv) * decode_len * (cost.base_ms + batch_step)
+    return load
 
 
 def memory_cost(

@@ -23,13 +23,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-from client.workloads import WORKLOADS, Materializer, poisson_arrivals
+from client.workloads import WORKLOADS, poisson_arrivals
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.e2 import E2
 from scheduler.policy import InstanceLoad
-from scheduler.sim.simulator import SimConfig, SimRequest, simulate
+from scheduler.sim.simulator import SimConfig, simulate
+from scheduler.sim.sweep import sim_requests
 
 PAPER = {"toolbench": 245, "videoqa": 2931}
 
@@ -49,9 +50,7 @@ def bench(workload: str, instances: int, n: int, rps: float, repeats: int = 10, 
     replay those calls into fresh E2 instances and time only them (the best of
     ``repeats``). Replaying keeps the simulated engines' work and memory out of the
     measurement, and every replayed decision must equal the simulated one."""
-    words = Materializer()
-    reqs = poisson_arrivals(WORKLOADS[workload](n, seed=0, **workload_kw), rps, seed=0)
-    trace = [SimRequest(str(i), r.arrival, words.token_ids(r), r.output_len) for i, r in enumerate(reqs)]
+    trace = sim_requests("r", poisson_arrivals(WORKLOADS[workload](n, seed=0, **workload_kw), rps, seed=0))
     start = time.perf_counter()
     for req in trace:  # where the router tokenizes: once per prompt, outside the policy
         req.chains[DEFAULT_PAGE_SIZE] = chain_hashes(req.input_ids, DEFAULT_PAGE_SIZE)

@@ -6,7 +6,9 @@ prefill, prefix sharing, LRU eviction and preemption behave exactly as in the en
 only the model forward is replaced by the cost model's iteration time. The global policy
 sees the same interface as in the router: requests at arrival, and on completion the
 instance's cache events and load snapshot. Outputs are pseudo-random token ids, so
-parallel samples of one prompt do not share outputs.
+parallel samples of one prompt do not share outputs, unless the request names the tokens
+it generates (a chat turn's answer, which the next turn's prompt replays). A request that
+follows another (a conversation's next turn) arrives ``think_s`` after that one finishes.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class SimRequest:
     input_ids: list[int]
     output_len: int
     chains: dict[int, list[int]] = field(default_factory=dict)  # page chain hashes, once per prompt
+    output_ids: list[int] | None = None  # what it generates (else pseudo-random ids)
+    after: str | None = None  # the request it follows: it arrives think_s after that one finishes
+    think_s: float = 0.0
 
 
 @dataclass
@@ -86,10 +91,13 @@ class SimInstance:
         self.cache = self.scheduler.blocks.cache
         self.busy = False
         self.batch: ScheduledBatch | None = None
+        self.outputs: dict[str, list[int]] = {}  # the named outputs of requests running here
 
     def add(self, req: SimRequest) -> Request:
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0)
         engine_req = Request(req.request_id, list(req.input_ids), params, SamplerState(params))
+        if req.output_ids is not None:
+            self.outputs[req.request_id] = req.output_ids
         self.scheduler.add(engine_req)
         return engine_req
 
@@ -112,8 +120,10 @@ class SimInstance:
                 continue
             if not req.output_ids:
                 first.append(req)
-            req.output_ids.append(_output_token(req.request_id, len(req.output_ids)))
+            named, i = self.outputs.get(req.request_id), len(req.output_ids)
+            req.output_ids.append(named[i] if named and i < len(named) else _output_token(req.request_id, i))
             if len(req.output_ids) >= req.params.max_tokens:
+                self.outputs.pop(req.request_id, None)
                 self.scheduler.finish(req)
                 done.append(req)
         return first, done
@@ -150,8 +160,12 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
     result = SimResult(instances=instances)
     routing: dict[str, RoutingRequest] = {}
     seq = itertools.count()
-    events: list = [(r.arrival, next(seq), "arrive", r) for r in requests]
+    events: list = [(r.arrival, next(seq), "arrive", r) for r in requests if r.after is None]
     heapq.heapify(events)
+    followers: dict[str, list[SimRequest]] = {}
+    for r in requests:
+        if r.after is not None:
+            followers.setdefault(r.after, []).append(r)
 
     def start(inst: SimInstance) -> None:
         duration = inst.start_iteration()
@@ -168,7 +182,7 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
             routing[req.request_id] = route
             loads[decision.instance].in_flight += 1
             result.records[req.request_id] = RequestRecord(
-                req.arrival, decision.instance, decision.branch, prompt_len=len(req.input_ids)
+                now[0], decision.instance, decision.branch, prompt_len=len(req.input_ids)
             )
             inst = instances[decision.instance]
             inst.add(req)
@@ -189,6 +203,8 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
             ttft = (record.first_token or now[0]) - record.arrival
             info = FinishInfo(inst.cache.drain_events(), load, ttft, len(req.output_ids))
             policy.on_finish(inst.index, routing.pop(req.request_id), info)
+            for nxt in followers.pop(req.request_id, ()):
+                heapq.heappush(events, (now[0] + nxt.think_s, next(seq), "arrive", nxt))
         start(inst)
     result.end_time = now[0]
     return result

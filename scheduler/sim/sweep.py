@@ -14,12 +14,13 @@ import functools
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from client.plots import latency_vs_rate
-from client.workloads import Materializer, generate, poisson_arrivals
+from client.workloads import Materializer, WorkloadRequest, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
@@ -29,11 +30,21 @@ ALL_POLICIES = ("e2", *BASELINES)
 
 
 def trace(workload: str, n: int, rps: float, seed: int = 0) -> list[SimRequest]:
+    return sim_requests(workload, poisson_arrivals(generate(workload, n, seed=seed), rps, seed=seed))
+
+
+def sim_requests(name: str, reqs: list[WorkloadRequest]) -> list[SimRequest]:
+    """A workload's requests as the simulator takes them: token ids, the answers later
+    prompts replay, and which request each follows."""
     words = Materializer()
-    reqs = poisson_arrivals(generate(workload, n, seed=seed), rps, seed=seed)
     return [
-        SimRequest(f"{workload}-{i}", r.arrival, words.token_ids(r), r.output_len) for i, r in enumerate(reqs)
-    ]
+        SimRequest(
+            f"{name}-{i}", r.arrival, words.token_ids(r), r.output_len,
+            output_ids=words.segment_ids(r.answer) if r.answer else None,
+            after=None if r.after is None else f"{name}-{r.after}", think_s=r.think_s,
+        )
+        for i, r in enumerate(reqs)
+    ]  # fmt: skip
 
 
 def cluster_facts(cfg: SimConfig, cost: CostModel, clock) -> dict:
@@ -58,14 +69,18 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
     for record in result.records.values():
         branches[record.branch] = branches.get(record.branch, 0) + 1
         per_engine[f"instance_{record.instance}"] = per_engine.get(f"instance_{record.instance}", 0) + 1
-    return {**metrics(result), "branches": branches, "per_engine": dict(sorted(per_engine.items()))}
+    records = result.records
+    followers = [r for r in requests if r.after is not None]
+    moved = sum(records[r.request_id].instance != records[r.after].instance for r in followers)
+    return {**metrics(result), "follower_moves": moved, "followers": len(followers),
+            "branches": branches, "per_engine": dict(sorted(per_engine.items()))}  # fmt: skip
 
 
 def _at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
-    return [
-        SimRequest(r.request_id, r.arrival * base_rps / rps, r.input_ids, r.output_len, r.chains)
-        for r in requests
-    ]
+    """The trace's timeline compressed to ``rps``: arrivals and think times alike (a turn
+    still waits for its predecessor's answer)."""
+    k = base_rps / rps
+    return [replace(r, arrival=r.arrival * k, think_s=r.think_s * k) for r in requests]
 
 
 def find_stress_rps(

@@ -1,0 +1,104 @@
+"""The two workloads beyond the paper's five: multi-turn chat and multi-tenant system
+prompts. Their statistics follow the shapes they were designed from, chat turns replay
+the conversation so far, and the simulator plays a conversation closed-loop (a turn is
+sent only after the previous answer, and finds that answer cached)."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+
+from client.workloads import Materializer, generate, poisson_arrivals
+from preble_backend.common.cost_model import CostModel
+from scheduler.e2 import E2
+from scheduler.sim.simulator import SimConfig, simulate
+from scheduler.sim.sweep import sim_requests
+from scheduler.sim.workload_stats import summarize
+
+COST = CostModel.load("mistral7b_a6000")
+
+
+def conversations(reqs) -> list[list[int]]:
+    """Each conversation's requests (indices), first turn first, following ``after``."""
+    convs: dict[int, list[int]] = {}
+    head: dict[int, int] = {}
+    for i, r in enumerate(reqs):
+        head[i] = i if r.after is None else head[r.after]
+        convs.setdefault(head[i], []).append(i)
+    return list(convs.values())
+
+
+def test_chat_turns_replay_the_conversation_and_follow_the_previous_answer():
+    reqs = generate("chat", 600, seed=4)
+    assert len(reqs) == 600
+    for conv in conversations(reqs):
+        first = reqs[conv[0]]
+        assert first.after is None and first.think_s == 0
+        assert first.segments[0].id.startswith("ct-system-")
+        for prev, cur in zip(conv, conv[1:]):
+            p, c = reqs[prev], reqs[cur]
+            assert c.after == prev and 2 <= c.think_s <= 120
+            # the previous prompt, then its answer, then one new user message
+            assert c.segments[:-1] == p.segments + [p.answer]
+            assert p.answer.length == p.output_len and c.group == p.group
+
+
+def test_chat_statistics_follow_their_design():
+    reqs = generate("chat", 3000, seed=0)
+    convs = conversations(reqs)
+    assert 4.0 < len(reqs) / len(convs) < 6.5  # turns per conversation, long-tailed around 5
+    users = [r.segments[-1].length for r in reqs]
+    assert 70 < statistics.mean(users) < 110  # ~90-token user messages
+    assert 190 < statistics.mean(r.output_len for r in reqs) < 250  # ~220-token answers
+    with_doc = [c for c in convs if reqs[c[0]].group.startswith("doc-")]
+    assert 0.33 < len(with_doc) / len(convs) < 0.47  # 40% attach a shared document
+    per_doc = Counter(reqs[c[0]].group for c in with_doc).most_common()
+    assert per_doc[0][1] >= 3 * per_doc[len(per_doc) // 2][1]  # Zipf: a few documents are hot
+    # Table 1's view: nearly every prompt is a shared prefix, the conversation itself
+    stats = summarize([Materializer().token_ids(r) for r in reqs[:800]], [r.output_len for r in reqs[:800]])
+    assert stats["shared_prefix_pct"][0] > 70
+
+
+def test_multi_tenant_statistics_follow_llm_ds_shape():
+    reqs = generate("multi_tenant", 2000, seed=1)
+    assert all(r.after is None for r in reqs)
+    tenants = Counter(r.group for r in reqs)
+    assert len(tenants) <= 200 and len(tenants) > 150  # n // 10 tenants, nearly all drawn
+    contexts = {r.segments[0].id: r.segments[0].length for r in reqs}
+    assert 5400 < statistics.mean(contexts.values()) < 6600  # ~6,000-token tenant contexts
+    assert 1100 < statistics.mean(r.segments[1].length for r in reqs) < 1300  # ~1,200-token queries
+    users = {(r.group, r.segments[1].id.split("-")[4]) for r in reqs}
+    assert len(users) <= 5 * len(tenants)  # five users per tenant
+    top = tenants.most_common()
+    assert top[0][1] > 2 * top[len(top) // 2][1]  # tenants differ in size
+
+
+def test_poisson_arrivals_space_conversation_starts_so_the_trace_offers_the_rate():
+    reqs = poisson_arrivals(generate("chat", 2000, seed=2), rps=10.0, seed=2)
+    starts = [r.arrival for r in reqs if r.after is None]
+    rate = len(starts) / starts[-1]
+    assert 0.8 < rate * len(reqs) / len(starts) / 10.0 < 1.25
+    for r in reqs:
+        if r.after is not None:
+            assert r.arrival == reqs[r.after].arrival + r.think_s
+
+
+def test_the_simulator_plays_a_conversation_closed_loop_with_its_answers_cached():
+    reqs = poisson_arrivals(generate("chat", 120, seed=5, scale=0.2), rps=4.0, seed=5)
+    trace = sim_requests("c", reqs)
+    cfg = SimConfig.of(2, capacity_tokens=200_000)
+    result = simulate(trace, lambda clock: E2(2, cost_model=COST, clock=clock), cfg, COST)
+    rec = result.records
+    followed = 0
+    for i, r in enumerate(reqs):
+        if r.after is None:
+            continue
+        prev, cur = rec[f"c-{r.after}"], rec[f"c-{i}"]
+        assert cur.arrival >= prev.finish + r.think_s - 1e-9  # sent after reading the answer
+        if cur.instance == prev.instance:
+            followed += 1
+            # the previous prompt and its answer (but the last answer token, never computed)
+            # are cached there, to the page
+            cached_before = reqs[r.after].prompt_len + reqs[r.after].output_len - 1
+            assert cur.cached_tokens >= cached_before // 16 * 16
+    assert followed > 0.8 * sum(r.after is not None for r in reqs)
