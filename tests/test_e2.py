@@ -34,8 +34,8 @@ class Clock:
 
 def e2(n=2, capacity=10_000, cost=UNIT, load_model="serial", **kw) -> tuple[E2, Clock]:
     clock = Clock()
-    policy = E2(n, cost_model=cost, capacity_tokens=capacity, clock=clock, page_size=1, load_model=load_model, **kw)
-    return policy, clock
+    kw.update(cost_model=cost, capacity_tokens=capacity, clock=clock, page_size=1, load_model=load_model)
+    return E2(n, **kw), clock
 
 
 _ids = iter(range(10**6))
