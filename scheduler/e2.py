@@ -85,6 +85,7 @@ class E2(Policy):
         autoscale_min_samples: int = 4,
         hot_min_requests: int = 16,
         hot_load_factor: float = 1.5,
+        hot_queue: float | None = 1.0,
         prune_every: int = 200,
         page_size: int = DEFAULT_PAGE_SIZE,
         load_signal: str = "in_flight",
@@ -106,6 +107,7 @@ class E2(Policy):
         self.autoscale_min_samples = autoscale_min_samples
         self.hot_min_requests = hot_min_requests
         self.hot_load_factor = hot_load_factor
+        self.hot_queue = hot_queue
         self.prune_every = prune_every
         for key, value in (("load_signal", load_signal), ("rebalance_signal", rebalance_signal)):
             if value not in ("history", "in_flight"):
@@ -129,6 +131,9 @@ class E2(Policy):
         cached = match.matched
         missed = prompt_len - cached
         holders = self._key_holders(match) if cached > missed else set()
+        if holders and self._queued_everywhere(holders, prompt_len, now):
+            self._replicate(match.key, now)
+            holders = self._key_holders(match)
         if holders:  # exploit: among the instances holding the key portion
             choice = self._cheapest(holders, match, prompt_len, loads, now)
             lighter = self._rebalance_target(choice, match, prompt_len, loads, now)
@@ -312,6 +317,17 @@ class E2(Policy):
         load = {i: self.load(i, now, "history") for i in self.live}
         mean = sum(load.values()) / len(load)
         return all(load[i] > self.hot_load_factor * mean for i in serving)
+
+    def _queued_everywhere(self, holders: set[int], prompt_len: int, now: float) -> bool:
+        """Autoscaling while a prefix is hot (ours): every instance serving it would queue
+        the request behind at least ``hot_queue`` requests its KV cannot hold. The TTFT
+        rule waits for a window's newer half to be slow, the too-hot rule for a request to
+        finish; a hot document in a chat trace drew a third of the requests onto its holder
+        before either fired."""
+        if self.hot_queue is None:
+            return False
+        d = self.decode_lengths.average(now)
+        return all(self.history[i].queued(d, prompt_len, self.capacity[i]) >= self.hot_queue for i in holders)
 
     def _serving(self, key: GlobalNode) -> set[int]:
         """The live instances that hold the key portion or replicate it."""

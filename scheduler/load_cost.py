@@ -107,6 +107,16 @@ class InstanceHistory:
             return 0.0
         return b * decode_ms / (decode_ms + max(0.0, self.in_flight_prefill_ms) / b)
 
+    def queued(self, decode_len: float, prompt_len: int, capacity: int) -> float:
+        """How many requests a new one of ``prompt_len`` tokens would wait behind: those in
+        flight (at their mean KV, prompt plus ``decode_len``) beyond what ``capacity``
+        holds with it."""
+        b = len(self.in_flight)
+        if not b:
+            return 0.0
+        per_request = (self.in_flight_tokens + b * decode_len) / b
+        return max(0.0, b - (capacity - prompt_len - decode_len) / per_request)
+
     def decode_ratio(self) -> float:
         """How decode-heavy the in-flight requests are: the mean cached fraction of their
         prompts (a fully cached prompt is a pure decoding unit, §4.2)."""

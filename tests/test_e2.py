@@ -488,3 +488,24 @@ def test_rebalancing_moves_only_what_the_cost_model_says_pays_for_its_recompute(
         policy.th_bal = 1.5
         _, d = route(policy, history + list(range(9000, 9020)))
         assert (d.instance, d.branch) == expected
+
+
+def test_a_hot_prefix_gets_a_replica_when_its_holders_queue_reaches_the_bound():
+    """A 1,000-token document cached on instance 0 only; each question (the document + 20
+    tokens) holds 1,020 + 32 tokens of KV. With a 5,000-token KV, a new question waits
+    behind b - (5,000 - 1,052) / 1,052 = b - 3.75 requests: fewer than one (the bound)
+    through b = 4, one or more from b = 5. So the sixth question, not the fifth, makes
+    instance 1 a replica, before the holder's queue passes the bound."""
+    policy, _ = e2(cost=BATCH, load_model="batch", capacity=5000)
+    doc = list(range(20000, 21000))
+    policy.tree.apply_events(0, [CacheEvent.of("stored", doc, 0, 1)])
+    key = policy.tree.match(chain_hashes(doc + [1], 1)).key
+    for k in range(6):
+        _, d = route(policy, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
+        assert (d.instance, d.branch) == (0, "exploit")  # the holder is still the cheapest
+        assert key.replicas == (set() if k < 5 else {1}), k
+    e2_off, _ = e2(cost=BATCH, load_model="batch", capacity=5000, hot_queue=None)
+    e2_off.tree.apply_events(0, [CacheEvent.of("stored", doc, 0, 1)])
+    for k in range(6):
+        route(e2_off, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
+    assert not e2_off.tree.match(chain_hashes(doc + [1], 1)).key.replicas
