@@ -40,6 +40,8 @@ class BenchRequest:
     prompt: str
     max_tokens: int
     input_ids: list[int] | None = None  # the prompt as an engine takes it (``direct``)
+    after: int | None = None  # a conversation's previous turn: sent think_s after its answer
+    think_s: float = 0.0
 
 
 @dataclass
@@ -91,7 +93,10 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
     else:
         words = Materializer(tokenizer=tokenizer)
         reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)
-        out = [BenchRequest(r.arrival, words.text(r), r.output_len) for r in reqs]
+        out = [
+            BenchRequest(r.arrival, words.text(r), r.output_len, after=r.after, think_s=r.think_s)
+            for r in reqs
+        ]
     if cfg.direct:
         if tokenizer is None:
             raise ValueError("--direct needs --tokenizer (an engine takes token ids)")
@@ -282,8 +287,15 @@ def _scalar(value):
 TRANSPORTS = {"grpc": GrpcRouter, "sse": SseRouter}
 
 
-async def _one(transport, req: BenchRequest, start: float, timeout_s: float, started: list) -> Outcome:
-    await asyncio.sleep(max(0.0, start + req.arrival - time.monotonic()))
+async def _one(
+    transport, req: BenchRequest, start: float, timeout_s: float, started: list, before
+) -> Outcome:
+    """Send at the request's arrival, or ``think_s`` after the answer it follows (``before``)."""
+    if before is None:
+        await asyncio.sleep(max(0.0, start + req.arrival - time.monotonic()))
+    else:
+        await before.wait()
+        await asyncio.sleep(req.think_s)
     out = Outcome(sent=time.monotonic() - start)
     started.append(out)
     try:
@@ -316,13 +328,17 @@ async def _replay(make_transport, requests: list[BenchRequest], timeout_s: float
     is still unanswered ends with the reason as its error."""
     transport = make_transport()  # inside the event loop: its connections belong to it
     start, started = time.monotonic(), []
+    answered = [asyncio.Event() for _ in requests]  # closed-loop conversations wait on these
 
-    async def tracked(req):
-        out = await _one(transport, req, start, timeout_s, started)
-        bar.update(1)
-        return out
+    async def tracked(i, req):
+        before = None if req.after is None else answered[req.after]
+        try:
+            return await _one(transport, req, start, timeout_s, started, before)
+        finally:
+            answered[i].set()
+            bar.update(1)
 
-    tasks = [asyncio.ensure_future(tracked(r)) for r in requests]
+    tasks = [asyncio.ensure_future(tracked(i, r)) for i, r in enumerate(requests)]
     watchdog = asyncio.ensure_future(_watch(started, stall_s))
     try:
         await asyncio.wait([asyncio.gather(*tasks), watchdog], return_when=asyncio.FIRST_COMPLETED)
@@ -373,7 +389,9 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
     for repeat in range(cfg.repeats):
         for rps in rates:
             for policy in order:
-                requests = base if rps is None else [replace(r, arrival=r.arrival / rps) for r in base]
+                requests = base if rps is None else [
+                    replace(r, arrival=r.arrival / rps, think_s=r.think_s / rps) for r in base
+                ]
                 if policy == "direct":
                     PrebleClient(grpc_url=cfg.url).engine_control(cfg.direct, "flush_cache")
                     make = functools.partial(GrpcEngine, replace(cfg, model=cfg.direct))

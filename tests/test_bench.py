@@ -94,3 +94,35 @@ def test_a_server_that_falls_silent_ends_the_run_with_the_reason():
     assert time.monotonic() - began < 5  # not the 600 s request timeout
     assert outcomes[0].error is None and outcomes[0].finished
     assert outcomes[1].error == outcomes[2].error == "no answer for 0.5 s with 2 requests open"
+
+
+class _Timed:
+    """A transport that answers every request after 0.2 s and records when each was sent."""
+
+    def __init__(self):
+        self.sent: dict[str, float] = {}
+
+    async def __call__(self, req, out, start):
+        self.sent[req.prompt] = time.monotonic() - start
+        await asyncio.sleep(0.2)
+        out.output_tokens, out.first_token, out.finished = 1, out.sent + 0.1, out.sent + 0.2
+
+    async def close(self):
+        pass
+
+
+def test_a_conversation_is_played_closed_loop():
+    """A chat turn is sent think_s after the answer it follows, not at a time fixed in
+    advance: the second turn 0.2 s (the first's answer) + 0.3 s after the first, the third
+    0.2 + 0.1 s after the second, while an independent request goes at its own time."""
+    from client.bench import BenchRequest, _replay
+
+    transport = _Timed()
+    requests = [BenchRequest(0.0, "t1", 4), BenchRequest(0.0, "t2", 4, after=0, think_s=0.3),
+                BenchRequest(0.0, "t3", 4, after=1, think_s=0.1), BenchRequest(0.1, "other", 4)]  # fmt: skip
+    outcomes = asyncio.run(_replay(lambda: transport, requests, 60.0, 10.0, tqdm(disable=True)))
+    assert all(o.error is None for o in outcomes)
+    sent = transport.sent
+    assert sent["t2"] - sent["t1"] == pytest.approx(0.5, abs=0.05)
+    assert sent["t3"] - sent["t2"] == pytest.approx(0.3, abs=0.05)
+    assert sent["other"] == pytest.approx(0.1, abs=0.05)

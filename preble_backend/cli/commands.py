@@ -195,9 +195,13 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     cost = CostModel.load(args.cost_model)
     cfg = SimConfig.of(args.instances, args.capacity_tokens)
     records = sweep(args.workload, args.instances, args.requests, cost, cfg, tuple(args.policies),
-                    seed=args.seed, seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model)  # fmt: skip
-    write(records, args.output, f"{args.workload}_{args.instances}")
-    print(f"wrote {args.output}/{args.workload}_{args.instances}.json and .png")
+                    seed=args.seed, seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model,
+                    stress_rps=args.stress_rps, fractions=tuple(args.fractions))  # fmt: skip
+    name = f"{args.workload}_{args.instances}"
+    if args.capacity_tokens != SimConfig().capacity_tokens:
+        name += f"_kv{args.capacity_tokens // 1000}k"
+    write(records, args.output, name)
+    print(f"wrote {args.output}/{name}.json and .png")
     return 0
 
 

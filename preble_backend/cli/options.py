@@ -15,6 +15,8 @@ from preble_backend.serving.config import RouterConfig
 from scheduler.policies import POLICIES
 from scheduler.sim.sweep import ALL_POLICIES
 
+WORKLOAD_HELP = "one of the paper's five, or chat (multi-turn) or multi_tenant (system prompts)"
+
 
 def _names(known, allow_all: bool = False):
     """A comma-separated list of names from ``known`` (``all``: every one, when allowed)."""
@@ -47,6 +49,13 @@ def _cost_model(text: str) -> str:
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _fractions(text: str) -> list[float]:
+    values = _rates(text)
+    if any(v > 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected fractions in (0, 1]")
+    return values
 
 
 def _positive(kind):
@@ -151,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     p.add_argument("action", choices=("generate", "summarize"), help="write the trace, or summarize it")
-    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help=WORKLOAD_HELP)
     p.add_argument("--num-requests", type=_positive(int), default=1000, help="requests in the trace")
     p.add_argument("--rps", type=_positive(float), default=10.0, help="Poisson arrival rate")
     p.add_argument("--scale", type=_positive(float), default=1.0, help="multiply the paper's prompt lengths")
@@ -165,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "simulate", help="RPS sweep of the policies in the discrete-event simulator", formatter_class=fmt
     )
-    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help=WORKLOAD_HELP)
     p.add_argument("--instances", type=_positive(int), default=4, help="simulated engines")
     p.add_argument("--requests", type=_positive(int), default=1000, help="requests per trace")
     p.add_argument(
@@ -178,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--capacity-tokens", type=_positive(int), default=240_000, help="each instance's KV tokens"
     )
+    p.add_argument(
+        "--stress-rps", type=_positive(float), default=None,
+        help="the stress rate, found earlier (skips the search and the light rate)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fractions", type=_fractions, default="0.25,0.5,0.75,1",
+        help="the rates run, as fractions of the stress rate",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="the first trace's seed")
     p.add_argument("--seeds", type=_positive(int), default=1, help="traces per policy and rate, averaged")
     p.add_argument(
@@ -204,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also send the trace straight to this engine model (token ids; needs --tokenizer), run as "
         "policy 'direct': against a one-engine router, the difference is the router's overhead",
     )  # fmt: skip
-    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help="one of the paper's five")
+    p.add_argument("--workload", default="toolbench", choices=list(WORKLOADS), help=WORKLOAD_HELP)
     p.add_argument("--trace", default=None, help="a JSONL trace (preble workload generate): its own arrivals")
     p.add_argument("--requests", type=_positive(int), default=100, help="requests per run")
     p.add_argument("--rates", type=_rates, default="1,2,4", help="comma-separated requests/s")

@@ -30,7 +30,11 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list
     records = []
     for rps in [None] if recorded else cfg.rates:
         scale = rps or 1.0  # a recorded trace plays at its own times
-        requests = [SimRequest(f"r{i}", r.arrival / scale, ids[i], r.max_tokens) for i, r in enumerate(base)]
+        requests = [
+            SimRequest(f"r{i}", r.arrival / scale, ids[i], r.max_tokens, think_s=r.think_s / scale,
+                       after=None if r.after is None else f"r{r.after}")
+            for i, r in enumerate(base)
+        ]  # fmt: skip
         for policy in tqdm(cfg.policies, desc=f"simulating @ {rps or 'trace'} rps", disable=None):
             metrics = run(requests, policy, sim, cost)
             rec = {

@@ -128,26 +128,32 @@ def sweep(
     seeds: int = 1,
     jobs: int = 1,
     cost_label: str = "",
+    stress_rps: float | None = None,
+    fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
     log=print,
 ) -> list[dict]:
-    """The stress rate is found on trace ``seed``; every policy then runs at each rate on
-    ``seeds`` traces (seed, seed + 1, ...: other requests, other arrivals), and each record
-    holds the metrics averaged over them. One trace's ratio between two close policies
-    moves by ±10% with the trace, so comparisons want several."""
+    """The stress rate is found on trace ``seed`` (or given: ``stress_rps``, and then no
+    light rate runs); every policy then runs at each rate on ``seeds`` traces (seed,
+    seed + 1, ...: other requests, other arrivals), and each record holds the metrics
+    averaged over them. One trace's ratio between two close policies moves by ±10% with
+    the trace, so comparisons want several."""
     cfg = cfg or SimConfig.of(instances)
     base_rps = 1.0
-    requests = trace(workload, n, base_rps, seed)
-    if start_rps is None:  # ~5% of one instance's no-cache throughput per instance
-        mean_ms = (
-            sum(cost.prefill_time(len(r.input_ids)) + cost.decode_time(r.output_len) for r in requests) / n
+    if stress_rps is None:
+        requests = trace(workload, n, base_rps, seed)
+        if start_rps is None:  # ~5% of one instance's no-cache throughput per instance
+            work = (cost.prefill_time(len(r.input_ids)) + cost.decode_time(r.output_len) for r in requests)
+            mean_ms = sum(work) / n
+            start_rps = 0.05 * instances * 1000.0 / mean_ms
+        light, light_p99, stress, stress_p99 = find_stress_rps(requests, base_rps, cfg, cost, start_rps)
+        log(
+            f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "
+            f"stress {stress:.2f} rps (RR p99 {stress_p99:.2f}s)"
         )
-        start_rps = 0.05 * instances * 1000.0 / mean_ms
-    light, light_p99, stress, stress_p99 = find_stress_rps(requests, base_rps, cfg, cost, start_rps)
-    log(
-        f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "
-        f"stress {stress:.2f} rps (RR p99 {stress_p99:.2f}s)"
-    )
-    rates = sorted({light, *(stress * k / 4 for k in range(1, 5))})  # the knee on a linear axis
+        extra = {light}
+    else:
+        stress, extra = stress_rps, set()
+    rates = sorted({*extra, *(stress * k for k in fractions)})  # the knee on a linear axis
     grid = [(rps, policy) for rps in rates for policy in policies]
     work = [(workload, n, seed + k, rps, policy, cfg, cost) for k in range(seeds) for rps, policy in grid]
     # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
