@@ -179,12 +179,15 @@ def chat(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
     popularity), 40% of them over one shared document as well (Zipf-1.0 over the
     documents: a few are hot), each turn's prompt the whole conversation so far. Shapes
     from ShareGPT-style statistics: turns long-tailed around 5, user messages ~90 tokens
-    and answers ~220 with long tails, think times of seconds to minutes."""
+    and answers ~220 with long tails, think times of seconds to minutes. A conversation
+    ends before a turn that would pass a 16k-token context (× scale), as a chat
+    application bounds its history; a first turn's answer is cut to fit."""
     rng = random.Random(seed)
-    systems = [_lognormal(random.Random(seed * 31 + k), 1300 * scale, 500 * scale, 200 * scale, 4000 * scale)
+    context = int(16000 * scale)
+    systems = [_lognormal(random.Random(seed * 31 + k), 1300 * scale, 500 * scale, 200 * scale, 3000 * scale)
                for k in range(3)]  # fmt: skip
     num_docs = max(6, n // 150)
-    docs = [_lognormal(random.Random(seed * 37 + k), 5000 * scale, 2500 * scale, 500 * scale, 16000 * scale)
+    docs = [_lognormal(random.Random(seed * 37 + k), 5000 * scale, 2500 * scale, 500 * scale, 8000 * scale)
             for k in range(num_docs)]  # fmt: skip
     out: list[WorkloadRequest] = []
     conv = 0
@@ -197,10 +200,17 @@ def chat(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
             history.append(Segment(f"ct-doc-{seed}-{d}", docs[d]))
             group = f"doc-{d}"
         for turn in range(_lognormal(rng, 5, 3.5, 1, 24)):
-            user = _lognormal(rng, 90 * scale, 110 * scale, 4, 1500)
-            history.append(Segment(f"ct-u-{seed}-{conv}-{turn}", user))
-            answer = Segment(f"ct-a-{seed}-{conv}-{turn}", _lognormal(rng, 220, 180, 8, 1024))
-            request = WorkloadRequest(list(history), answer.length, group, answer=answer)
+            words = _lognormal(rng, 90 * scale, 110 * scale, 4, 1500 * scale)
+            user = Segment(f"ct-u-{seed}-{conv}-{turn}", words)
+            length = _lognormal(rng, 220, 180, 8, 1024)
+            prompt = sum(s.length for s in history) + user.length
+            if prompt + length > context:
+                if turn:
+                    break
+                length = context - prompt
+            history.append(user)
+            answer = Segment(f"ct-a-{seed}-{conv}-{turn}", length)
+            request = WorkloadRequest(list(history), length, group, answer=answer)
             if turn:
                 request.after, request.think_s = len(out) - 1, _lognormal(rng, 20, 15, 2, 120)
             out.append(request)
