@@ -89,7 +89,11 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
         rows = [json.loads(line) for line in Path(cfg.trace).read_text().splitlines() if line.strip()]
         rows = rows[: cfg.requests] if cfg.requests else rows
         start = rows[0]["arrival"] if rows else 0.0
-        out = [BenchRequest(r["arrival"] - start, r["text_input"], int(r["max_tokens"])) for r in rows]
+        out = [
+            BenchRequest(r["arrival"] - start, r["text_input"], int(r["max_tokens"]), after=r.get("after"),
+                         think_s=float(r.get("think_s", 0.0)))
+            for r in rows
+        ]  # fmt: skip
     else:
         words = Materializer(tokenizer=tokenizer)
         reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)

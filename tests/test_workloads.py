@@ -102,3 +102,19 @@ def test_the_simulator_plays_a_conversation_closed_loop_with_its_answers_cached(
             cached_before = reqs[r.after].prompt_len + reqs[r.after].output_len - 1
             assert cur.cached_tokens >= cached_before // 16 * 16
     assert followed > 0.8 * sum(r.after is not None for r in reqs)
+
+
+def test_a_generated_chat_trace_keeps_its_conversations(tmp_path):
+    """``preble workload generate`` writes which row each turn follows, and ``preble
+    bench --trace`` reads it back, so a recorded chat trace still plays closed-loop."""
+    from client.bench import BenchConfig, build_trace
+    from preble_backend.cli import main
+
+    path = tmp_path / "chat.jsonl"
+    assert main(["workload", "generate", "--workload", "chat", "--num-requests", "40", "--scale", "0.05",
+                 "--output", str(path)]) == 0  # fmt: skip
+    reqs = generate("chat", 40, seed=0, scale=0.05)
+    played, recorded = build_trace(BenchConfig(trace=str(path), requests=0))
+    assert recorded and len(played) == 40
+    assert [(p.after, p.think_s) for p in played] == [(r.after, r.think_s) for r in reqs]
+    assert any(p.after is not None for p in played)

@@ -180,6 +180,8 @@ def workload_cmd(args: argparse.Namespace) -> int:
         with open(args.output, "w") as out:
             for r in reqs:
                 row = {"arrival": r.arrival, "text_input": words.text(r), "max_tokens": r.output_len}
+                if r.after is not None:  # a conversation's turn: played after that row's answer
+                    row.update(after=r.after, think_s=r.think_s)
                 out.write(json.dumps({**row, "group": r.group}) + "\n")
         print(f"wrote {len(reqs)} requests to {args.output}")
         return 0
