@@ -7,19 +7,25 @@ Per request:
    instances holding the key portion (and its autoscaled replicas), the lowest L + M + P.
    **Rebalance**: if that choice is the most loaded instance and its load exceeds
    ``Th_bal`` × the lightest instance's, the request goes to the lightest instead — but
-   only while the heavy instance has requests in flight and the load gap is larger than
-   the recompute the move costs (the prefill of its cached tokens): a short history
-   makes the ratio noisy, and an idle holder of the prefix serves it best.
+   only while the heavy instance has requests in flight and the move pays for the
+   recompute it costs (by the load model, below): a short history makes the ratio noisy,
+   and an idle holder of the prefix serves it best.
 3. **Explore** otherwise: the lowest L + M + P over all instances. Prefill/decode
    balancing (an instance whose in-flight work is decode-heavy, mean cached fraction
    above ``decode_ratio_threshold``, takes the prefill-heavy request first) is off by
    default: in the simulator it never helped and cost up to 7% on the embodied agent
    (docs/SCHEDULER.md gives the measurements and why).
-4. **Autoscale**: when the time to first token of a key portion's requests doubles over
-   the window, or the key portion is *too hot for its holders* (more of the window's
-   requests than its holders' share of the cluster, while each holder carries over
-   ``hot_load_factor`` × the mean load), the least loaded instance that lacks it becomes a
-   replica; its exploiting requests then split over the holders and replicas by load cost.
+4. **Autoscale**: when every instance serving a key portion would queue its next request
+   behind ``hot_queue`` requests its KV cannot hold, when the time to first token of its
+   requests doubles over the window, or when it is *too hot for its holders* (more of the
+   window's requests than its holders' share of the cluster, while each holder carries
+   over ``hot_load_factor`` × the mean load), the least loaded instance that lacks it
+   becomes a replica; its exploiting requests then split over the holders and replicas by
+   load cost.
+
+The load model: ``batch`` (the default) prices L and P as a batching engine pays them
+(``load_cost.batch_load``), so load and recompute are weighed on one scale; ``serial`` is
+Algorithm 2's DECODETIME per request in flight (docs/SCHEDULER.md has both and why).
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Algorithm 2 (LOADCOST): the cost of sending a request to an instance is L + M + P.
 
-- ``L``: the instance's load, Σ over requests routed to it within the window W of
-  PREFILLTIME(their missed tokens) + DECODETIME(the average decoding length in W).
-  Kept as running sums, so reading it is O(1) (the paper's scalable realization).
+- ``L``: the instance's load. As Algorithm 2 prices it (``InstanceHistory.load``), Σ over
+  its requests of PREFILLTIME(their missed tokens) + DECODETIME(the average decoding
+  length in W); as a batching engine pays it (``batch_load``, E2's default), what its
+  batch adds to the request's latency and the request adds to the batch's. Kept as
+  running sums, so reading it is O(1) (the paper's scalable realization).
 - ``M``: what the instance would have to evict to make room for this request's missed
   tokens, found by a virtual LRU eviction over the global tree; each evicted node costs
   PREFILLTIME(its tokens) × the requests that used it there within W.
-- ``P``: PREFILLTIME(this request's missed tokens on that instance). (The reference code
-  leaves ``P`` out; we don't.)
+- ``P``: PREFILLTIME(this request's missed tokens on that instance) (the reference code
+  leaves ``P`` out; we don't); under the batch model paid also by each request decoding
+  beside it (``InstanceHistory.decoding``).
 """
 
 from __future__ import annotations
