@@ -164,7 +164,8 @@ def sweep(
     for i, (rps, policy) in enumerate(grid):
         mean = _mean_record(runs[i :: len(grid)])  # this point's run on each trace
         rec = {"policy": policy, "workload": workload, "instances": instances, "rps": rps,
-               "stress": rps == stress, "seeds": seeds, "cost_model": cost_label, **mean}  # fmt: skip
+               "stress": rps == stress, "seeds": seeds, "cost_model": cost_label,
+               "capacity_tokens": cfg.capacity_tokens, **mean}  # fmt: skip
         records.append(rec)
         log(
             f"  {rps:7.2f} rps {policy:12s} avg {rec['avg_latency_s']:.3f}s "
@@ -178,8 +179,9 @@ def plot(records: list[dict], path: str | Path) -> None:
     first = records[0]
     runs = [{**run, "policy": r["policy"], "rps": r["rps"]}
             for r in records for run in r.get("per_seed", [r])]  # fmt: skip
-    caption = (f"{first['workload']}, {first['instances']} simulated instances, {first.get('cost_model', '')}"
-               f"; mean of {first.get('seeds', 1)} trace(s) per point")  # fmt: skip
+    kv = f", {first['capacity_tokens'] // 1000}k KV tokens each" if "capacity_tokens" in first else ""
+    caption = (f"{first['workload']}, {first['instances']} simulated instances{kv}, "
+               f"{first.get('cost_model', '')}; mean of {first.get('seeds', 1)} trace(s) per point")  # fmt: skip
     latency_vs_rate(runs, path, caption)
 
 
