@@ -180,8 +180,9 @@ def plot(records: list[dict], path: str | Path) -> None:
     runs = [{**run, "policy": r["policy"], "rps": r["rps"]}
             for r in records for run in r.get("per_seed", [r])]  # fmt: skip
     kv = f", {first['capacity_tokens'] // 1000}k KV tokens each" if "capacity_tokens" in first else ""
+    seeds = first.get("seeds", 1)
     caption = (f"{first['workload']}, {first['instances']} simulated instances{kv}, "
-               f"{first.get('cost_model', '')}; mean of {first.get('seeds', 1)} trace(s) per point")  # fmt: skip
+               f"{first.get('cost_model', '')}; mean of {seeds} trace(s) per point")  # fmt: skip
     latency_vs_rate(runs, path, caption)
 
 
