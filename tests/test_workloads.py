@@ -8,6 +8,8 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
+import pytest
+
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from scheduler.e2 import E2
@@ -118,3 +120,22 @@ def test_a_generated_chat_trace_keeps_its_conversations(tmp_path):
     assert recorded and len(played) == 40
     assert [(p.after, p.think_s) for p in played] == [(r.after, r.think_s) for r in reqs]
     assert any(p.after is not None for p in played)
+
+
+def test_simulate_runs_chat_at_given_fractions_of_a_given_stress_rate(tmp_path, capsys):
+    """``--stress-rps`` skips the search (and the light rate); records name the capacity
+    and count the turns that moved."""
+    import json
+
+    from preble_backend.cli import main
+
+    assert main(["simulate", "--workload", "chat", "--instances", "2", "--requests", "40",
+                 "--stress-rps", "4", "--fractions", "0.5,1", "--policies", "e2,cache_aware",
+                 "--capacity-tokens", "30000", "--jobs", "1", "--output", str(tmp_path)]) == 0  # fmt: skip
+    records = json.loads((tmp_path / "chat_2_kv30k.json").read_text())
+    assert sorted({r["rps"] for r in records}) == [2.0, 4.0]
+    assert all(r["capacity_tokens"] == 30000 and r["followers"] > 0 for r in records)
+    assert all(0 <= r["follower_moves"] <= r["followers"] for r in records)
+    with pytest.raises(SystemExit):
+        main(["simulate", "--workload", "chat", "--fractions", "0,1"])
+    assert "'0,1' is not a comma-separated list of fractions in (0, 1]" in capsys.readouterr().err

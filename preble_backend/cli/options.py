@@ -52,9 +52,12 @@ def _cost_model(text: str) -> str:
 
 
 def _fractions(text: str) -> list[float]:
-    values = _rates(text)
-    if any(v > 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected fractions in (0, 1]")
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of fractions in (0, 1]")
     return values
 
 
