@@ -1,9 +1,9 @@
 """E2 (Algorithms 1 and 2), rebalancing, autoscaling and the baselines, with every expected
 choice computed by hand from a cost model where PREFILLTIME(n) = n ms and
 DECODETIME(n) = n ms (so a request's history load is its missed tokens + 32). Pages are one
-token here, so prefixes match token by token as in the paper. Most tests price load as
+token here, so prefixes match token by token as in the paper. These tests price load as
 Algorithm 2 does (``load_model="serial"``); the batch load model, E2's default, has its
-own at the end, on a cost model with a batch's proportions."""
+own in ``test_e2_batch.py``."""
 
 from __future__ import annotations
 
@@ -409,103 +409,3 @@ def test_decision_benchmark_replays_the_simulated_decisions():
     stats = bench_isolated("toolbench", 2, 60, 60.0, 1, num_tools=50)
     assert stats.decisions_per_s > 0 and stats.select_us > 0 and stats.finish_us > 0
     assert 0 < stats.explore_share < 1 and stats.events_per_finish > 0
-
-
-# ---- the batch load model (E2's default) ---------------------------------------------------
-
-# A batch's proportions: a request in flight lengthens each decoding iteration by 1 ms (its
-# share of the batch), against a 10 ms step at a typical batch (DECODETIME) and 1 ms per
-# prefilled token. With the default 32-token decoding length and nothing queued for
-# prefill, b requests in flight cost a new one 32·b (its 32 steps, each b ms longer) plus
-# 16·b (it lengthens their iterations over 16 steps on average), and its prefill of m
-# tokens costs m·(1 + b): it waits for it, and so do the b requests decoding beside it.
-BATCH = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=1,
-                  attention_ms_per_context_token=0, decode_step_ms=10)  # fmt: skip
-SYSTEM = list(range(5000, 5500))  # a 500-token system prompt every instance caches
-
-
-def conversation_at_home(b0: int, load_model: str = "batch"):
-    """Instance 0 holds a conversation (the system prompt and a 500-token history) and
-    runs ``b0`` other requests, fully cached (no prefill queued); instance 1 holds the
-    system prompt and is idle."""
-    policy, clock = e2(cost=BATCH, load_model=load_model)
-    history = SYSTEM + list(range(7000, 7500))
-    policy.tree.apply_events(0, [CacheEvent.of("stored", history, 0, 1)])
-    policy.tree.apply_events(1, [CacheEvent.of("stored", SYSTEM, 0, 1)])
-    for k in range(b0):
-        policy.history[0].add(f"busy{k}", clock(), 0.0, 1.0, 1000)
-    return policy, history
-
-
-@pytest.mark.parametrize("b0, expected", [(0, 0), (7, 0), (8, 1)])
-def test_a_chat_turn_stays_with_its_conversation_while_the_load_gap_is_below_the_recompute(b0, expected):
-    """The next turn (history + 20 new tokens) costs 20·(1 + b0) + 48·b0 on its home and
-    520 (the history's 500 tokens again, and its own 20) on the idle instance: it stays
-    while 68·b0 + 20 < 520, through b0 = 7 (496), and moves at 8 (564). The system prompt
-    is the key portion, so both are candidates. Priced as Algorithm 2 prices load (a
-    10 ms × 32 DECODETIME per request in flight), it would leave at b0 = 2."""
-    turn = conversation_at_home(b0)[1] + list(range(9000, 9020))
-    for load_model, home_cost, leaves_at in (("batch", 68 * b0 + 20, 8), ("serial", 320 * b0 + 20, 2)):
-        policy, _ = conversation_at_home(b0, load_model)
-        m = policy.tree.match(chain_hashes(turn, 1))
-        assert (policy.load_cost(0, m, 1020, 0.0), policy.load_cost(1, m, 1020, 0.0)) == (home_cost, 520)
-        _, d = route(policy, turn)
-        assert d.branch == "exploit" and d.instance == (1 if b0 >= leaves_at else 0)
-    assert (b0 >= 8) == (expected == 1)
-
-
-def test_requests_waiting_for_their_prefill_do_not_wait_for_the_new_one():
-    """P is paid by the requests *decoding* beside the new one, expected from how a
-    request's time splits: with two in flight whose prefills take 320 ms each, against a
-    DECODETIME of 320 ms, half of each one's time is decoding: one of the two."""
-    policy, _ = e2(cost=BATCH, load_model="batch")
-    for k in range(2):
-        policy.history[0].add(f"q{k}", 0.0, 320.0, 0.0, 320)
-    assert policy.history[0].decoding(BATCH.decode_time(AVG_DECODE)) == 1.0
-    m = policy.tree.match(chain_hashes(range(100), 1))
-    # 640 queued + 32·2 + 16·2 (L), and 100 tokens of prefill paid twice (P)
-    assert policy.load_cost(0, m, 100, 0.0) == 640 + 64 + 32 + 100 * 2
-
-
-def test_a_full_batch_makes_the_request_wait_for_part_of_it():
-    """KV capacity 3,000: two requests in flight hold 2·(1,000 + 32) tokens; a 1,000-token
-    prompt would need 3,096: the 96 over are 96/2,064 of the batch, whose 32 steps of 2 ms
-    it waits through in that proportion."""
-    policy, _ = e2(cost=BATCH, load_model="batch", capacity=3000)
-    for k in range(2):
-        policy.history[0].add(f"q{k}", 0.0, 0.0, 1.0, 1000)
-    m = policy.tree.match(chain_hashes(range(20000, 21000), 1))
-    wait = 96 / 2064 * 32 * 2
-    assert policy.load_cost(0, m, 1000, 0.0) == pytest.approx(64 + 32 + wait + 1000 * 3)
-
-
-def test_rebalancing_moves_only_what_the_cost_model_says_pays_for_its_recompute():
-    """Under the batch model the rebalancer's guard is the same L + M + P: the home of a
-    conversation is the heaviest by history load (th_bal 1.5) but keeps the turn while
-    staying is cheaper (b0 = 7), and gives it up when moving is (b0 = 8)."""
-    for b0, expected in ((7, (0, "exploit")), (8, (1, "exploit"))):
-        policy, history = conversation_at_home(b0)
-        policy.th_bal = 1.5
-        _, d = route(policy, history + list(range(9000, 9020)))
-        assert (d.instance, d.branch) == expected
-
-
-def test_a_hot_prefix_gets_a_replica_when_its_holders_queue_reaches_the_bound():
-    """A 1,000-token document cached on instance 0 only; each question (the document + 20
-    tokens) holds 1,020 + 32 tokens of KV. With a 5,000-token KV, a new question waits
-    behind b - (5,000 - 1,052) / 1,052 = b - 3.75 requests: fewer than one (the bound)
-    through b = 4, one or more from b = 5. So the sixth question, not the fifth, makes
-    instance 1 a replica, before the holder's queue passes the bound."""
-    policy, _ = e2(cost=BATCH, load_model="batch", capacity=5000)
-    doc = list(range(20000, 21000))
-    policy.tree.apply_events(0, [CacheEvent.of("stored", doc, 0, 1)])
-    key = policy.tree.match(chain_hashes(doc + [1], 1)).key
-    for k in range(6):
-        _, d = route(policy, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
-        assert (d.instance, d.branch) == (0, "exploit")  # the holder is still the cheapest
-        assert key.replicas == (set() if k < 5 else {1}), k
-    e2_off, _ = e2(cost=BATCH, load_model="batch", capacity=5000, hot_queue=None)
-    e2_off.tree.apply_events(0, [CacheEvent.of("stored", doc, 0, 1)])
-    for k in range(6):
-        route(e2_off, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
-    assert not e2_off.tree.match(chain_hashes(doc + [1], 1)).key.replicas
