@@ -8,9 +8,9 @@ prompts, tool documentation, demonstrations, videos, documents, multi-turn chain
 parallel samples) is explicit. A chat turn *follows* the previous one (``after``): it is
 sent ``think_s`` after that answer arrives, closed-loop, as a user types only after
 reading, and its prompt replays that answer (``answer``: the tokens the previous turn
-generates, which the simulator's engine then outputs). Segments become token ids (``token_ids``, for the
-simulator: any vocabulary) or text whose length is measured in a real tokenizer
-(``text``, for live servers). Table 1's statistics over a trace are
+generates, which the simulator's engine then outputs). Segments become token ids
+(``token_ids``, for the simulator: any vocabulary) or text whose length is measured in a
+real tokenizer (``text``, for live servers). Table 1's statistics over a trace are
 ``scheduler/sim/workload_stats.py``'s.
 """
 
@@ -250,7 +250,6 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "chat": chat,
     "multi_tenant": multi_tenant,
 }
-PAPER_WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle")
 
 
 def generate(name: str, n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:

@@ -33,14 +33,23 @@ def _names(known, allow_all: bool = False):
     return parse
 
 
-def _rates(text: str) -> list[float]:
+def _numbers(text: str, ok, what: str) -> list[float]:
+    """Comma-separated numbers, each passing ``ok``; else an error naming ``what``."""
     try:
-        rates = [float(r) for r in text.split(",")]
+        values = [float(v) for v in text.split(",")]
     except ValueError:
-        rates = []
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of rates > 0")
-    return rates
+        values = []
+    if not values or not all(ok(v) for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}")
+    return values
+
+
+def _rates(text: str) -> list[float]:
+    return _numbers(text, lambda v: v > 0, "rates > 0")
+
+
+def _fractions(text: str) -> list[float]:
+    return _numbers(text, lambda v: 0 < v <= 1, "fractions in (0, 1]")
 
 
 def _cost_model(text: str) -> str:
@@ -49,16 +58,6 @@ def _cost_model(text: str) -> str:
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def _fractions(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of fractions in (0, 1]")
-    return values
 
 
 def _positive(kind):

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from client.bench import BenchConfig, build_trace, summary_line
 from preble_backend.common.cost_model import CostModel
 from scheduler.sim.simulator import SimConfig, SimRequest
-from scheduler.sim.sweep import run
+from scheduler.sim.sweep import at_rate, run
 
 
 def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list[dict]:
@@ -27,14 +27,14 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     base, recorded = build_trace(cfg)
     ids = [tokenizer(r.prompt).input_ids for r in tqdm(base, desc="tokenizing", unit="req", disable=None)]
+    timeline = [
+        SimRequest(f"r{i}", r.arrival, ids[i], r.max_tokens, think_s=r.think_s,
+                   after=None if r.after is None else f"r{r.after}")
+        for i, r in enumerate(base)
+    ]  # fmt: skip
     records = []
     for rps in [None] if recorded else cfg.rates:
-        scale = rps or 1.0  # a recorded trace plays at its own times
-        requests = [
-            SimRequest(f"r{i}", r.arrival / scale, ids[i], r.max_tokens, think_s=r.think_s / scale,
-                       after=None if r.after is None else f"r{r.after}")
-            for i, r in enumerate(base)
-        ]  # fmt: skip
+        requests = at_rate(timeline, 1.0, rps or 1.0)  # a recorded trace plays at its own times
         for policy in tqdm(cfg.policies, desc=f"simulating @ {rps or 'trace'} rps", disable=None):
             metrics = run(requests, policy, sim, cost)
             rec = {

@@ -76,7 +76,7 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
             "branches": branches, "per_engine": dict(sorted(per_engine.items()))}  # fmt: skip
 
 
-def _at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
+def at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
     """The trace's timeline compressed to ``rps``: arrivals and think times alike (a turn
     still waits for its predecessor's answer)."""
     k = base_rps / rps
@@ -87,11 +87,11 @@ def find_stress_rps(
     requests, base_rps, cfg, cost, start_rps: float, factor: float = 5.0, max_steps: int = 24
 ):
     """(light rps, light RR p99, stress rps, stress RR p99)."""
-    light = run(_at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]
+    light = run(at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]
     rps = start_rps
     for _ in range(max_steps):
         rps *= 1.5
-        p99 = run(_at_rate(requests, base_rps, rps), "round_robin", cfg, cost)["p99_latency_s"]
+        p99 = run(at_rate(requests, base_rps, rps), "round_robin", cfg, cost)["p99_latency_s"]
         if p99 >= factor * light:
             return start_rps, light, rps, p99
     return start_rps, light, rps, p99
@@ -107,7 +107,7 @@ def _cached_trace(workload: str, n: int, seed: int) -> list[SimRequest]:
 def _run_job(job: tuple) -> dict:
     """One (trace seed, rate, policy) run; a top-level function so a process pool can run it."""
     workload, n, seed, rps, policy, cfg, cost = job
-    return run(_at_rate(_cached_trace(workload, n, seed), 1.0, rps), policy, cfg, cost)
+    return run(at_rate(_cached_trace(workload, n, seed), 1.0, rps), policy, cfg, cost)
 
 
 def _mean_record(runs: list[dict]) -> dict:
