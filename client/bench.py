@@ -33,6 +33,7 @@ from client.bench_transports import TRANSPORTS, GrpcEngine
 from client.plots import latency_vs_rate
 from client.triton_client import PrebleClient
 from client.workloads import Materializer, generate, poisson_arrivals
+from preble_backend.common.keys import grpc_bearer
 
 
 @dataclass
@@ -75,6 +76,7 @@ class BenchConfig:
     transport: str = "grpc"  # grpc (streaming) | sse (HTTP generate_stream)
     http_url: str = "127.0.0.1:8000"  # the server's HTTP endpoint (sse)
     direct: str = ""  # an engine model: also run the trace straight to it, as policy "direct"
+    api_key: str | None = None  # the server's key (requests; switching policies needs its admin key)
 
 
 def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
@@ -113,23 +115,23 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
 # ---- switching the policy, the Triton way ----------------------------------------------------
 
 
-def switch_policy(url: str, model: str, policy: str) -> None:
-    """Flush every local engine's cache, then reload the router with ``policy`` through the
-    model-control API (a configuration override: the repository's files stay as they are)."""
+def switch_policy(url: str, model: str, policy: str, key: str | None = None) -> None:
+    """Flush every engine's cache, then reload the router with ``policy`` through the
+    model-control API (a configuration override: the repository's files stay as they are).
+    ``key``: the server's admin key, which also opens the engines of ``preble serve``."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(url)
+    client, headers = grpcclient.InferenceServerClient(url), dict(grpc_bearer(key))
     try:
-        config = client.get_model_config(model, as_json=True)["config"]
+        config = client.get_model_config(model, as_json=True, headers=headers)["config"]
         params = config.setdefault("parameters", {})
-        engines = params.get("engines", {}).get("string_value", "")
-        control = PrebleClient(grpc_url=url)
-        for engine in (e for e in engines.split(",") if e and "://" not in e):
-            control.engine_control(engine, "flush_cache")
+        for engine in (e for e in params.get("engines", {}).get("string_value", "").split(",") if e):
+            where, _, name = engine.removeprefix("grpc://").rpartition("/")
+            PrebleClient(grpc_url=where or url, api_key=key).engine_control(name, "flush_cache")
         params["policy"] = {"string_value": policy}
-        client.load_model(model, config=json.dumps(config))
+        client.load_model(model, config=json.dumps(config), headers=headers)
         deadline = time.monotonic() + 120
-        while not client.is_model_ready(model):
+        while not client.is_model_ready(model, headers=headers):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router {model!r} did not become ready with policy {policy!r}")
             time.sleep(0.2)
@@ -137,20 +139,26 @@ def switch_policy(url: str, model: str, policy: str) -> None:
         client.close()
 
 
-def describe_cluster(url: str, model: str) -> str:
+def describe_cluster(url: str, model: str, key: str | None = None) -> str:
     """What the router routes to, for a plot's caption: engine count, model or emulation."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(url)
-    try:
-        def params(name: str) -> dict[str, str]:
-            config = client.get_model_config(name, as_json=True)["config"]
-            return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    def params(where: str, name: str) -> dict[str, str]:
+        client = grpcclient.InferenceServerClient(where)
+        try:
+            config = client.get_model_config(name, as_json=True, headers=dict(grpc_bearer(key)))["config"]
+        finally:
+            client.close()
+        return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
-        engines = [e for e in params(model).get("engines", "").split(",") if e]
-        first = params(engines[0]) if engines and "://" not in engines[0] else {}
-    finally:
-        client.close()
+    engines = [e for e in params(url, model).get("engines", "").split(",") if e]
+    first = {}
+    if engines:
+        where, _, name = engines[0].removeprefix("grpc://").rpartition("/")
+        try:
+            first = params(where or url, name)
+        except Exception:  # another operator's server, say: the caption does without its model
+            pass
     if first.get("compute") == "emulated":
         what = f"emulated {first.get('cost_model', '')}, slowdown {first.get('emulated_slowdown', '1')}"
     else:
@@ -270,7 +278,7 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                     PrebleClient(grpc_url=cfg.url).engine_control(cfg.direct, "flush_cache")
                     make = functools.partial(GrpcEngine, replace(cfg, model=cfg.direct))
                 else:
-                    switch_policy(cfg.url, cfg.model, policy)
+                    switch_policy(cfg.url, cfg.model, policy, cfg.api_key)
                     make = functools.partial(TRANSPORTS[cfg.transport], cfg)
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
                 cpu = HostCPU()

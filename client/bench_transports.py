@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from client.triton_client import infer_inputs
+from preble_backend.common.keys import bearer, grpc_bearer
 
 if TYPE_CHECKING:
     from client.bench import BenchConfig, BenchRequest, Outcome
@@ -33,6 +34,7 @@ class GrpcRouter:
         import tritonclient.grpc.aio as grpcaio
 
         self.client, self.model = grpcaio.InferenceServerClient(cfg.url), cfg.model
+        self.headers = dict(grpc_bearer(cfg.api_key))
 
     def inputs(self, req: BenchRequest) -> list:
         return infer_inputs({"text_input": req.prompt, "stream": True, "sampling_parameters": _sampling(req),
@@ -52,7 +54,7 @@ class GrpcRouter:
             yield {"model_name": self.model, "inputs": self.inputs(req),
                    "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
 
-        async for result, error in self.client.stream_infer(one()):
+        async for result, error in self.client.stream_infer(one(), headers=self.headers):
             if error is not None:
                 out.error = error.message() if hasattr(error, "message") else str(error)
                 return
@@ -110,7 +112,9 @@ class SseRouter:
 
         # One connection per request in flight, as that many separate clients would hold.
         connector = aiohttp.TCPConnector(limit=0)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=bearer(cfg.api_key)
+        )
         self.endpoint = f"http://{cfg.http_url}/v2/models/{cfg.model}/generate_stream"
 
     async def __call__(self, req: BenchRequest, out: Outcome, start: float) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from preble_backend.common.keys import bearer, grpc_bearer
+
 
 class PrebleError(RuntimeError):
     """The server answered with an error; the message is the server's."""
@@ -32,15 +34,25 @@ def _json_payload(prompt: str, params: dict | None, **inputs) -> bytes:
 
 
 class PrebleClient:
+    """``api_key``: sent with every request (the server's ``--api-key``, or the admin key
+    for the engines' control operations on a server that restricts them)."""
+
     def __init__(
-        self, http_url: str = "127.0.0.1:8000", grpc_url: str = "127.0.0.1:8001", model: str = "preble"
+        self,
+        http_url: str = "127.0.0.1:8000",
+        grpc_url: str = "127.0.0.1:8001",
+        model: str = "preble",
+        api_key: str | None = None,
     ):
         self.http_url, self.grpc_url, self.model = http_url, grpc_url, model
+        self.api_key = api_key
 
     # ---- HTTP -----------------------------------------------------------------------------
 
     def _post(self, path: str, data: bytes, timeout: float):
-        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method="POST")
+        req = urllib.request.Request(
+            f"http://{self.http_url}{path}", data=data, method="POST", headers=bearer(self.api_key)
+        )
         try:
             return urllib.request.urlopen(req, timeout=timeout)
         except urllib.error.HTTPError as exc:
@@ -113,7 +125,9 @@ class PrebleClient:
         channel, stub = open_grpc(self.grpc_url)
         out = StreamResult()
         try:
-            with closing(stream_infer(stub, model or self.model, inputs, timeout)) as responses:
+            key = grpc_bearer(self.api_key)
+            calls = stream_infer(stub, model or self.model, inputs, timeout, metadata=key)
+            with closing(calls) as responses:
                 for outputs, final in responses:
                     if outputs:
                         decoded = {name: _decode(value) for name, value in outputs.items()}
@@ -171,15 +185,17 @@ def stream_infer(
     timeout: float | None = None,
     wait_for_ready=False,
     open_calls: set | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
     """One request on its own bidirectional ``ModelStreamInfer`` stream (errors on a shared
     stream would not say which request they belong to): yield each response's outputs and
     whether it is the final one. An error response raises ``StreamError``; a lost server,
     ``grpc.RpcError`` (unless ``wait_for_ready``: then the call waits for the server to
     listen). Closing the generator early cancels the request on the server; so does
-    ``cancel()`` on the call, which stays in ``open_calls`` while it streams."""
+    ``cancel()`` on the call, which stays in ``open_calls`` while it streams. ``metadata``:
+    gRPC headers (a key, ``access.grpc_bearer``)."""
     request = iter([_infer_request(model, inputs)])
-    call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready)
+    call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=metadata)
     if open_calls is not None:
         open_calls.add(call)
     try:
@@ -195,13 +211,19 @@ def stream_infer(
 
 
 async def stream_infer_async(
-    stub, model: str, inputs: dict[str, np.ndarray], wait_for_ready=False, open_calls: set | None = None
+    stub,
+    model: str,
+    inputs: dict[str, np.ndarray],
+    wait_for_ready=False,
+    open_calls: set | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
     """``stream_infer`` on a ``grpc.aio`` stub, for many streams on one event loop. The
     request is cancelled on the server when the generator is closed early, the task
     reading it is cancelled, or ``cancel()`` is called on the call (on its loop), which
     stays in ``open_calls`` while it streams."""
-    call = stub.ModelStreamInfer(iter([_infer_request(model, inputs)]), wait_for_ready=wait_for_ready)
+    request = iter([_infer_request(model, inputs)])
+    call = stub.ModelStreamInfer(request, wait_for_ready=wait_for_ready, metadata=metadata)
     if open_calls is not None:
         open_calls.add(call)
     try:

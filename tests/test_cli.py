@@ -15,8 +15,8 @@ from server_utils import fresh_ports, write_test_repository
 pytestmark = pytest.mark.server
 
 
-def serve(repo, ports) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo)]
+def serve(repo, ports, *more: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo), *more]
     cmd += [
         "--http-port",
         str(ports.http),
@@ -69,15 +69,18 @@ def test_serve_fails_with_one_line_when_the_repository_is_missing(tmp_path):
     assert err.strip() == f"preble serve: model repository {tmp_path / 'nowhere'} does not exist"
 
 
-def test_serve_names_the_model_that_failed_to_load_and_why(tmp_path, tiny_model):
+@pytest.mark.parametrize("layout", ["split", "single"])
+def test_serve_names_the_model_that_failed_to_load_and_why(tmp_path, tiny_model, layout):
     repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
     config = repo / "preble" / "config.pbtxt"
     config.write_text(config.read_text().replace('"preble_engine_0"', '"preble_engine_0,preble_engine_9"'))
-    proc = serve(repo, fresh_ports())
+    proc = serve(repo, fresh_ports(), "--layout", layout)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
-    assert "preble serve: tritonserver exited: model preble failed to load:" in err, err
+    if layout == "single":  # the router's own load fails, and the server's log says why
+        assert "preble serve: tritonserver exited: model preble failed to load:" in err, err
     assert f"engines: model 'preble_engine_9' is not in the model repository {repo}" in err, err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize(

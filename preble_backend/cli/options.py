@@ -7,7 +7,7 @@ import argparse
 import os
 
 from client.workloads import WORKLOADS
-from preble_backend.cli import commands
+from preble_backend.cli import commands, serve
 from preble_backend.common.cost_model import CostModel
 from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.model.pypi_models import MODELS
@@ -84,8 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="preble", description=cli.__doc__, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="start tritonserver on a model repository and wait", formatter_class=fmt)
-    p.add_argument("--model-repository", default=str(commands.DEFAULT_REPOSITORY), help="what to serve")
+    p = sub.add_parser("serve", help="serve a model repository (engines, router, front)", formatter_class=fmt)
+    p.add_argument("--model-repository", default=str(serve.DEFAULT_REPOSITORY), help="what to serve")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="the address every endpoint listens on (0.0.0.0: all interfaces)"
+    )
+    p.add_argument(
+        "--api-key", default=None,
+        help="every request but health must send 'Authorization: Bearer KEY' (also: PREBLE_API_KEY)",
+    )  # fmt: skip
     p.add_argument("--http-port", type=int, default=8000, help="HTTP/REST (KServe v2, generate)")
     p.add_argument("--grpc-port", type=int, default=8001, help="gRPC (KServe v2, streaming)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics")
@@ -95,11 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default="preble", help="the model name OpenAI clients send")
     p.add_argument(
+        "--layout", choices=("split", "single"), default="split",
+        help="split: each engine in a tritonserver of its own, restarted when it dies; single: engines "
+        "in the router's server (one crash domain)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-body-bytes", type=_positive(int), default=64 << 20, help="a larger HTTP request gets 413"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0,
+        help="on SIGTERM, seconds open requests get to finish before they end with an error",
+    )  # fmt: skip
+    p.add_argument(
         "--explicit",
         action="store_true",
-        help="explicit model control (preble bench reloads the router per policy)",
+        help="explicit model control (preble bench reloads the router per policy, with the admin key)",
     )
-    p.set_defaults(func=commands.serve)
+    p.set_defaults(func=serve.serve)
 
     p = sub.add_parser("repo", help="write a model repository for a model directory", formatter_class=fmt)
     p.add_argument("output", help="directory to write")
@@ -212,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="replay a workload against a running server, every policy, plots", formatter_class=fmt
     )
     p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC host:port")
+    p.add_argument(
+        "--api-key", default=None,
+        help="the server's key (also: PREBLE_API_KEY; none: the admin key preble serve left for --url)",
+    )  # fmt: skip
     p.add_argument("--model", default="preble", help="the router model")
     p.add_argument(
         "--transport", default="grpc", choices=("grpc", "sse"),

@@ -35,6 +35,23 @@ def group_running(pgid: int) -> bool:
     return any(state not in ("Z", "X") and group == pgid for state, _, group in _all().values())
 
 
+def children(pid: int, name_prefix: str = "") -> list[int]:
+    """The running children of ``pid`` whose command name starts with ``name_prefix``."""
+    found = []
+    for child, (state, ppid, _) in _all().items():
+        if ppid == pid and state not in ("Z", "X") and command_name(child).startswith(name_prefix):
+            found.append(child)
+    return found
+
+
+def command_name(pid: int) -> str:
+    """``/proc/<pid>/comm`` (15 characters at most), or "" once the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def process_tree(root: int) -> list[int]:
     """``root`` and every process below it."""
     children: dict[int, list[int]] = {}

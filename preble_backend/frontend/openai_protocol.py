@@ -34,7 +34,8 @@ OTHER_KEYS = (  # read by the parsers or checked by _check_unsupported (``user``
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               503: "service_unavailable"}  # fmt: skip
 
 
 class OpenAIError(Exception):

@@ -1,13 +1,16 @@
-"""An OpenAI-compatible HTTP server in front of the ``preble`` router: ``/v1/models``,
-``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events when
-asked), ``/health``. Each request is one gRPC stream to the router on a persistent
-channel, so the router's routing, streaming and cancellation hold as they do for Triton's
-own clients; a client that disconnects cancels its stream, and the router aborts the
-request in its engine.
+"""The front: an OpenAI-compatible HTTP server in front of the ``preble`` router
+(``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``, streamed as server-sent
+events when asked, ``/health``) and, with ``--triton-http``, Triton's own HTTP API
+(``/v2/...``, ``triton_http.py``). Each OpenAI request is one gRPC stream to the router
+on a persistent channel, so the router's routing, streaming and cancellation hold as
+they do for Triton's own clients; a client that disconnects cancels its stream, and the
+router aborts the request in its engine. With an API key (``PREBLE_API_KEY`` in the
+environment) every request but a health probe must carry ``Authorization: Bearer
+<key>``, and the front sends the key on to the router.
 
     python -m preble_backend.frontend.openai_server --router 127.0.0.1:8001 --model-path tiny
 
-``preble serve`` starts it beside tritonserver (``--openai-port``) and stops it with it.
+``preble serve`` starts it beside tritonserver and stops it with it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from preble_backend.common.keys import HEADER, grpc_bearer
+from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.frontend.openai_protocol import (
     OpenAIError,
     RouterCall,
@@ -34,8 +39,11 @@ from preble_backend.frontend.openai_protocol import (
     sse,
     usage_chunk,
 )
+from preble_backend.frontend.triton_http import EngineView, add_triton_routes
+from preble_backend.serving.access import API_KEY_ENV
+from preble_backend.serving.protocol import retryable
 
-UNAVAILABLE = ("at capacity", "no engine is available", "failed while serving", "unreachable")
+OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Piece:
 def router_error(message: str) -> OpenAIError:
     """The router's error as an OpenAI error: 503 when it is at capacity or has no engine to
     serve it (retry), 400 when it refused the request, 500 otherwise."""
-    if any(words in message for words in UNAVAILABLE):
+    if retryable(message):
         return OpenAIError(503, message)
     if "is invalid" in message or "must be" in message or "input '" in message or "encodes to no" in message:
         return OpenAIError(400, message)
@@ -65,8 +73,10 @@ class Router:
     """The router's gRPC endpoint: one channel, a stream per request. The channel is
     opened inside the server's event loop (``open``), which it is bound to."""
 
-    def __init__(self, url: str, model: str = "preble") -> None:
+    def __init__(self, url: str, model: str = "preble", key: str | None = None, drain: Drain | None = None):
         self.url, self.model = url, model
+        self.headers = dict(grpc_bearer(key))
+        self.drain = drain or Drain()
         self.client = None
 
     def open(self) -> None:
@@ -76,7 +86,7 @@ class Router:
 
     async def ready(self) -> bool:
         try:
-            return await self.client.is_model_ready(self.model)
+            return await self.client.is_model_ready(self.model, headers=self.headers)
         except Exception:
             return False
 
@@ -95,10 +105,11 @@ class Router:
                    "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
 
         try:
-            responses = self.client.stream_infer(one())
+            responses = self.client.stream_infer(one(), headers=self.headers)
         except Exception as exc:
             raise OpenAIError(503, f"the router at {self.url} is unreachable: {exc}") from None
         done = False
+        self.drain.upstreams.add(responses)
         try:
             async for result, error in responses:
                 if error is not None:
@@ -111,9 +122,12 @@ class Router:
             raise OpenAIError(500, "the router closed the stream before its final response")
         except OpenAIError:
             raise
-        except Exception as exc:  # the channel broke
+        except Exception as exc:  # the channel broke, or the drain's deadline cut the stream
+            if self.drain.cutting:
+                raise OpenAIError(503, MESSAGE) from None
             raise OpenAIError(503, f"the router at {self.url} failed: {exc}") from None
         finally:
+            self.drain.upstreams.discard(responses)
             if not done:
                 responses.cancel()  # the client went away, or an error: the router aborts the request
 
@@ -155,18 +169,47 @@ def chat_renderer(model_path: str):
     return render
 
 
-def make_app(router: Router, served: str, render):
+@dataclass
+class TritonSide:
+    """Where the front reaches tritonserver's own HTTP and metrics endpoints."""
+
+    http: str  # http://127.0.0.1:port
+    metrics: str  # http://127.0.0.1:port/metrics
+    max_body_bytes: int = 64 << 20
+
+
+def make_app(router: Router, served: str, render, triton: TritonSide | None = None, key: str | None = None):
+    import aiohttp
+
+    session: list[aiohttp.ClientSession] = []
+
     @asynccontextmanager
     async def lifespan(_app):
         router.open()
+        session.append(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                                             auto_decompress=False))  # fmt: skip
         yield
+        await session[0].close()
         await router.close()
 
     app = FastAPI(title="preble OpenAI-compatible API", lifespan=lifespan)
+    engines = EngineView(triton.metrics) if triton else None
+    if triton is not None:
+        add_triton_routes(app, triton.http, engines, router.model, triton.max_body_bytes, lambda: session[0],
+                          router.drain)  # fmt: skip
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if key is None or request.url.path in OPEN_PATHS or request.headers.get(HEADER) == f"Bearer {key}":
+            return await call_next(request)
+        message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
+        body = OpenAIError(401, message).body() if request.url.path.startswith("/v1/") else {"error": message}
+        return JSONResponse(body, status_code=401)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        retry = {"Retry-After": "1"} if exc.status == 503 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc):
@@ -176,6 +219,10 @@ def make_app(router: Router, served: str, render):
     async def health():
         if not await router.ready():
             raise OpenAIError(503, f"the router model {router.model} at {router.url} is not ready")
+        if engines is not None:
+            up, why = await engines.serving(session[0])
+            if not up:
+                raise OpenAIError(503, why)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -252,6 +299,11 @@ async def _events(call: RouterCall, served: str, first: Piece, rest: AsyncIterat
 
 
 def main(argv: list[str] | None = None) -> None:
+    import asyncio
+    import contextlib
+    import os
+    import signal
+
     import uvicorn
 
     from preble_backend.model.pypi_models import resolve
@@ -262,12 +314,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router-model", default="preble", help="the router model's name")
     parser.add_argument("--model-path", default="tiny", help="the engines' model (its chat template)")
     parser.add_argument("--served-model-name", default="preble", help="the model name clients send")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=9000, help="the OpenAI API's port (0: none)")
+    parser.add_argument("--http-port", type=int, default=0, help="Triton's HTTP API's port (0: none)")
+    parser.add_argument("--triton-http", default="", help="tritonserver's own HTTP endpoint, host:port")
+    parser.add_argument("--triton-metrics", default="", help="tritonserver's metrics endpoint, host:port")
+    parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="a larger request is refused")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: time open requests get")
     args = parser.parse_args(argv)
-    router = Router(args.router, args.router_model)
-    app = make_app(router, args.served_model_name, chat_renderer(resolve(args.model_path)))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    key = os.environ.get(API_KEY_ENV) or None
+    triton = None
+    if args.triton_http:
+        triton = TritonSide(f"http://{args.triton_http}", f"http://{args.triton_metrics}/metrics",
+                            args.max_body_bytes)  # fmt: skip
+    drain = Drain(args.drain_timeout)
+    router = Router(args.router, args.router_model, key, drain)
+    render = chat_renderer(resolve(args.model_path))
+    app = drain.wrap(make_app(router, args.served_model_name, render, triton, key))
+    ports = [p for p in (args.port, args.http_port) if p]
+    configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning") for p in ports]
+    servers = [uvicorn.Server(config) for config in configs]
+    for server in servers:  # one handler stops both (each server's own would replace the other's)
+        server.capture_signals = contextlib.nullcontext
+
+    async def serve_all() -> None:
+        async def drain_then_exit() -> None:
+            await drain.drain()
+            for server in servers:
+                server.should_exit = True
+
+        def stop() -> None:
+            if not drain.draining:
+                asyncio.get_running_loop().create_task(drain_then_exit())
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop)
+        await asyncio.gather(*(server.serve() for server in servers))
+
+    asyncio.run(serve_all())
 
 
 if __name__ == "__main__":

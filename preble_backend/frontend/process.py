@@ -1,67 +1,104 @@
-"""The OpenAI front as a child process of ``preble serve`` (and of the tests): started
-once tritonserver is ready, checked healthy, stopped with the server."""
+"""The front (the OpenAI API and Triton's HTTP API, ``openai_server.py``) as a child
+process of ``preble serve`` (and of the tests): started once tritonserver is ready,
+checked answering, stopped before the server."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from preble_backend.serving.launcher import LaunchError
+from preble_backend.serving.access import API_KEY_ENV, Access
+from preble_backend.serving.launcher import LaunchError, TritonServer
 
 
 @dataclass
 class OpenAIFront:
     process: subprocess.Popen
-    port: int
+    port: int  # the OpenAI API's (0: none)
+    http_port: int  # Triton's HTTP API's (0: none)
     log_path: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{self.host}:{self.port}/v1"
+
+    def health(self) -> int | None:
+        """The status ``/health`` answers (200: ready, 503: up but not ready), None if none."""
+        port = self.port or self.http_port
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{port}/health", timeout=2) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return self.health() == 200
+
+    def wait_answering(self, timeout: float = 120.0) -> None:
+        """Wait until the front answers (ready or not: engines may come later)."""
+        deadline = time.monotonic() + timeout
+        while self.health() is None:
+            if self.process.poll() is not None:
+                raise LaunchError(f"the front exited: {self.failure()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise LaunchError(f"the front did not answer after {timeout:.0f}s: {self.failure()}")
+            time.sleep(0.25)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
+        self.wait_answering(timeout)
         while not self.healthy():
-            if self.process.poll() is not None:
-                raise LaunchError(f"the OpenAI front exited: {self.failure()}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise LaunchError(f"the OpenAI front was not healthy after {timeout:.0f}s: {self.failure()}")
+                raise LaunchError(f"the front was not healthy after {timeout:.0f}s: {self.failure()}")
             time.sleep(0.25)
 
     def failure(self) -> str:
         text = self.log_path.read_text(errors="replace").strip() if self.log_path.exists() else ""
         return text.splitlines()[-1] if text else "no log output"
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the front drains: ``drain.py``), then SIGKILL after ``timeout``."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(10)
+                self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
 
 
 def start_openai_front(
-    router_grpc: str, port: int, model_path: str, log_path: Path, served_model_name: str = "preble"
-) -> OpenAIFront:
-    """Launch the front (not yet waiting for it) on ``port``, forwarding to the router."""
+    router_grpc: str, port: int, model_path: str, log_path: Path, served_model_name: str = "preble",
+    server: TritonServer | None = None, http_port: int = 0, access: Access | None = None,
+    max_body_bytes: int = 64 << 20, drain_s: float = 30.0,
+) -> OpenAIFront:  # fmt: skip
+    """Launch the front (not yet waiting for it): the OpenAI API on ``port``, and with a
+    ``server`` Triton's HTTP API on ``http_port``, forwarded to that server's own HTTP
+    endpoint; listening and keyed as ``access`` says (the key goes in the environment)."""
+    access = access or Access()
     cmd = [
         sys.executable, "-m", "preble_backend.frontend.openai_server", "--router", router_grpc,
         "--model-path", model_path, "--port", str(port), "--served-model-name", served_model_name,
+        "--host", access.host, "--max-body-bytes", str(max_body_bytes), "--drain-timeout", str(drain_s),
     ]  # fmt: skip
+    if server is not None and http_port:
+        local = server.access.client_host
+        cmd += ["--http-port", str(http_port), "--triton-http", f"{local}:{server.ports.http}",
+                "--triton-metrics", f"{local}:{server.ports.metrics}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    if access.api_key:
+        env[API_KEY_ENV] = access.api_key
     with open(log_path, "ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    return OpenAIFront(process, port, log_path)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return OpenAIFront(process, port, http_port if server is not None else 0, log_path, access.client_host)

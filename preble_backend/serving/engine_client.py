@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from client.triton_client import StreamError, open_grpc, stream_infer, stream_infer_async
-from preble_backend.serving.protocol import ENGINE_OUTPUTS, names
+from preble_backend.common.keys import grpc_bearer
+from preble_backend.serving.access import engine_key
+from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names
 
 OUTPUTS = names(ENGINE_OUTPUTS)
 
@@ -25,6 +27,10 @@ class EngineError(RuntimeError):
 
 class EngineUnavailable(EngineError):
     """The engine cannot be reached: its process died, or its server went away."""
+
+
+class EngineRefused(EngineError):
+    """The engine refused the request as one it can never serve; the message is why."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,14 @@ class EngineClient:
     router's life. Requests stream on a ``grpc.aio`` channel, all of them on the router's
     one event loop (made there at first use); control operations (the monitor's health
     probes, tools) are blocking calls on a plain channel. Both reconnect by themselves
-    when the server is back."""
+    when the server is back. Every call carries the engine key (``PREBLE_ENGINE_KEY``)
+    when the router has one: engines serve only the router."""
 
     wait_for_ready = False  # a server that does not listen fails the call at once
 
     def __init__(self, url: str, model: str, name: str) -> None:
         self.url, self.model, self.name = url, model, name
+        self.metadata = grpc_bearer(engine_key())
         self._channel, self._stub = open_grpc(url)  # connects on first use
         self._open_calls: set = set()  # blocking calls in flight (set.add/discard hold the GIL)
         self._aio = None  # (channel, stub, loop), made on the event loop at its first stream
@@ -86,7 +94,9 @@ class EngineClient:
             self._aio = (*open_grpc(self.url, asynchronous=True), asyncio.get_running_loop())
         stub = self._aio[1]
         with self._errors():
-            responses = stream_infer_async(stub, self.model, inputs, self.wait_for_ready, self._open_streams)
+            responses = stream_infer_async(
+                stub, self.model, inputs, self.wait_for_ready, self._open_streams, self.metadata
+            )
             try:
                 async with aclosing(responses):
                     async for outputs, final in responses:
@@ -129,7 +139,8 @@ class EngineClient:
         report = None
         with self._errors():
             calls = stream_infer(self._stub, self.model, _control_inputs(op, **fields),
-                                 wait_for_ready=self.wait_for_ready, open_calls=self._open_calls)  # fmt: skip
+                                 wait_for_ready=self.wait_for_ready, open_calls=self._open_calls,
+                                 metadata=self.metadata)  # fmt: skip
             with closing(calls) as responses:
                 for outputs, _ in responses:
                     resp = _response(outputs)
@@ -173,7 +184,10 @@ class EngineClient:
         try:
             yield
         except StreamError as exc:
-            raise EngineError(str(exc)) from None
+            message = str(exc)
+            if message.startswith(REFUSED):
+                raise EngineRefused(message.removeprefix(REFUSED)) from None
+            raise EngineError(message) from None
         except grpc.RpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
             raise EngineUnavailable(f"engine {self.name} is unreachable: {reason}") from None

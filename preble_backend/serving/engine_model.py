@@ -32,7 +32,13 @@ from preble_backend.serving.backend_utils import (
     string_tensor,
 )
 from preble_backend.serving.metrics import Metrics, MetricSpec
-from preble_backend.serving.protocol import ENGINE_INPUTS, encode_report, names, parse_engine_call
+from preble_backend.serving.protocol import (
+    ENGINE_INPUTS,
+    REFUSED,
+    encode_report,
+    names,
+    parse_engine_call,
+)
 
 INPUTS = names(ENGINE_INPUTS)
 CANCEL_POLL_S = 0.1
@@ -89,7 +95,7 @@ class TritonPythonModel:
             try:
                 self._submit(request, sender)
             except Exception as exc:
-                send_error(sender, str(exc), pb_utils.TritonError.INVALID_ARG)
+                send_error(sender, f"{REFUSED}{exc}", pb_utils.TritonError.INVALID_ARG)
         return None
 
     def _submit(self, request, sender) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.common.procfs import group_running
+from preble_backend.serving.access import Access
 
 LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
 BENIGN = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned memory|CUDA driver")
@@ -57,10 +58,11 @@ class TritonServer:
     ports: ServerPorts
     log_path: Path
     workdir: Path
+    access: Access
 
     def is_ready(self) -> bool:
         try:
-            url = f"http://127.0.0.1:{self.ports.http}/v2/health/ready"
+            url = f"http://{self.access.client_host}:{self.ports.http}/v2/health/ready"
             with urllib.request.urlopen(url, timeout=1) as resp:
                 return resp.status == 200
         except OSError:
@@ -152,7 +154,7 @@ def server_environment(wheel: Path | None) -> dict[str, str]:
     return env
 
 
-def check_port_free(port: int, host: str = "0.0.0.0") -> None:
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -178,8 +180,12 @@ def start_server(
     log_path: str | Path | None = None,
     extra_args: list[str] | None = None,
     exit_timeout_s: int = EXIT_TIMEOUT_S,
+    access: Access | None = None,
+    env: dict[str, str] | None = None,
 ) -> TritonServer:
-    """Launch tritonserver (not yet waiting for readiness).
+    """Launch tritonserver (not yet waiting for readiness), listening and restricted as
+    ``access`` says (default: loopback, the admin APIs behind a key only this process
+    knows); ``env``: more environment for the server and its models (their keys).
 
     ``exit_timeout_s`` bounds how long a stopping server waits for models to unload.
     Healthy engines unload in about a second; but an engine whose stub process died
@@ -189,8 +195,9 @@ def start_server(
     if not repo.is_dir():
         raise LaunchError(f"model repository {repo} does not exist")
     ports = ports or ServerPorts()
+    access = access or Access()
     for port in (ports.http, ports.grpc, ports.metrics):
-        check_port_free(port)
+        check_port_free(port, access.host)
     workdir = Path(tempfile.mkdtemp(prefix="preble-triton-"))
     wheel = _wheel_root()
     if wheel is not None:
@@ -210,10 +217,13 @@ def start_server(
         "--allow-metrics=true",
         "--log-verbose=0",
         f"--exit-timeout-secs={exit_timeout_s}",
+        *access.server_args(),
         *backend_args,
         *(extra_args or []),
     ]
-    env = server_environment(wheel)
+    environment = {**server_environment(wheel), **(env or {})}
     with open(log, "ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return TritonServer(process, ports, log, workdir)
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+    return TritonServer(process, ports, log, workdir, access)

@@ -85,6 +85,21 @@ class BadRequest(ValueError):
     """Input that can never be served; the message names the problem."""
 
 
+# An engine's refusal of a request it can never serve (over the context, say) begins with
+# this: gRPC stream errors carry no status code, and the router must answer the client
+# "invalid" (HTTP 400), not "internal" (500), and not count the engine as failing.
+REFUSED = "refused: "
+
+# The router's error messages that mean "try again": at capacity, no engine up, the engine
+# failed mid-request, shutting down. Fronts answer them 503 with Retry-After.
+RETRYABLE = ("at capacity", "no engine is available", "failed while serving", "unreachable",
+             "shutting down")  # fmt: skip
+
+
+def retryable(message: str) -> bool:
+    return any(words in message for words in RETRYABLE)
+
+
 def _single(name: str, array: np.ndarray | None):
     if array is None:
         return None

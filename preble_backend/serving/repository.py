@@ -133,6 +133,16 @@ def config_parameter(config_pbtxt: str, key: str) -> str | None:
     return found.group(1) if found else None
 
 
+def set_config_parameter(config_pbtxt: str, key: str, value: str) -> str:
+    """``config_pbtxt`` with the string parameter ``key`` set to ``value`` (added if absent)."""
+    entry = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+    value_of = r'\s*value:\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}'
+    pattern = rf'parameters\s*\{{\s*key:\s*"{re.escape(key)}"' + value_of
+    if re.search(pattern, config_pbtxt):
+        return re.sub(pattern, lambda _: entry, config_pbtxt, count=1)
+    return config_pbtxt.rstrip("\n") + "\n" + entry + "\n"
+
+
 def check_local_engines(repository: Path, names: list[str], page_size: int) -> None:
     """Fail the router's load, naming the problem, when a local engine it forwards to is
     not a decoupled model of this repository or pages its KV differently (the router

@@ -45,6 +45,7 @@ from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.engine_client import (
     EngineClient,
     EngineError,
+    EngineRefused,
     EngineUnavailable,
     LocalEngine,
     make_engine_clients,
@@ -197,7 +198,7 @@ class TritonPythonModel:
             self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
                                  {"policy": self.policy.name})  # fmt: skip
             await self._forward(flight, req, routing, engine, arrival)
-        except (BadRequest, ValueError) as exc:
+        except (BadRequest, ValueError, EngineRefused) as exc:
             self._fail(flight, str(exc), pb_utils.TritonError.INVALID_ARG)
         except EngineUnavailable as exc:
             if flight.instance is not None:

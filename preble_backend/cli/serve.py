@@ -1,0 +1,173 @@
+"""``preble serve``: the stack as a service. By default each engine runs in a tritonserver of
+its own, supervised and restarted (``serving/supervisor.py``); the router runs in another,
+whose gRPC endpoint clients use; the front serves the OpenAI API and Triton's HTTP API.
+Everything listens on loopback unless ``--host`` says otherwise, the admin APIs are behind
+a key, and SIGTERM drains: new requests are refused, open ones finish or end with a
+message, and the exit code is 0."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from preble_backend.frontend.process import OpenAIFront, start_openai_front
+from preble_backend.model.pypi_models import resolve as resolve_model
+from preble_backend.serving.access import (
+    API_KEY_ENV,
+    ENGINE_KEY_ENV,
+    LOOPBACK,
+    Access,
+    admin_key_file,
+    new_key,
+    write_admin_key,
+)
+from preble_backend.serving.launcher import (
+    EXPLICIT_MODEL_CONTROL,
+    LaunchError,
+    ServerPorts,
+    TritonServer,
+    check_port_free,
+    free_port,
+    start_server,
+)
+from preble_backend.serving.repository import config_parameter
+from preble_backend.serving.supervisor import Supervisor, split_repository
+
+DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the stack until Ctrl-C or SIGTERM; one clear line on any failure."""
+    stop: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda number, _frame: stop.append(number))
+    repository = Path(args.model_repository)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    admin_key = api_key or new_key()
+    public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK)
+    run_dir = Path(tempfile.mkdtemp(prefix="preble-serve-"))
+    log = Path(args.log_file) if args.log_file else run_dir / "tritonserver.log"
+    supervisor, server, front = None, None, None
+    try:
+        for port in (args.http_port, args.grpc_port, args.metrics_port, args.openai_port):
+            if port:
+                check_port_free(port, args.host)
+        if not repository.is_dir():
+            raise LaunchError(f"model repository {repository} does not exist")
+        if not (repository / "preble" / "config.pbtxt").is_file():
+            raise LaunchError(f"{repository} holds no router model (preble/config.pbtxt): see `preble repo`")
+        env = {ENGINE_KEY_ENV: admin_key}
+        if args.layout == "split":
+            router_repo, engines = split_repository(repository, run_dir)
+            for engine in engines:
+                engine.log_path = log.with_suffix(f".{engine.model}.log")
+            engine_access = Access(host=LOOPBACK, api_key=admin_key, admin_key=admin_key)
+            supervisor = Supervisor(engines, engine_access, {})
+            print(f"preble serve: starting {len(engines)} engine server(s) (logs: {log.parent})", flush=True)
+            supervisor.start()
+        else:  # engines share the router's server: one crash domain (docs/SECURITY.md)
+            router_repo = repository
+            env = {ENGINE_KEY_ENV: api_key or ""}
+        ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)
+        extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
+        print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
+        server = start_server(router_repo, ports, log_path=log, extra_args=extra, access=public, env=env)
+        if not _wait(server, supervisor, stop):
+            return 0
+        model_path = router_model_path(repository)
+        front = start_openai_front(
+            f"{LOOPBACK}:{ports.grpc}", args.openai_port, model_path, log.with_suffix(".front.log"),
+            args.served_model_name, server=server, http_port=args.http_port, access=public,
+            max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout,
+        )  # fmt: skip
+        front.wait_answering()
+        _announce(args, public, front)
+        key_file = None if api_key else write_admin_key(args.grpc_port, admin_key)
+        if key_file is not None:
+            print(f"  admin key (model control, logging, trace) in {key_file}")
+        if not front.healthy():
+            print("preble serve: warning: no engine is ready yet (/health answers 503 until one is)")
+        print("ready; Ctrl-C to stop", flush=True)
+        while not stop:
+            if supervisor is not None:
+                supervisor.poll()
+            if server.process.poll() is not None:
+                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
+                return 1
+            if front.process.poll() is not None:
+                print(f"preble serve: the front exited: {front.failure()}", file=sys.stderr)
+                return 1
+            time.sleep(0.25)
+        print("preble serve: draining: new requests are refused, open ones may finish "
+              f"(up to {args.drain_timeout:g}s)", flush=True)  # fmt: skip
+        return 0
+    except LaunchError as exc:
+        print(f"preble serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _shutdown(front, server, supervisor, args.drain_timeout)
+        if not api_key:
+            admin_key_file(args.grpc_port).unlink(missing_ok=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _wait(server: TritonServer, supervisor: Supervisor | None, stop: list[int]) -> bool:
+    """Wait for the router's server; False if asked to stop first."""
+    while not server.is_ready():
+        if stop:
+            return False
+        if server.process.poll() is not None:
+            raise LaunchError(f"tritonserver exited: {server.failure()}")
+        if supervisor is not None:
+            supervisor.poll()
+        time.sleep(0.25)
+    return True
+
+
+def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> None:
+    host = access.client_host
+    endpoints = {
+        "http": f"http://{host}:{args.http_port}",
+        "grpc": f"{host}:{args.grpc_port}",
+        "metrics": f"http://{host}:{args.metrics_port}/metrics",
+    }
+    if args.openai_port:
+        endpoints["openai"] = front.url
+    for kind, url in endpoints.items():
+        print(f"  {kind:8s} {url}")
+    auth = " -H 'Authorization: Bearer $PREBLE_API_KEY'" if access.api_key else ""
+    print(
+        f"  generate: curl {endpoints['http']}/v2/models/preble/generate -H 'Content-Type: application/json'"
+        f"{auth} -d '{{\"text_input\": \"Hello\", \"sampling_parameters\": \"{{\\\"max_tokens\\\": 16}}\"}}'"
+    )
+    if access.host not in (LOOPBACK, "localhost", "::1") and not access.api_key:
+        print(f"preble serve: warning: listening on {access.host} with no API key: anyone who reaches "
+              "this host can send requests (--api-key or PREBLE_API_KEY)")  # fmt: skip
+
+
+def _shutdown(front, server, supervisor, drain_s: float) -> None:
+    """The front drains first (its clients' streams finish or end with a message), then
+    the router's server (its gRPC clients' streams end with "shutting down"), then the
+    engines."""
+    code = None
+    if front is not None:
+        front.stop(timeout=drain_s + 10)
+    if server is not None:
+        code = server.stop()
+    if supervisor is not None:
+        supervisor.stop()
+    if code is not None:
+        print(f"preble serve: stopped (tritonserver exit code {code})")
+
+
+def router_model_path(repository: Path) -> str:
+    """The engines' model as the repository's router names it, resolved as the router does."""
+    config = repository / "preble" / "config.pbtxt"
+    model_path = config_parameter(config.read_text(), "model_path") if config.is_file() else None
+    return resolve_model(model_path or "tiny", base=repository)

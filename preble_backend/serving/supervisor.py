@@ -1,0 +1,185 @@
+"""Engines in crash domains of their own: one tritonserver per engine, watched and
+restarted by ``preble serve``.
+
+Triton 2.51's Python backend can abort a whole tritonserver when a stub dies at the wrong
+moment (``boost::interprocess::lock_exception`` while it handles the dead stub's last
+response), so an engine that shares the router's server can take every client's stream
+with it. Here each engine model runs in a server of its own, on loopback ports that
+only the router uses, behind a key only the router (and the operator's admin key) holds;
+the router reaches it as a remote engine (``grpc://127.0.0.1:port/model``), which it
+already routes around while it is down and resyncs from its cache snapshot when it is
+back. The supervisor restarts a server whose process exited, or whose engine stub
+died (Triton keeps such a model "ready" and never unloads it), after a backoff that
+doubles on each quick failure, on the same ports, so the router's configuration stays
+true.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from preble_backend.common.procfs import children
+from preble_backend.serving.access import LOOPBACK, Access
+from preble_backend.serving.launcher import LaunchError, ServerPorts, TritonServer, free_port, start_server
+from preble_backend.serving.repository import config_parameter, set_config_parameter
+
+STUB = "triton_python_"  # the stub's command name, as /proc truncates it
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+STABLE_S = 60.0  # up this long: the next failure starts the backoff again
+
+
+@dataclass
+class EngineServer:
+    """One engine model's tritonserver and its restart state."""
+
+    model: str
+    repository: Path
+    ports: ServerPorts
+    log_path: Path
+    server: TritonServer | None = None
+    ready_since: float | None = None  # when it was last seen ready (None: not since its start)
+    failures: int = 0  # quick failures in a row: the backoff's index
+    restart_at: float | None = None
+    restarts: int = 0
+    had_stub: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"grpc://{LOOPBACK}:{self.ports.grpc}/{self.model}"
+
+
+@dataclass
+class Supervisor:
+    """Starts the engine servers, then keeps them up (``poll`` from the serving loop)."""
+
+    engines: list[EngineServer]
+    access: Access
+    env: dict[str, str]
+    log: Callable[[str], None] = print
+    clock: Callable[[], float] = time.monotonic
+    backoff_s: tuple[float, ...] = BACKOFF_S
+    history: list[str] = field(default_factory=list)
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Start every engine server and wait until all are ready; one line on failure."""
+        for engine in self.engines:
+            self._launch(engine)
+        deadline = self.clock() + timeout_s
+        for engine in self.engines:
+            try:
+                engine.server.wait_ready(max(1.0, deadline - self.clock()))
+            except LaunchError as exc:
+                self.stop()
+                raise LaunchError(f"engine {engine.model}: {exc}") from None
+            engine.ready_since = self.clock()
+
+    def _launch(self, engine: EngineServer) -> None:
+        engine.server = start_server(
+            engine.repository, engine.ports, log_path=engine.log_path, access=self.access, env=self.env
+        )
+        engine.had_stub, engine.ready_since = False, None
+
+    def poll(self) -> None:
+        """One look at every engine server: restart what died, once its backoff is over."""
+        now = self.clock()
+        for engine in self.engines:
+            if engine.restart_at is not None:
+                if now >= engine.restart_at:
+                    self._restart(engine)
+                continue
+            reason = self._failure(engine)
+            if reason is None:
+                if engine.ready_since is None and engine.server.is_ready():
+                    engine.ready_since = now
+                    if engine.restarts:
+                        self._say(f"engine {engine.model} is back (restart {engine.restarts})")
+                continue
+            stable = engine.ready_since is not None and now - engine.ready_since >= STABLE_S
+            engine.failures = 0 if stable else engine.failures + 1
+            delay = self.backoff_s[min(max(engine.failures - 1, 0), len(self.backoff_s) - 1)]
+            self._say(f"engine {engine.model} failed ({reason}); restarting it in {delay:g}s")
+            engine.server.stop(timeout=5)
+            engine.restart_at = now + delay
+
+    def _failure(self, engine: EngineServer) -> str | None:
+        """Why the engine's server cannot serve, or None."""
+        process = engine.server.process
+        if process.poll() is not None:
+            return f"its tritonserver exited with code {process.returncode}: {engine.server.failure()}"
+        if children(process.pid, STUB):
+            engine.had_stub = True
+        elif engine.had_stub:
+            return "its engine's stub process exited"
+        return None
+
+    def _restart(self, engine: EngineServer) -> None:
+        engine.restart_at = None
+        engine.restarts += 1
+        try:
+            self._launch(engine)
+        except LaunchError as exc:  # its port is still held, say: try again after the next backoff
+            engine.failures += 1
+            delay = self.backoff_s[min(engine.failures - 1, len(self.backoff_s) - 1)]
+            self._say(f"engine {engine.model} could not restart ({exc}); next try in {delay:g}s")
+            engine.restart_at = self.clock() + delay
+
+    def _say(self, line: str) -> None:
+        self.history.append(line)
+        self.log(f"preble serve: {line}")
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            if engine.server is not None:
+                engine.server.stop(timeout=30)
+
+
+# ---- the layout: the repository split into one per engine and the router's ----------------
+
+
+def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[EngineServer]]:
+    """The router's repository and one per local engine under ``run_dir``, from a
+    repository that holds them together: each engine model alone in its own, the router
+    forwarding to it at ``grpc://127.0.0.1:port``. Version directories are links to the
+    originals; each ``config.pbtxt`` is copied with relative ``model_path`` values made
+    absolute (the originals are relative to ``repository``)."""
+    router_config = (repository / "preble" / "config.pbtxt").read_text()
+    entries = [e.strip() for e in (config_parameter(router_config, "engines") or "").split(",") if e.strip()]
+    servers: list[EngineServer] = []
+    urls = []
+    for entry in entries:
+        if "://" in entry:
+            urls.append(entry)
+            continue
+        if not (repository / entry / "config.pbtxt").is_file():
+            raise LaunchError(f"engines: model {entry!r} is not in the model repository {repository}")
+        ports = ServerPorts(free_port(), free_port(), free_port())
+        engine = EngineServer(entry, run_dir / "engines" / entry, ports, run_dir / f"{entry}.log")
+        _link_model(repository, entry, engine.repository)
+        servers.append(engine)
+        urls.append(engine.url)
+    router_repo = run_dir / "router"
+    _link_model(repository, "preble", router_repo, engines=",".join(urls))
+    return router_repo, servers
+
+
+def _link_model(repository: Path, model: str, into: Path, **parameters: str) -> None:
+    source = repository / model
+    target = into / model
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    text = (source / "config.pbtxt").read_text()
+    path = config_parameter(text, "model_path")
+    if path and not Path(path).is_absolute() and (repository / path).is_dir():
+        text = set_config_parameter(text, "model_path", str((repository / path).resolve()))
+    for key, value in parameters.items():
+        text = set_config_parameter(text, key, value)
+    (target / "config.pbtxt").write_text(text)
+    for version in source.iterdir():
+        if version.is_dir() and re.fullmatch(r"\d+", version.name):
+            (target / version.name).symlink_to(version.resolve(), target_is_directory=True)
