@@ -126,7 +126,7 @@ def switch_policy(url: str, model: str, policy: str, key: str | None = None) -> 
         config = client.get_model_config(model, as_json=True, headers=headers)["config"]
         params = config.setdefault("parameters", {})
         for engine in (e for e in params.get("engines", {}).get("string_value", "").split(",") if e):
-            where, _, name = engine.removeprefix("grpc://").rpartition("/")
+            where, name = _engine_address(engine)
             PrebleClient(grpc_url=where or url, api_key=key).engine_control(name, "flush_cache")
         params["policy"] = {"string_value": policy}
         client.load_model(model, config=json.dumps(config), headers=headers)
@@ -137,6 +137,12 @@ def switch_policy(url: str, model: str, policy: str, key: str | None = None) -> 
             time.sleep(0.2)
     finally:
         client.close()
+
+
+def _engine_address(entry: str) -> tuple[str, str]:
+    """A router ``engines`` entry as (gRPC host:port, "" for the router's own server; model)."""
+    where, _, model = entry.rpartition("=grpc://")[2].removeprefix("grpc://").rpartition("/")
+    return where, model
 
 
 def describe_cluster(url: str, model: str, key: str | None = None) -> str:
@@ -154,7 +160,7 @@ def describe_cluster(url: str, model: str, key: str | None = None) -> str:
     engines = [e for e in params(url, model).get("engines", "").split(",") if e]
     first = {}
     if engines:
-        where, _, name = engines[0].removeprefix("grpc://").rpartition("/")
+        where, name = _engine_address(engines[0])
         try:
             first = params(where or url, name)
         except Exception:  # another operator's server, say: the caption does without its model

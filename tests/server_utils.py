@@ -6,11 +6,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from client.triton_client import PrebleClient
+from preble_backend.common.procfs import command_name, process_tree
 from preble_backend.serving.launcher import ServerPorts, free_port, start_server
 from preble_backend.serving.repository import write_repository
 
@@ -116,3 +121,64 @@ def assert_engine_pages_free(client: PrebleClient, engine: str) -> None:
 def write_test_repository(path: Path, **kw) -> Path:
     kw.setdefault("max_num_tokens", 8192)
     return write_repository(path, **kw)
+
+
+@dataclass
+class Stack:
+    """A ``preble serve`` child process and its public ports."""
+
+    process: subprocess.Popen
+    ports: ServerPorts
+    openai_port: int
+    lines: list[str]
+
+    def engine_stub(self, model: str) -> int:
+        """The pid of the stub of ``model``'s engine server (split layout)."""
+        for pid in process_tree(self.process.pid):
+            if command_name(pid).startswith("triton_python_"):
+                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                cmdline = Path(f"/proc/{parent}/cmdline").read_bytes()
+                if f"/engines/{model}".encode() in cmdline:
+                    return pid
+        raise LookupError(f"no stub of {model} under preble serve {self.process.pid}")
+
+    def url(self, path: str, port: int | None = None) -> str:
+        return f"http://127.0.0.1:{port or self.ports.http}{path}"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 120) -> tuple[str, str]:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        out, err = self.process.communicate(timeout=timeout)
+        return "".join(self.lines) + out, err
+
+
+def serve_stack(repo: Path, *args: str, env: dict | None = None, timeout: float = 300) -> Stack:
+    """``preble serve`` on fresh ports, read until it says ready."""
+    ports, openai_port = fresh_ports(), free_port()
+    cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo),
+           "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port",
+           str(ports.metrics), "--openai-port", str(openai_port), *args]  # fmt: skip
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **(env or {})})  # fmt: skip
+    stack = Stack(process, ports, openai_port, [])
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            raise AssertionError(f"preble serve ended: {''.join(stack.lines)}{process.stderr.read()}")
+        stack.lines.append(line)
+        if line.startswith("ready"):
+            return stack
+    process.kill()
+    raise AssertionError(f"preble serve was not ready after {timeout}s: {''.join(stack.lines)}")
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout=60):
+    """(status, headers with lower-case names, body) of one HTTP request; errors are
+    answers too."""
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()

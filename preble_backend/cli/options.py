@@ -10,6 +10,7 @@ from client.workloads import WORKLOADS
 from preble_backend.cli import commands, serve
 from preble_backend.common.cost_model import CostModel
 from preble_backend.engine.config import COMPUTE, EngineConfig
+from preble_backend.frontend.triton_http import MAX_BODY_BYTES
 from preble_backend.model.pypi_models import MODELS
 from preble_backend.serving.config import RouterConfig
 from scheduler.policies import POLICIES
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         "in the router's server (one crash domain)",
     )  # fmt: skip
     p.add_argument(
-        "--max-body-bytes", type=_positive(int), default=64 << 20, help="a larger HTTP request gets 413"
+        "--max-body-bytes", type=_positive(int), default=MAX_BODY_BYTES, help="a larger HTTP request gets 413"
     )
     p.add_argument(
         "--drain-timeout", type=float, default=30.0,

@@ -27,7 +27,9 @@ from preble_backend.serving.access import (
     new_key,
     write_admin_key,
 )
+from preble_backend.serving.drain_signal import DRAIN_DIR_ENV, request_drain, wait_drained
 from preble_backend.serving.launcher import (
+    EXIT_TIMEOUT_S,
     EXPLICIT_MODEL_CONTROL,
     LaunchError,
     ServerPorts,
@@ -40,6 +42,7 @@ from preble_backend.serving.repository import config_parameter
 from preble_backend.serving.supervisor import Supervisor, split_repository
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+ROUTER_EXIT_TIMEOUT_S = 20
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -62,7 +65,7 @@ def serve(args: argparse.Namespace) -> int:
             raise LaunchError(f"model repository {repository} does not exist")
         if not (repository / "preble" / "config.pbtxt").is_file():
             raise LaunchError(f"{repository} holds no router model (preble/config.pbtxt): see `preble repo`")
-        env = {ENGINE_KEY_ENV: admin_key}
+        env = {ENGINE_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if args.layout == "split":
             router_repo, engines = split_repository(repository, run_dir)
             for engine in engines:
@@ -73,11 +76,15 @@ def serve(args: argparse.Namespace) -> int:
             supervisor.start()
         else:  # engines share the router's server: one crash domain (docs/SECURITY.md)
             router_repo = repository
-            env = {ENGINE_KEY_ENV: api_key or ""}
+            env = {ENGINE_KEY_ENV: api_key or "", DRAIN_DIR_ENV: str(run_dir)}
         ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)
         extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
         print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
-        server = start_server(router_repo, ports, log_path=log, extra_args=extra, access=public, env=env)
+        # A router with no engine of its own unloads in seconds, yet was seen to need more
+        # than 5 after engines had died under it; it gets longer than a server with engines.
+        exit_s = ROUTER_EXIT_TIMEOUT_S if supervisor is not None else EXIT_TIMEOUT_S
+        server = start_server(router_repo, ports, log_path=log, extra_args=extra, exit_timeout_s=exit_s,
+                              access=public, env=env)  # fmt: skip
         if not _wait(server, supervisor, stop):
             return 0
         model_path = router_model_path(repository)
@@ -111,7 +118,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"preble serve: {exc}", file=sys.stderr)
         return 1
     finally:
-        _shutdown(front, server, supervisor, args.drain_timeout)
+        _shutdown(front, server, supervisor, args.drain_timeout, run_dir)
         if not api_key:
             admin_key_file(args.grpc_port).unlink(missing_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -151,14 +158,19 @@ def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> N
               "this host can send requests (--api-key or PREBLE_API_KEY)")  # fmt: skip
 
 
-def _shutdown(front, server, supervisor, drain_s: float) -> None:
-    """The front drains first (its clients' streams finish or end with a message), then
-    the router's server (its gRPC clients' streams end with "shutting down"), then the
-    engines."""
+def _shutdown(front, server, supervisor, drain_s: float, run_dir: Path) -> None:
+    """The front and the router drain together (``drain_signal.py``): each refuses new
+    requests, lets open ones run until the deadline and ends the rest with a message its
+    client reads. Then the router's server stops, and the engines last."""
     code = None
+    ready = server is not None and server.process.poll() is None and server.is_ready()
+    if ready:
+        request_drain(run_dir, drain_s)
     if front is not None:
         front.stop(timeout=drain_s + 10)
     if server is not None:
+        if ready:
+            wait_drained(run_dir, drain_s + 10)
         code = server.stop()
     if supervisor is not None:
         supervisor.stop()

@@ -16,6 +16,7 @@ environment) every request but a health probe must carry ``Authorization: Bearer
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,9 +40,9 @@ from preble_backend.frontend.openai_protocol import (
     sse,
     usage_chunk,
 )
-from preble_backend.frontend.triton_http import EngineView, add_triton_routes
+from preble_backend.frontend.triton_http import MAX_BODY_BYTES, EngineView, add_triton_routes
 from preble_backend.serving.access import API_KEY_ENV
-from preble_backend.serving.protocol import retryable
+from preble_backend.serving.protocol import invalid, retryable
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
 
@@ -64,7 +65,7 @@ def router_error(message: str) -> OpenAIError:
     serve it (retry), 400 when it refused the request, 500 otherwise."""
     if retryable(message):
         return OpenAIError(503, message)
-    if "is invalid" in message or "must be" in message or "input '" in message or "encodes to no" in message:
+    if invalid(message):
         return OpenAIError(400, message)
     return OpenAIError(500, message)
 
@@ -122,9 +123,11 @@ class Router:
             raise OpenAIError(500, "the router closed the stream before its final response")
         except OpenAIError:
             raise
-        except Exception as exc:  # the channel broke, or the drain's deadline cut the stream
-            if self.drain.cutting:
-                raise OpenAIError(503, MESSAGE) from None
+        except asyncio.CancelledError:  # how grpc.aio ends a call the drain's deadline cancelled
+            if not self.drain.cutting or asyncio.current_task().cancelling():
+                raise
+            raise OpenAIError(503, MESSAGE) from None
+        except Exception as exc:  # the channel broke
             raise OpenAIError(503, f"the router at {self.url} failed: {exc}") from None
         finally:
             self.drain.upstreams.discard(responses)
@@ -175,7 +178,7 @@ class TritonSide:
 
     http: str  # http://127.0.0.1:port
     metrics: str  # http://127.0.0.1:port/metrics
-    max_body_bytes: int = 64 << 20
+    max_body_bytes: int = MAX_BODY_BYTES
 
 
 def make_app(router: Router, served: str, render, triton: TritonSide | None = None, key: str | None = None):
@@ -299,7 +302,6 @@ async def _events(call: RouterCall, served: str, first: Piece, rest: AsyncIterat
 
 
 def main(argv: list[str] | None = None) -> None:
-    import asyncio
     import contextlib
     import os
     import signal
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-port", type=int, default=0, help="Triton's HTTP API's port (0: none)")
     parser.add_argument("--triton-http", default="", help="tritonserver's own HTTP endpoint, host:port")
     parser.add_argument("--triton-metrics", default="", help="tritonserver's metrics endpoint, host:port")
-    parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="a larger request is refused")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger requests: 413")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: time open requests get")
     args = parser.parse_args(argv)
     key = os.environ.get(API_KEY_ENV) or None
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     render = chat_renderer(resolve(args.model_path))
     app = drain.wrap(make_app(router, args.served_model_name, render, triton, key))
     ports = [p for p in (args.port, args.http_port) if p]
-    configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning") for p in ports]
+    configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning", timeout_graceful_shutdown=5)
+               for p in ports]  # fmt: skip
     servers = [uvicorn.Server(config) for config in configs]
     for server in servers:  # one handler stops both (each server's own would replace the other's)
         server.capture_signals = contextlib.nullcontext

@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from preble_backend.frontend.triton_http import MAX_BODY_BYTES
 from preble_backend.serving.access import API_KEY_ENV, Access
 from preble_backend.serving.launcher import LaunchError, TritonServer
 
@@ -81,7 +82,7 @@ class OpenAIFront:
 def start_openai_front(
     router_grpc: str, port: int, model_path: str, log_path: Path, served_model_name: str = "preble",
     server: TritonServer | None = None, http_port: int = 0, access: Access | None = None,
-    max_body_bytes: int = 64 << 20, drain_s: float = 30.0,
+    max_body_bytes: int = MAX_BODY_BYTES, drain_s: float = 30.0,
 ) -> OpenAIFront:  # fmt: skip
     """Launch the front (not yet waiting for it): the OpenAI API on ``port``, and with a
     ``server`` Triton's HTTP API on ``http_port``, forwarded to that server's own HTTP

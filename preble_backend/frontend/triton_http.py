@@ -16,6 +16,7 @@ theirs), streaming the answer back as it comes. On the way it:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -31,6 +32,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 BINARY = "inference-header-content-length"  # Triton's binary tensor extension: the body is not JSON
 ENGINE_UP = re.compile(r"^preble_router_engine_up\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 RETRY_AFTER_S = "1"
+MAX_BODY_BYTES = 32 << 20  # 8x the router's largest text_input (max_input_bytes)
+DRAIN_LIMIT_BYTES = 1 << 30  # an oversized body is read and dropped up to this, then cut
 
 
 class EngineView:
@@ -90,8 +93,17 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
             headers["content-type"] = "application/json"
         session = session_of()
         target = f"{upstream}/v2/{path}" if path else f"{upstream}/v2"
-        resp = await session.request(request.method, target, params=request.query_params,
-                                     data=body, headers=headers)  # fmt: skip
+        call = asyncio.ensure_future(session.request(request.method, target, params=request.query_params,
+                                                     data=body, headers=headers))  # fmt: skip
+        drain.upstreams.add(call)  # waiting for the first response, the drain's cut must reach it
+        try:
+            resp = await call
+        except asyncio.CancelledError:
+            if not drain.cutting or asyncio.current_task().cancelling():
+                raise
+            return JSONResponse({"error": MESSAGE}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        finally:
+            drain.upstreams.discard(call)
         kept = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
         if resp.status != 200:
             content = await resp.read()
@@ -101,13 +113,19 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
             content = await resp.read()
             resp.release()
             return Response(content, status_code=200, headers=kept)
-        first = await resp.content.readline()
+        drain.upstreams.add(resp)
+        try:
+            first = await resp.content.readline()
+        except Exception:
+            if not drain.cutting:
+                raise
+            first = b""
         if first.startswith(b"data: {\"error\"") and retryable(first.decode(errors="replace")):
+            drain.upstreams.discard(resp)
             resp.close()  # refused before its first token: an HTTP error a client can retry on
             return _retryable(400, first[len(b"data: "):].strip(), {})
 
         async def relay():
-            drain.upstreams.add(resp)
             try:
                 yield first
                 async for chunk in resp.content.iter_any():
@@ -125,16 +143,19 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
 
 
 async def _bounded_body(request: Request, limit: int) -> bytes | Response:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return _too_large(int(declared), limit)
+    """The body, or 413 once it passes ``limit``. An oversized body is still read (and
+    dropped), up to a bound, so that a client which sends all of it before it reads the
+    answer gets the 413 rather than a reset connection."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            return _too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+            chunks = []
+            if size > DRAIN_LIMIT_BYTES:
+                break
+        else:
+            chunks.append(chunk)
+    return _too_large(size, limit) if size > limit else b"".join(chunks)
 
 
 def _too_large(size: int, limit: int) -> Response:
@@ -143,11 +164,14 @@ def _too_large(size: int, limit: int) -> Response:
 
 
 def _retryable(status: int, content: bytes, headers: dict[str, str]) -> Response:
-    """Triton's error answer, as 503 with ``Retry-After`` when the router said "retry"."""
+    """Triton's error answer, as 503 with ``Retry-After`` when the router said "retry", and
+    as 400 when Triton calls a body it cannot parse a 500 of its own."""
     try:
         message = str(json.loads(content).get("error", ""))
     except (ValueError, AttributeError):
         message = ""
     if status == 400 and retryable(message):
         return JSONResponse({"error": message}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+    if status == 500 and message.startswith("failed to parse the request JSON"):
+        return JSONResponse({"error": message}, status_code=400)
     return Response(content, status_code=status, headers=headers)

@@ -33,6 +33,7 @@ class Answer:
         self.num_input_tokens = num_input_tokens
         self.detok = IncrementalDetokenizer(tokenizer, req.params.stop, req.params.min_tokens)
         self.num_output = 0
+        self.token_ids: list[int] = []  # every token generated so far (a migration's prompt tail)
         self.cumulative_logprob = 0.0
         self._sent_tokens = 0  # tokens reported by the responses sent so far
         self._logprobs: list[dict[int, tuple[float, int]]] = []  # since the last response
@@ -40,6 +41,7 @@ class Answer:
     def add(self, resp: EngineResponse) -> str:
         """Take an engine response; return the new text that is safe to stream."""
         self.num_output += len(resp.token_ids)
+        self.token_ids.extend(resp.token_ids)
         if resp.logprobs:
             self._logprobs.extend(resp.logprobs)
             self.cumulative_logprob += sum(step[t][0] for step, t in zip(resp.logprobs, resp.token_ids))

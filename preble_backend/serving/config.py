@@ -17,7 +17,7 @@ class RouterConfig:
     )
     engines: str = setting(
         "preble_engine_0,preble_engine_1",
-        doc="comma-separated engine model names in this server and grpc://host:port/model remotes",
+        doc="comma-separated engine model names in this server and [name=]grpc://host:port/model remotes",
     )
     server_grpc_url: str = setting(
         "",
@@ -43,6 +43,9 @@ class RouterConfig:
     health_timeout_s: float = setting(
         10.0, doc="an engine that leaves a health probe unanswered this long is down"
     )
+    migration_limit: int = setting(
+        3, doc="times a request whose engine dies mid-stream continues on another (0: it fails)"
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -51,8 +54,9 @@ class RouterConfig:
         for key in ("page_size", "max_inflight", "max_input_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 1")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue={self.max_queue!r} is invalid: expected an integer >= 0")
+        for key in ("max_queue", "migration_limit"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 0")
         for key in ("health_interval_s", "health_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected a number > 0")

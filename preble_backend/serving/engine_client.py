@@ -209,8 +209,8 @@ class RemoteEngine(EngineClient):
     """An engine model on another tritonserver (``grpc://host:port/model``): a lost server
     fails the stream at once with UNAVAILABLE."""
 
-    def __init__(self, url: str, model: str) -> None:
-        super().__init__(url, model, f"grpc://{url}/{model}")
+    def __init__(self, url: str, model: str, name: str | None = None) -> None:
+        super().__init__(url, model, name or f"grpc://{url}/{model}")
 
 
 class LocalEngine(EngineClient):
@@ -234,17 +234,18 @@ class LocalEngine(EngineClient):
 def make_engine_clients(spec: str, server_url: Callable[[], str]) -> list[EngineClient]:
     """Parse the router's ``engines`` parameter: comma-separated model names in this
     server (reached at ``server_url()``, asked only if there is one) and
-    ``grpc://host:port/model`` remotes."""
+    ``grpc://host:port/model`` remotes, each optionally named ``name=grpc://...`` (how
+    responses and metrics call it; ``preble serve`` names its own engine servers so)."""
     clients: list[EngineClient] = []
     for entry in (e.strip() for e in spec.split(",")):
         if not entry:
             continue
-        if entry.startswith("grpc://"):
-            rest = entry.removeprefix("grpc://")
-            url, _, model = rest.partition("/")
+        name, _, target = entry.rpartition("=") if "=grpc://" in entry else ("", "", entry)
+        if target.startswith("grpc://"):
+            url, _, model = target.removeprefix("grpc://").partition("/")
             if not model or ":" not in url:
-                raise ValueError(f"engines entry {entry!r} is invalid: expected grpc://host:port/model")
-            clients.append(RemoteEngine(url, model))
+                raise ValueError(f"engines entry {entry!r} is invalid: expected [name=]grpc://host:port/model")
+            clients.append(RemoteEngine(url, model, name or None))
         elif "://" in entry:
             raise ValueError(f"engines entry {entry!r} is invalid: only grpc:// remotes are supported")
         else:

@@ -100,6 +100,16 @@ def retryable(message: str) -> bool:
     return any(words in message for words in RETRYABLE)
 
 
+# The router's and the engines' refusals of requests that can never be served as sent
+# (a gRPC stream's error is text only): fronts answer them 400.
+INVALID = ("is invalid", "must be", "input '", "encodes to no", "over the model's context length",
+           "exceeds the KV pool", "outside the vocabulary", "is not valid JSON")  # fmt: skip
+
+
+def invalid(message: str) -> bool:
+    return any(words in message for words in INVALID)
+
+
 def _single(name: str, array: np.ndarray | None):
     if array is None:
         return None

@@ -18,6 +18,8 @@ Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 import threading
 import time
@@ -42,6 +44,7 @@ from preble_backend.serving.backend_utils import (
     send_error,
 )
 from preble_backend.serving.config import RouterConfig
+from preble_backend.serving.drain_signal import mark_drained, watch_for_drain
 from preble_backend.serving.engine_client import (
     EngineClient,
     EngineError,
@@ -96,8 +99,11 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
     MetricSpec("preble_router_cached_prompt_tokens_total", "counter",
                "prompt tokens the engines' prefix caches served"),
     MetricSpec("preble_router_engine_up", "gauge", "1 while the engine takes requests, 0 once it failed"),
+    MetricSpec("preble_router_migrations_total", "counter",
+               "requests that went on elsewhere when their engine failed, by the engine that failed"),
 ]  # fmt: skip
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class TritonPythonModel:
@@ -142,6 +148,10 @@ class TritonPythonModel:
             self.engines, self._on_loop(self._engine_down), self._on_loop(self._engine_up),
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
         )  # fmt: skip
+        self.draining = False
+        self._stopping = threading.Event()
+        watch_for_drain(self._on_loop(lambda deadline_s: self.loop.create_task(self._drain(deadline_s))),
+                        self._stopping)  # fmt: skip
         pb_utils.Logger.log_info(
             f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}, "
             f"max_inflight {config.max_inflight}, max_queue {config.max_queue}"
@@ -174,6 +184,9 @@ class TritonPythonModel:
     # ---- a request's task, on the event loop ------------------------------------------------
 
     async def _serve(self, sender, req: GenerateRequest, arrival: float) -> None:
+        if self.draining:
+            self.responder.refuse(sender, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
+            return
         flight = self.flights.admit(sender)
         if flight is None:
             self.metrics.count("preble_router_rejected_total", 1)
@@ -187,17 +200,18 @@ class TritonPythonModel:
             routing = await self.loop.run_in_executor(self.tokenize_pool, self._routing_request, req)
             if flight.closed:  # ended while it was tokenized (the server is shutting down)
                 return
-            if not self.policy.live:
-                raise EngineUnavailable("no engine is available: every engine has failed")
-            decision = self.policy.select(routing, self.loads)
-            self.loads[decision.instance].in_flight += 1
-            flight.instance, flight.routing = decision.instance, routing
-            engine = self.engines[decision.instance]
-            labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
-            self.metrics.count("preble_router_decisions_total", 1, labels)
-            self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
-                                 {"policy": self.policy.name})  # fmt: skip
-            await self._forward(flight, req, routing, engine, arrival)
+            answer, params_json = Answer(req, self.tokenizer, len(routing.input_ids)), req.params_json
+            for migrations in itertools.count():
+                engine = self._place(flight, routing, arrival)
+                try:
+                    await self._forward(flight, req, routing, engine, arrival, answer, params_json)
+                    return
+                except EngineUnavailable as exc:
+                    self.monitor.suspect(flight.instance, str(exc))
+                    if not self._may_migrate(flight, req, answer, migrations):
+                        raise
+                    routing, params_json = self._migrate(flight, req, routing, answer, str(exc))
+                    await asyncio.sleep(0)  # the monitor's verdict first: the policy routes around it
         except (BadRequest, ValueError, EngineRefused) as exc:
             self._fail(flight, str(exc), pb_utils.TritonError.INVALID_ARG)
         except EngineUnavailable as exc:
@@ -213,6 +227,48 @@ class TritonPythonModel:
             self._settle(flight)
             self.tasks.discard(task)
 
+    def _place(self, flight: Flight, routing: RoutingRequest, arrival: float) -> EngineClient:
+        """Route the request with the policy and record the placement."""
+        if not self.policy.live:
+            raise EngineUnavailable("no engine is available: every engine has failed")
+        decision = self.policy.select(routing, self.loads)
+        self.loads[decision.instance].in_flight += 1
+        flight.instance, flight.routing = decision.instance, routing
+        engine = self.engines[decision.instance]
+        labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
+        self.metrics.count("preble_router_decisions_total", 1, labels)
+        self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
+                             {"policy": self.policy.name})  # fmt: skip
+        return engine
+
+    def _may_migrate(self, flight: Flight, req: GenerateRequest, answer: Answer, migrations: int) -> bool:
+        return (migrations < self.config.migration_limit and not flight.closed and not flight.client_gone
+                and answer.num_output < req.params.max_tokens)  # fmt: skip
+
+    def _migrate(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, answer: Answer,
+                 reason: str) -> tuple[RoutingRequest, str]:  # fmt: skip
+        """Forget the dead placement; the request goes on from its prompt plus the tokens
+        already generated, for the tokens it has left (as NVIDIA Dynamo migrates). Greedy
+        decoding continues exactly; a seeded sample or a frequency/presence penalty sees
+        the earlier tokens as prompt, so it may differ from an undisturbed run."""
+        old = self.engines[flight.instance].name
+        self._settle(flight)
+        flight.instance, flight.settled, flight.engine_finished = None, False, False
+        generated = answer.num_output
+        params = dataclasses.replace(
+            req.params, max_tokens=req.params.max_tokens - generated,
+            min_tokens=max(0, req.params.min_tokens - generated),
+        )  # fmt: skip
+        prompt = [*routing.input_ids[: answer.num_input_tokens], *answer.token_ids]
+        continued = RoutingRequest(uuid.uuid4().hex, prompt, params)
+        continued.chain(self.config.page_size)
+        raw = json.loads(req.params_json) if req.params_json else {}
+        raw.update(max_tokens=params.max_tokens, min_tokens=params.min_tokens)
+        self.metrics.count("preble_router_migrations_total", 1, {"policy": self.policy.name, "instance": old})
+        pb_utils.Logger.log_warn(f"preble router: engine {old} failed ({reason}); request continues "
+                                 f"elsewhere after {generated} tokens")  # fmt: skip
+        return continued, json.dumps(raw)
+
     def _routing_request(self, req: GenerateRequest) -> RoutingRequest:
         """The prompt tokenized and hashed per page, on a tokenizer thread: a long prompt
         would hold the loop, and every stream on it, for milliseconds."""
@@ -223,16 +279,14 @@ class TritonPythonModel:
         routing.chain(self.config.page_size)
         return routing
 
-    async def _forward(
-        self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine, arrival: float
-    ) -> None:
+    async def _forward(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine,
+                       arrival: float, answer: Answer, params_json: str) -> None:  # fmt: skip
         """Stream the engine's answer back to the client."""
         instance = flight.instance
-        answer = Answer(req, self.tokenizer, len(routing.input_ids))
         cancelled = False
         start, first_token_at = time.monotonic(), None
         cursor = self.feeds[instance].cursor
-        stream = engine.generate(routing.request_id, routing.input_ids, req.params_json, cursor)
+        stream = engine.generate(routing.request_id, routing.input_ids, params_json, cursor)
         async with aclosing(stream):
             async for resp in stream:
                 self.monitor.progress(instance)
@@ -325,10 +379,11 @@ class TritonPythonModel:
         self.metrics.gauge("preble_router_engine_up", 0, {"instance": name})
         self.policy.instance_down(instance)
         self.feeds[instance].reset()
-        for flight in self.flights.on_instance(instance):
-            self._fail(flight, f"engine {name} failed while serving this request: {reason}",
-                       pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
-            self._settle(flight)
+        if not self.config.migration_limit:  # else each task moves its request elsewhere
+            for flight in self.flights.on_instance(instance):
+                self._fail(flight, f"engine {name} failed while serving this request: {reason}",
+                           pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
+                self._settle(flight)
         self.engines[instance].cancel_all()  # ends the tasks waiting on its answers
 
     def _engine_up(self, instance: int) -> None:
@@ -339,10 +394,24 @@ class TritonPythonModel:
 
     # ---- shutdown ---------------------------------------------------------------------------
 
+    async def _drain(self, deadline_s: float) -> None:
+        """``preble serve`` is stopping: refuse new requests, give the open ones until the
+        deadline, end the rest with a message their clients read, then say so."""
+        self.draining = True
+        pb_utils.Logger.log_info(f"preble router: draining ({len(self.flights.all())} open, {deadline_s:g}s)")
+        deadline = time.monotonic() + deadline_s
+        while self.flights.all() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self._fail_all()
+        while self.tasks and time.monotonic() < deadline + 5:  # their last responses are queued
+            await asyncio.sleep(0.05)
+        mark_drained()
+
     def finalize(self) -> None:
         """End what is still open: the flights first (so that their clients read why), then
         every stream to an engine (the monitor cancels them), which ends the tasks waiting
         on one; then the loop, and the response thread once it has sent what is queued."""
+        self._stopping.set()
         asyncio.run_coroutine_threadsafe(self._fail_all(), self.loop).result(timeout=10)
         self.monitor.stop()  # cancels every engine's streams
         asyncio.run_coroutine_threadsafe(self._end_tasks(), self.loop).result(timeout=15)
@@ -359,7 +428,7 @@ class TritonPythonModel:
 
     async def _fail_all(self) -> None:
         for flight in self.flights.all():
-            self._fail(flight, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            self._fail(flight, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
 
     async def _end_tasks(self, timeout_s: float = 5.0) -> None:
         """Wait for the tasks, whose streams are cancelled; cancel any left; close the

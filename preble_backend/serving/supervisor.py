@@ -30,7 +30,7 @@ from preble_backend.serving.repository import config_parameter, set_config_param
 
 STUB = "triton_python_"  # the stub's command name, as /proc truncates it
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
-STABLE_S = 60.0  # up this long: the next failure starts the backoff again
+STABLE_S = 10.0  # a failure after serving this long is not a crash loop: no backoff
 
 
 @dataclass
@@ -50,7 +50,9 @@ class EngineServer:
 
     @property
     def url(self) -> str:
-        return f"grpc://{LOOPBACK}:{self.ports.grpc}/{self.model}"
+        """The router's ``engines`` entry: named as the model, so answers and metrics say
+        ``preble_engine_0``, not a private port."""
+        return f"{self.model}=grpc://{LOOPBACK}:{self.ports.grpc}/{self.model}"
 
 
 @dataclass
@@ -103,14 +105,17 @@ class Supervisor:
             engine.failures = 0 if stable else engine.failures + 1
             delay = self.backoff_s[min(max(engine.failures - 1, 0), len(self.backoff_s) - 1)]
             self._say(f"engine {engine.model} failed ({reason}); restarting it in {delay:g}s")
-            engine.server.stop(timeout=5)
+            engine.server.stop(timeout=0.5)  # nothing to save: its streams fail over at once
             engine.restart_at = now + delay
 
     def _failure(self, engine: EngineServer) -> str | None:
-        """Why the engine's server cannot serve, or None."""
+        """Why the engine's server cannot serve, or None. Stubs count once the server is
+        ready: while a model loads, Triton runs a short-lived stub to complete its config."""
         process = engine.server.process
         if process.poll() is not None:
             return f"its tritonserver exited with code {process.returncode}: {engine.server.failure()}"
+        if engine.ready_since is None:
+            return None
         if children(process.pid, STUB):
             engine.had_stub = True
         elif engine.had_stub:

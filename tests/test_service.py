@@ -1,0 +1,320 @@
+"""``preble serve`` as a service: secure by default, no request lost to an engine's death,
+engines restarted, honest readiness, status codes clients retry on, a drain on SIGTERM.
+Every test runs the real stack: the front, the router's tritonserver and one
+tritonserver per engine."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from server_utils import Stack, http, serve_stack, write_test_repository
+
+from client.triton_client import PrebleClient, PrebleError
+from preble_backend.common.procfs import command_name, process_alive, process_tree
+from preble_backend.serving.access import admin_key_file
+
+pytestmark = pytest.mark.server
+
+GEN = "/v2/models/preble/generate"
+
+
+def body(prompt: str = "Hello", **params) -> bytes:
+    params.setdefault("max_tokens", 4)
+    return json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(params)}).encode()
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of every listening TCP socket of ``pid``'s process tree."""
+    inodes = set()
+    for p in process_tree(pid):
+        try:
+            for fd in Path(f"/proc/{p}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+
+def engine_grpc_port(stack: Stack, model: str) -> int:
+    stub = stack.engine_stub(model)
+    parent = Path(f"/proc/{stub}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    args = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    return int(next(a for a in args if a.startswith(b"--grpc-port=")).split(b"=")[1])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    repo = write_test_repository(tmp_path_factory.mktemp("service") / "repo", cpu_engines=2)
+    s = serve_stack(repo, "--explicit")
+    yield s
+    s.stop()
+
+
+def test_everything_listens_on_loopback_only(stack):
+    addresses = listening_addresses(stack.process.pid)
+    assert len(addresses) >= 2 + 3 * 3, addresses  # the front's two, three per tritonserver
+    assert set(addresses) <= LOOPBACK, addresses
+
+
+def test_no_client_can_load_code_unload_the_router_or_change_logging(stack, tmp_path):
+    marker = tmp_path / "pwned"
+    code = f"open({str(marker)!r}, 'w').write('x')\nclass TritonPythonModel:\n    pass\n"
+    config = json.dumps({"backend": "python"})
+    load = json.dumps({"parameters": {"config": config,
+                                      "file:1/model.py": base64.b64encode(code.encode()).decode()}}).encode()
+    changes = [("/v2/repository/models/pwn/load", load), ("/v2/repository/models/preble/unload", b"{}"),
+               ("/v2/logging", b'{"log_verbose_level": 1}'), ("/v2/trace/setting", b"{}")]  # fmt: skip
+    for path, data in changes:
+        status, _, answer = http("POST", stack.url(path), data)
+        assert status == 403 and b"restricted" in answer, (path, status, answer)
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{stack.ports.grpc}")
+    with pytest.raises(InferenceServerException, match="restricted"):
+        client.load_model("pwn", config=config, files={"file:1/model.py": code.encode()})
+    with pytest.raises(InferenceServerException, match="restricted"):
+        client.unload_model("preble")
+    assert not marker.exists()
+    assert http("POST", stack.url(GEN), body())[0] == 200  # the router still serves
+    key = admin_key_file(stack.ports.grpc)
+    assert key.stat().st_mode & 0o777 == 0o600
+    admin = {"authorization": f"Bearer {key.read_text()}"}
+    status, _, index = http("POST", stack.url("/v2/repository/index"), b"{}", admin)
+    assert status == 200 and json.loads(index) == [{"name": "preble", "version": "1", "state": "READY"}]
+
+
+def test_engines_are_not_reachable_by_clients(stack):
+    for model in ("preble_engine_0", "preble_engine_1"):
+        port = engine_grpc_port(stack, model)
+        with pytest.raises(PrebleError, match="restricted"):
+            PrebleClient(grpc_url=f"127.0.0.1:{port}").engine_control(model, "flush_cache")
+        key = admin_key_file(stack.ports.grpc).read_text()
+        load = PrebleClient(grpc_url=f"127.0.0.1:{port}", api_key=key).engine_control(model, "stats")["load"]
+        assert load["kv_pages_total"] > 0  # the operator's admin key opens them
+    status, _, answer = http("POST", stack.url("/v2/models/preble_engine_0/infer"), b"{}")
+    assert status == 404 or status == 400, answer  # not a model of the router's server
+
+
+def test_large_form_encoded_bodies_are_refused_and_the_server_lives(stack):
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    big = body("a " * 3_000_000)  # 6 MB: Triton 2.51's own listener died on this
+    status, _, answer = http("POST", stack.url(GEN), big, form)
+    assert status == 400 and b"max_input_bytes" in answer, answer
+    status, _, answer = http("POST", stack.url(GEN), b"x" * (50 << 20), form)
+    assert status == 413 and b"--max-body-bytes" in answer, answer
+    status, _, answer = http("POST", stack.url(GEN), b"x" * (5 << 20), form)
+    assert status == 400 and b"failed to parse" in answer, answer
+    assert http("GET", stack.url("/v2/health/ready"))[0] == 200
+    assert http("POST", stack.url(GEN), body(), form)[0] == 200  # curl -d's small bodies still work
+
+
+def test_client_errors_are_4xx_on_both_apis(stack):
+    status, _, answer = http("POST", stack.url(GEN), body(max_tokens=100_000))
+    assert status == 400 and b"over the model's context length" in answer, answer
+    request = json.dumps({"model": "preble", "prompt": "hi", "max_tokens": 1_000_000}).encode()
+    status, _, answer = http("POST", stack.url("/v1/completions", stack.openai_port), request,
+                             {"Content-Type": "application/json"})  # fmt: skip
+    error = json.loads(answer)["error"]
+    assert status == 400 and error["type"] == "invalid_request_error", answer
+    assert "over the model's context length" in error["message"]
+
+
+def test_an_api_key_guards_every_api_but_health(tmp_path, tiny_model):
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
+    stack = serve_stack(repo, env={"PREBLE_API_KEY": "s3cret"})
+    try:
+        good, bad = {"authorization": "Bearer s3cret"}, {"authorization": "Bearer guess"}
+        assert http("POST", stack.url(GEN), body())[0] == 401
+        assert http("POST", stack.url(GEN), body(), bad)[0] == 401
+        assert http("POST", stack.url(GEN), body(), good)[0] == 200
+        openai = stack.url("/v1/models", stack.openai_port)
+        status, _, answer = http("GET", openai, headers=bad)
+        assert status == 401 and json.loads(answer)["error"]["type"] == "authentication_error"
+        assert http("GET", openai, headers=good)[0] == 200
+        assert http("GET", stack.url("/health", stack.openai_port))[0] == 200
+        assert http("GET", stack.url("/v2/health/ready"))[0] == 200
+        grpc = f"127.0.0.1:{stack.ports.grpc}"
+        with pytest.raises(PrebleError, match="restricted"):
+            PrebleClient(grpc_url=grpc).stream_grpc("Hello", {"max_tokens": 2})
+        assert PrebleClient(grpc_url=grpc, api_key="s3cret").stream_grpc("Hello", {"max_tokens": 2}).text
+        assert not admin_key_file(stack.ports.grpc).exists()  # the operator's key is the admin key
+    finally:
+        out, err = stack.stop()
+    assert stack.process.returncode == 0, err
+
+
+def test_at_capacity_the_answer_is_503_with_retry_after(tmp_path, tiny_model):
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1, compute="emulated", emulated_slowdown=20.0,
+                                 router_overrides={"max_inflight": 1, "max_queue": 0})  # fmt: skip
+    stack = serve_stack(repo)
+    try:
+        answers = []
+
+        def send(i: int) -> None:
+            answers.append(http("POST", stack.url(GEN), body(max_tokens=64, ignore_eos=True)))
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = [a for a in answers if a[0] != 200]
+        assert refused and len(refused) < 4, [a[0] for a in answers]
+        for status, headers, answer in refused:
+            assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
+    finally:
+        stack.stop()
+
+
+def engine_up(stack: Stack) -> dict[str, float]:
+    text = http("GET", f"http://127.0.0.1:{stack.ports.metrics}/metrics")[2].decode()
+    found = re.findall(r'preble_router_engine_up\{[^}]*instance="([^"]+)"[^}]*\} (\S+)', text)
+    return {name: float(v) for name, v in found}
+
+
+def migrations(stack: Stack) -> float:
+    text = http("GET", f"http://127.0.0.1:{stack.ports.metrics}/metrics")[2].decode()
+    return sum(float(v) for v in re.findall(r"preble_router_migrations_total\{[^}]*\} (\S+)", text))
+
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout}s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def test_engine_deaths_migrate_requests_and_the_engines_come_back(tmp_path, tiny_model):
+    """Ten times: four greedy streams run on two engines; one engine's stub is killed
+    mid-stream. Every stream finishes with exactly the fault-free text, the router's
+    server lives, readiness stays true (an engine is left), and the engine is back and
+    taking requests within 30 s. Then both at once: the requests end with an error that
+    says so, and readiness is false until they are back."""
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=2, router_overrides={"policy": "round_robin"})
+    stack = serve_stack(repo)
+    client = PrebleClient(grpc_url=f"127.0.0.1:{stack.ports.grpc}")
+    prompts = [f"Request {i} asks about the weather in city {i * 7}." for i in range(4)]
+    params = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
+    reference = {p: client.stream_grpc(p, params).text for p in prompts}
+    flag = f"--grpc-port={stack.ports.grpc}".encode()
+    tree = process_tree(stack.process.pid)
+    router_pid = next(p for p in tree if flag in Path(f"/proc/{p}/cmdline").read_bytes())
+    try:
+        for kill in range(10):
+            victim = f"preble_engine_{kill % 2}"
+            results: dict[str, str | Exception] = {}
+
+            def run(prompt: str, results=results) -> None:
+                try:
+                    results[prompt] = client.stream_grpc(prompt, params, timeout=120).text
+                except Exception as exc:
+                    results[prompt] = exc
+
+            threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+            for t in threads:
+                t.start()
+            time.sleep(0.4)  # the streams are under way
+            os.kill(stack.engine_stub(victim), signal.SIGKILL)
+            for t in threads:
+                t.join(timeout=180)
+            assert results == reference, f"kill {kill}: {results}"
+            assert http("GET", stack.url("/v2/health/ready"))[0] == 200
+            wait_for(lambda v=victim: engine_up(stack).get(v) == 1.0, 30, f"{victim} rejoining")
+        assert migrations(stack) >= 10  # requests did move, at least one per kill
+        assert Path(f"/proc/{router_pid}").exists()  # the router's server never died
+        assert stack.process.poll() is None
+        for victim in ("preble_engine_0", "preble_engine_1"):
+            os.kill(stack.engine_stub(victim), signal.SIGKILL)
+        with pytest.raises(PrebleError, match="no engine is available|failed|unreachable"):
+            client.stream_grpc(prompts[0], params, timeout=60)
+        assert http("GET", stack.url("/v2/health/ready"))[0] == 503
+        wait_for(lambda: http("GET", stack.url("/v2/health/ready"))[0] == 200, 60, "readiness")
+        assert client.stream_grpc(prompts[0], params).text == reference[prompts[0]]
+    finally:
+        out, err = stack.stop()
+    assert stack.process.returncode == 0, err
+    assert out.count("is back") >= 12, out
+
+
+def test_sigterm_drains_fifty_streams_and_exits_zero(tmp_path, tiny_model):
+    """50 streams over Triton HTTP (SSE), the OpenAI API and gRPC; SIGTERM with a 2 s
+    drain: every client gets its whole answer or an error message, the exit code is 0,
+    and no process is left."""
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=2)
+    stack = serve_stack(repo, "--drain-timeout", "2")
+    outcomes: list[str] = []
+
+    def sse(i: int) -> None:
+        request = body(f"stream {i}", max_tokens=600, ignore_eos=True)
+        status, _, answer = http("POST", stack.url("/v2/models/preble/generate_stream"), request, timeout=120)
+        events = [json.loads(line[5:]) for line in answer.decode().splitlines() if line.startswith("data:")]
+        if status != 200:
+            outcomes.append(f"error: http {status}: {answer[:80]!r}")
+        elif events and "error" in events[-1]:
+            outcomes.append(f"error: {events[-1]['error']}")
+        else:
+            outcomes.append("done" if events else "cut")
+
+    def openai(i: int) -> None:
+        request = json.dumps({"model": "preble", "prompt": f"open {i}", "max_tokens": 600, "stream": True,
+                              "ignore_eos": True}).encode()  # fmt: skip
+        status, _, answer = http("POST", stack.url("/v1/completions", stack.openai_port), request,
+                                 {"Content-Type": "application/json"}, timeout=120)  # fmt: skip
+        lines = [line[6:] for line in answer.decode().splitlines() if line.startswith("data: ")]
+        if status != 200:
+            outcomes.append(f"error: http {status}: {answer[:120]!r}")
+        elif lines[-1:] != ["[DONE]"]:
+            outcomes.append("cut")
+        elif errors := [e["error"] for e in map(json.loads, lines[:-1]) if "error" in e]:
+            outcomes.append(f"error: {errors[0]['message']}")
+        else:
+            outcomes.append("done")
+
+    def grpc(i: int) -> None:
+        try:
+            PrebleClient(grpc_url=f"127.0.0.1:{stack.ports.grpc}").stream_grpc(
+                f"grpc {i}", {"max_tokens": 600, "ignore_eos": True}, timeout=120)
+            outcomes.append("done")
+        except PrebleError as exc:
+            outcomes.append(f"error: {exc}")
+
+    kinds = [sse, openai, grpc]
+    threads = [threading.Thread(target=kinds[i % 3], args=(i,)) for i in range(50)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    tree = process_tree(stack.process.pid)
+    out, err = stack.stop()
+    for t in threads:
+        t.join(timeout=60)
+    assert stack.process.returncode == 0, err
+    assert len(outcomes) == 50, outcomes
+    ended = all(o == "done" or ("shutting down" in o and o.startswith("error")) for o in outcomes)
+    assert ended, str(Counter(outcomes))
+    assert any("shutting down" in o for o in outcomes)  # 600 tokens each do not fit in 2 s here
+    deadline = time.monotonic() + 5  # a stub's watcher notices within half a second
+    while (left := [p for p in tree if process_alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [(p, command_name(p), Path(f"/proc/{p}/cmdline").read_bytes()[:200]) for p in left]
