@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.triton_client import PrebleClient
+from preble_backend.common.keys import bearer
 from preble_backend.common.procfs import command_name, process_tree
 from preble_backend.serving.launcher import ServerPorts, free_port, start_server
 from preble_backend.serving.repository import write_repository
@@ -95,7 +96,8 @@ def client_for(server) -> PrebleClient:
 
 
 def repository_index(server) -> list[dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/repository/index", data=b"{}")
+    req = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/repository/index", data=b"{}",
+                                 headers=bearer(server.access.admin_key))  # the API is restricted
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 

@@ -26,7 +26,7 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model):
         url = f"127.0.0.1:{server.ports.grpc}"
         code = main(["bench", "--url", url, "--workload", "toolbench", "--requests", "24", "--rates", "6,12",
                      "--policies", "e2,round_robin", "--scale", "0.2", "--tokenizer", tiny_model,
-                     "--output", str(tmp_path / "out")])  # fmt: skip
+                     "--output", str(tmp_path / "out"), "--api-key", server.access.admin_key])  # fmt: skip
         assert code == 0
         report = json.loads((tmp_path / "out" / "bench_toolbench.json").read_text())
         runs = report["runs"]
@@ -54,7 +54,8 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model):
         code = main(["bench", "--url", url, "--http-url", f"127.0.0.1:{server.ports.http}", "--transport",
                      "sse", "--workload", "toolbench", "--requests", "12", "--rates", "6", "--policies",
                      "round_robin", "--direct", "preble_engine_0", "--scale", "0.2", "--tokenizer",
-                     tiny_model, "--output", str(tmp_path / "sse")])  # fmt: skip
+                     tiny_model, "--output", str(tmp_path / "sse"),
+                     "--api-key", server.access.admin_key])  # fmt: skip
         assert code == 0
         sse, direct = json.loads((tmp_path / "sse" / "bench_toolbench.json").read_text())["runs"]
         assert (sse["policy"], direct["policy"]) == ("round_robin", "direct")
