@@ -318,3 +318,17 @@ def test_sigterm_drains_fifty_streams_and_exits_zero(tmp_path, tiny_model):
     while (left := [p for p in tree if process_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, [(p, command_name(p), Path(f"/proc/{p}/cmdline").read_bytes()[:200]) for p in left]
+
+
+def test_start_up_names_an_unreachable_remote_engine(tmp_path, tiny_model):
+    from preble_backend.serving.launcher import free_port
+
+    remote = f"grpc://127.0.0.1:{free_port()}/preble_engine_0"  # nothing listens there
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1, remote_engines=[remote])
+    stack = serve_stack(repo)
+    try:
+        warnings = [line for line in stack.lines if "warning" in line]
+        assert len(warnings) == 1 and f"engine {remote} is unreachable" in warnings[0], stack.lines
+        assert http("POST", stack.url(GEN), body())[0] == 200  # the local engine serves
+    finally:
+        stack.stop()

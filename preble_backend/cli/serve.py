@@ -65,12 +65,13 @@ def serve(args: argparse.Namespace) -> int:
             raise LaunchError(f"model repository {repository} does not exist")
         if not (repository / "preble" / "config.pbtxt").is_file():
             raise LaunchError(f"{repository} holds no router model (preble/config.pbtxt): see `preble repo`")
-        env = {ENGINE_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
+        engine_key = os.environ.get(ENGINE_KEY_ENV) or admin_key  # remote engine servers may need theirs
+        env = {ENGINE_KEY_ENV: engine_key, DRAIN_DIR_ENV: str(run_dir)}
         if args.layout == "split":
             router_repo, engines = split_repository(repository, run_dir)
             for engine in engines:
                 engine.log_path = log.with_suffix(f".{engine.model}.log")
-            engine_access = Access(host=LOOPBACK, api_key=admin_key, admin_key=admin_key)
+            engine_access = Access(host=LOOPBACK, api_key=engine_key, admin_key=engine_key)
             supervisor = Supervisor(engines, engine_access, {})
             print(f"preble serve: starting {len(engines)} engine server(s) (logs: {log.parent})", flush=True)
             supervisor.start()
@@ -95,6 +96,8 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         front.wait_answering()
         _announce(args, public, front)
+        for line in unreachable_engines(router_repo / "preble" / "config.pbtxt", env[ENGINE_KEY_ENV]):
+            print(f"preble serve: warning: {line}", flush=True)
         key_file = None if api_key else write_admin_key(args.grpc_port, admin_key)
         if key_file is not None:
             print(f"  admin key (model control, logging, trace) in {key_file}")
@@ -176,6 +179,30 @@ def _shutdown(front, server, supervisor, drain_s: float, run_dir: Path) -> None:
         supervisor.stop()
     if code is not None:
         print(f"preble serve: stopped (tritonserver exit code {code})")
+
+
+def unreachable_engines(router_config: Path, key: str | None, timeout_s: float = 3.0) -> list[str]:
+    """Each remote engine of the router that does not answer as ready, and why."""
+    import tritonclient.grpc as grpcclient
+
+    from preble_backend.common.keys import grpc_bearer
+
+    entries = (config_parameter(router_config.read_text(), "engines") or "").split(",")
+    problems = []
+    for entry in (e.strip() for e in entries if "grpc://" in e):
+        url, _, model = entry.rpartition("grpc://")[2].partition("/")
+        client = grpcclient.InferenceServerClient(url)
+        try:
+            ready = client.is_model_ready(model, headers=dict(grpc_bearer(key)), client_timeout=timeout_s)
+            reason = None if ready else "its model is not ready"
+        except Exception as exc:  # unreachable, refused, restricted: each says why
+            reason = str(exc).splitlines()[0]
+        finally:
+            client.close()
+        if reason:
+            problems.append(f"engine {entry} is unreachable ({reason}); the router routes around it "
+                            "until it answers")  # fmt: skip
+    return problems
 
 
 def router_model_path(repository: Path) -> str:
