@@ -29,20 +29,17 @@ from preble_backend.serving.access import (
 )
 from preble_backend.serving.drain_signal import DRAIN_DIR_ENV, request_drain, wait_drained
 from preble_backend.serving.launcher import (
-    EXIT_TIMEOUT_S,
     EXPLICIT_MODEL_CONTROL,
     LaunchError,
     ServerPorts,
     TritonServer,
     check_port_free,
     free_port,
-    start_server,
 )
 from preble_backend.serving.repository import config_parameter
-from preble_backend.serving.supervisor import Supervisor, split_repository
+from preble_backend.serving.supervisor import Supervised, Supervisor, split_repository
 
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-ROUTER_EXIT_TIMEOUT_S = 20
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -56,7 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK)
     run_dir = Path(tempfile.mkdtemp(prefix="preble-serve-"))
     log = Path(args.log_file) if args.log_file else run_dir / "tritonserver.log"
-    supervisor, server, front = None, None, None
+    supervisor, server, front, router = None, None, None, None
     try:
         for port in (args.http_port, args.grpc_port, args.metrics_port, args.openai_port):
             if port:
@@ -76,18 +73,20 @@ def serve(args: argparse.Namespace) -> int:
             print(f"preble serve: starting {len(engines)} engine server(s) (logs: {log.parent})", flush=True)
             supervisor.start()
         else:  # engines share the router's server: one crash domain (docs/SECURITY.md)
-            router_repo = repository
+            router_repo, supervisor = repository, Supervisor([], public, {})
             env = {ENGINE_KEY_ENV: api_key or "", DRAIN_DIR_ENV: str(run_dir)}
-        ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)
-        extra = EXPLICIT_MODEL_CONTROL if args.explicit else []
-        print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
-        # A router with no engine of its own unloads in seconds, yet was seen to need more
-        # than 5 after engines had died under it; it gets longer than a server with engines.
-        exit_s = ROUTER_EXIT_TIMEOUT_S if supervisor is not None else EXIT_TIMEOUT_S
-        server = start_server(router_repo, ports, log_path=log, extra_args=extra, exit_timeout_s=exit_s,
-                              access=public, env=env)  # fmt: skip
-        if not _wait(server, supervisor, stop):
+        if stop:
             return 0
+        ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)
+        print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
+        router = Supervised(
+            "preble", router_repo, ports, log, access=public, env=env,
+            extra_args=tuple(EXPLICIT_MODEL_CONTROL if args.explicit else ()), watch_stub=False,
+            role="router",
+        )  # fmt: skip
+        if not supervisor.add(router, lambda: bool(stop)):
+            return 0
+        server = router.server
         model_path = router_model_path(repository)
         front = start_openai_front(
             f"{LOOPBACK}:{ports.grpc}", args.openai_port, model_path, log.with_suffix(".front.log"),
@@ -105,11 +104,8 @@ def serve(args: argparse.Namespace) -> int:
             print("preble serve: warning: no engine is ready yet (/health answers 503 until one is)")
         print("ready; Ctrl-C to stop", flush=True)
         while not stop:
-            if supervisor is not None:
-                supervisor.poll()
-            if server.process.poll() is not None:
-                print(f"preble serve: tritonserver exited: {server.failure()}", file=sys.stderr)
-                return 1
+            supervisor.poll()  # restarts an engine's server, or the router's, that died
+            server = router.server
             if front.process.poll() is not None:
                 print(f"preble serve: the front exited: {front.failure()}", file=sys.stderr)
                 return 1
@@ -121,23 +117,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"preble serve: {exc}", file=sys.stderr)
         return 1
     finally:
-        _shutdown(front, server, supervisor, args.drain_timeout, run_dir)
+        _shutdown(front, router.server if router else None, supervisor, args.drain_timeout, run_dir)
         if not api_key:
             admin_key_file(args.grpc_port).unlink(missing_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _wait(server: TritonServer, supervisor: Supervisor | None, stop: list[int]) -> bool:
-    """Wait for the router's server; False if asked to stop first."""
-    while not server.is_ready():
-        if stop:
-            return False
-        if server.process.poll() is not None:
-            raise LaunchError(f"tritonserver exited: {server.failure()}")
-        if supervisor is not None:
-            supervisor.poll()
-        time.sleep(0.25)
-    return True
 
 
 def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> None:
@@ -161,7 +144,8 @@ def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> N
               "this host can send requests (--api-key or PREBLE_API_KEY)")  # fmt: skip
 
 
-def _shutdown(front, server, supervisor, drain_s: float, run_dir: Path) -> None:
+def _shutdown(front, server: TritonServer | None, supervisor: Supervisor | None, drain_s: float,
+              run_dir: Path) -> None:  # fmt: skip
     """The front and the router drain together (``drain_signal.py``): each refuses new
     requests, lets open ones run until the deadline and ends the rest with a message its
     client reads. Then the router's server stops, and the engines last."""

@@ -214,6 +214,11 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
         retry = {"Retry-After": "1"} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
+    @app.exception_handler(Exception)
+    async def server_fault(_request, exc: Exception):  # ours: a 500, in OpenAI's shape, never plain text
+        return JSONResponse(OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").body(),
+                            status_code=500)  # fmt: skip
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc):
         return JSONResponse(OpenAIError(400, str(exc)).body(), status_code=400)
@@ -236,8 +241,13 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
     async def body_of(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
+            json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") fails here
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise OpenAIError(400, "the request body is not valid JSON: nested too deeply") from None
+        except UnicodeEncodeError:
+            raise OpenAIError(400, "the request body holds a lone UTF-16 surrogate: not valid text") from None
         if not isinstance(body, dict):
             raise OpenAIError(400, "the request body must be a JSON object")
         return body

@@ -21,6 +21,7 @@ import json
 import re
 import time
 
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -33,6 +34,7 @@ BINARY = "inference-header-content-length"  # Triton's binary tensor extension: 
 ENGINE_UP = re.compile(r"^preble_router_engine_up\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 RETRY_AFTER_S = "1"
 MAX_BODY_BYTES = 32 << 20  # 8x the router's largest text_input (max_input_bytes)
+MAX_DEPTH = 512  # fewer brackets than this: no nesting to fear
 DRAIN_LIMIT_BYTES = 1 << 30  # an oversized body is read and dropped up to this, then cut
 
 
@@ -73,9 +75,12 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         if path not in ("health/ready", f"models/{router_model}/ready"):
             return None
         session = session_of()
-        async with session.get(f"{upstream}/v2/{path}") as resp:
-            if resp.status != 200:
-                return Response(status_code=resp.status, content=await resp.read())
+        try:
+            async with session.get(f"{upstream}/v2/{path}") as resp:
+                if resp.status != 200:
+                    return Response(status_code=resp.status, content=await resp.read())
+        except aiohttp.ClientError as exc:
+            return _unreachable(exc)
         up, why = await engines.serving(session)
         return Response(status_code=200) if up else JSONResponse({"error": why}, status_code=503)
 
@@ -88,7 +93,10 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         if isinstance(body, Response):
             return body
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        if BINARY not in {k.lower() for k in headers}:
+        binary = BINARY in {k.lower() for k in headers}
+        if not binary and (refusal := await _too_deep(body)) is not None:
+            return refusal
+        if not binary:
             headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
             headers["content-type"] = "application/json"
         session = session_of()
@@ -102,6 +110,8 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
             if not drain.cutting or asyncio.current_task().cancelling():
                 raise
             return JSONResponse({"error": MESSAGE}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+        except aiohttp.ClientConnectionError as exc:  # the router's server is restarting, say
+            return _unreachable(exc)
         finally:
             drain.upstreams.discard(call)
         kept = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -156,6 +166,27 @@ async def _bounded_body(request: Request, limit: int) -> bytes | Response:
         else:
             chunks.append(chunk)
     return _too_large(size, limit) if size > limit else b"".join(chunks)
+
+
+async def _too_deep(body: bytes) -> Response | None:
+    """400 for JSON nested deeper than Python's parser goes (about a thousand levels):
+    tritonserver 2.51's parser recurses without a limit, and a body nested 100,000 deep
+    killed it (SIGSEGV). Bodies with few brackets cannot be deep and are not parsed here."""
+    if body.count(b"[") + body.count(b"{") < MAX_DEPTH:
+        return None
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+    except RecursionError:
+        message = "the request body is not valid JSON: nested too deeply"
+        return JSONResponse({"error": message}, status_code=400)
+    except ValueError:
+        pass  # not JSON at all: tritonserver says so
+    return None
+
+
+def _unreachable(exc: Exception) -> Response:
+    message = f"the router's tritonserver is unreachable ({type(exc).__name__}); retry later"
+    return JSONResponse({"error": message}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
 
 def _too_large(size: int, limit: int) -> Response:

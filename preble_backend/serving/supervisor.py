@@ -1,5 +1,5 @@
 """Engines in crash domains of their own: one tritonserver per engine, watched and
-restarted by ``preble serve``.
+restarted by ``preble serve`` (and the router's server too).
 
 Triton 2.51's Python backend can abort a whole tritonserver when a stub dies at the wrong
 moment (``boost::interprocess::lock_exception`` while it handles the dead stub's last
@@ -10,8 +10,8 @@ the router reaches it as a remote engine (``grpc://127.0.0.1:port/model``), whic
 already routes around while it is down and resyncs from its cache snapshot when it is
 back. The supervisor restarts a server whose process exited, or whose engine stub
 died (Triton keeps such a model "ready" and never unloads it), after a backoff that
-doubles on each quick failure, on the same ports, so the router's configuration stays
-true.
+doubles on each quick failure, on the same ports, so the router's configuration (and
+the clients' addresses, for the router's server) stay true.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ from pathlib import Path
 
 from preble_backend.common.procfs import children
 from preble_backend.serving.access import LOOPBACK, Access
-from preble_backend.serving.launcher import LaunchError, ServerPorts, TritonServer, free_port, start_server
+from preble_backend.serving.launcher import (
+    LaunchError,
+    ServerPorts,
+    TritonServer,
+    free_port,
+    start_server,
+)
 from preble_backend.serving.repository import config_parameter, set_config_parameter
 
 STUB = "triton_python_"  # the stub's command name, as /proc truncates it
@@ -34,19 +40,30 @@ STABLE_S = 10.0  # a failure after serving this long is not a crash loop: no bac
 
 
 @dataclass
-class EngineServer:
-    """One engine model's tritonserver and its restart state."""
+class Supervised:
+    """One tritonserver (an engine model's, or the router's) and its restart state.
+    ``access``/``env``: its own, else the supervisor's; ``watch_stub``: a dead stub fails
+    it (an engine's; the router's stub is replaced while a policy switch reloads it)."""
 
     model: str
     repository: Path
     ports: ServerPorts
     log_path: Path
+    access: Access | None = None
+    env: dict[str, str] | None = None
+    extra_args: tuple[str, ...] = ()
+    watch_stub: bool = True
+    role: str = "engine"  # how the console names it
     server: TritonServer | None = None
     ready_since: float | None = None  # when it was last seen ready (None: not since its start)
     failures: int = 0  # quick failures in a row: the backoff's index
     restart_at: float | None = None
     restarts: int = 0
     had_stub: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.model}"
 
     @property
     def url(self) -> str:
@@ -59,7 +76,7 @@ class EngineServer:
 class Supervisor:
     """Starts the engine servers, then keeps them up (``poll`` from the serving loop)."""
 
-    engines: list[EngineServer]
+    engines: list[Supervised]
     access: Access
     env: dict[str, str]
     log: Callable[[str], None] = print
@@ -77,19 +94,42 @@ class Supervisor:
                 engine.server.wait_ready(max(1.0, deadline - self.clock()))
             except LaunchError as exc:
                 self.stop()
-                raise LaunchError(f"engine {engine.model}: {exc}") from None
+                raise LaunchError(f"{engine.label}: {exc}") from None
             engine.ready_since = self.clock()
 
-    def _launch(self, engine: EngineServer) -> None:
-        engine.server = start_server(
-            engine.repository, engine.ports, log_path=engine.log_path, access=self.access, env=self.env
-        )
-        engine.had_stub, engine.ready_since = False, None
+    def add(self, unit: Supervised, cancelled: Callable[[], bool], timeout_s: float = 300.0) -> bool:
+        """Start one more server (the router's), wait until it is ready, and keep it up from
+        then on; False if ``cancelled()`` first. The others are kept up meanwhile."""
+        self._launch(unit)
+        deadline = self.clock() + timeout_s
+        while not unit.server.is_ready():
+            if cancelled():
+                unit.server.stop()
+                return False
+            if unit.server.process.poll() is not None:
+                raise LaunchError(f"tritonserver exited: {unit.server.failure()}")
+            if self.clock() > deadline:
+                unit.server.stop()
+                raise LaunchError(f"tritonserver not ready after {timeout_s:.0f}s: {unit.server.failure()}")
+            self.poll()
+            time.sleep(0.25)
+        unit.ready_since = self.clock()
+        self.engines.append(unit)
+        return True
+
+    def _launch(self, unit: Supervised) -> None:
+        unit.server = start_server(
+            unit.repository, unit.ports, log_path=unit.log_path, extra_args=list(unit.extra_args),
+            access=unit.access or self.access, env=unit.env or self.env,
+        )  # fmt: skip
+        unit.had_stub, unit.ready_since = False, None
 
     def poll(self) -> None:
         """One look at every engine server: restart what died, once its backoff is over."""
         now = self.clock()
         for engine in self.engines:
+            if engine.server is None:
+                continue
             if engine.restart_at is not None:
                 if now >= engine.restart_at:
                     self._restart(engine)
@@ -99,22 +139,22 @@ class Supervisor:
                 if engine.ready_since is None and engine.server.is_ready():
                     engine.ready_since = now
                     if engine.restarts:
-                        self._say(f"engine {engine.model} is back (restart {engine.restarts})")
+                        self._say(f"{engine.label} is back (restart {engine.restarts})")
                 continue
             stable = engine.ready_since is not None and now - engine.ready_since >= STABLE_S
             engine.failures = 0 if stable else engine.failures + 1
             delay = self.backoff_s[min(max(engine.failures - 1, 0), len(self.backoff_s) - 1)]
-            self._say(f"engine {engine.model} failed ({reason}); restarting it in {delay:g}s")
+            self._say(f"{engine.label} failed ({reason}); restarting it in {delay:g}s")
             engine.server.stop(timeout=0.5)  # nothing to save: its streams fail over at once
             engine.restart_at = now + delay
 
-    def _failure(self, engine: EngineServer) -> str | None:
+    def _failure(self, engine: Supervised) -> str | None:
         """Why the engine's server cannot serve, or None. Stubs count once the server is
         ready: while a model loads, Triton runs a short-lived stub to complete its config."""
         process = engine.server.process
         if process.poll() is not None:
             return f"its tritonserver exited with code {process.returncode}: {engine.server.failure()}"
-        if engine.ready_since is None:
+        if engine.ready_since is None or not engine.watch_stub:
             return None
         if children(process.pid, STUB):
             engine.had_stub = True
@@ -122,7 +162,7 @@ class Supervisor:
             return "its engine's stub process exited"
         return None
 
-    def _restart(self, engine: EngineServer) -> None:
+    def _restart(self, engine: Supervised) -> None:
         engine.restart_at = None
         engine.restarts += 1
         try:
@@ -130,7 +170,7 @@ class Supervisor:
         except LaunchError as exc:  # its port is still held, say: try again after the next backoff
             engine.failures += 1
             delay = self.backoff_s[min(engine.failures - 1, len(self.backoff_s) - 1)]
-            self._say(f"engine {engine.model} could not restart ({exc}); next try in {delay:g}s")
+            self._say(f"{engine.label} could not restart ({exc}); next try in {delay:g}s")
             engine.restart_at = self.clock() + delay
 
     def _say(self, line: str) -> None:
@@ -142,11 +182,14 @@ class Supervisor:
             if engine.server is not None:
                 engine.server.stop(timeout=30)
 
+    def restarting(self, unit: Supervised) -> bool:
+        return unit.restart_at is not None
+
 
 # ---- the layout: the repository split into one per engine and the router's ----------------
 
 
-def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[EngineServer]]:
+def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[Supervised]]:
     """The router's repository and one per local engine under ``run_dir``, from a
     repository that holds them together: each engine model alone in its own, the router
     forwarding to it at ``grpc://127.0.0.1:port``. Version directories are links to the
@@ -154,7 +197,7 @@ def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[Engine
     absolute (the originals are relative to ``repository``)."""
     router_config = (repository / "preble" / "config.pbtxt").read_text()
     entries = [e.strip() for e in (config_parameter(router_config, "engines") or "").split(",") if e.strip()]
-    servers: list[EngineServer] = []
+    servers: list[Supervised] = []
     urls = []
     for entry in entries:
         if "://" in entry:
@@ -163,7 +206,7 @@ def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[Engine
         if not (repository / entry / "config.pbtxt").is_file():
             raise LaunchError(f"engines: model {entry!r} is not in the model repository {repository}")
         ports = ServerPorts(free_port(), free_port(), free_port())
-        engine = EngineServer(entry, run_dir / "engines" / entry, ports, run_dir / f"{entry}.log")
+        engine = Supervised(entry, run_dir / "engines" / entry, ports, run_dir / f"{entry}.log")
         _link_model(repository, entry, engine.repository)
         servers.append(engine)
         urls.append(engine.url)
