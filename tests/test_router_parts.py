@@ -194,3 +194,36 @@ def test_cpu_engines_get_disjoint_cores_and_oversubscription_is_refused(tmp_path
     assert cores(emulated) == [""] * 6  # an emulated engine waits: no cores of its own
     with pytest.raises(ValueError, match="cpu_engines=3 is invalid on 2 cores: CPU engines would share"):
         write_repository(tmp_path / "e", cpu_engines=3, host_cores=2)
+
+
+def test_a_server_listens_on_loopback_and_restricts_admin_apis_unless_told(tmp_path, monkeypatch):
+    from preble_backend.serving.access import Access
+
+    args = Access(admin_key="adm").server_args()
+    assert args[:3] == ["--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]
+    rule = "model-repository,logging,trace:authorization=Bearer adm"
+    assert args[3:] == [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+    keyed = Access(host="0.0.0.0", api_key="k", admin_key="k", http_host="127.0.0.1").server_args()
+    assert keyed[:2] == ["--http-address=127.0.0.1", "--grpc-address=0.0.0.0"]
+    rule = "model-repository,logging,trace,inference,metadata,model-config,statistics,shared-memory:" \
+           "authorization=Bearer k"
+    assert keyed[3:] == [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+
+
+def test_bench_finds_the_admin_key_serve_left_for_its_port(tmp_path, monkeypatch):
+    from preble_backend.cli.commands import _bench_key
+    from preble_backend.cli.options import build_parser
+    from preble_backend.serving.access import write_admin_key
+
+    monkeypatch.setenv("PREBLE_CACHE", str(tmp_path))
+    monkeypatch.delenv("PREBLE_API_KEY", raising=False)
+    assert write_admin_key(8123, "k1").stat().st_mode & 0o777 == 0o600
+
+    def key(*argv: str):
+        return _bench_key(build_parser().parse_args(["bench", *argv]))
+
+    assert key("--url", "127.0.0.1:8123") == "k1"
+    assert key("--url", "127.0.0.1:8124") is None
+    assert key("--url", "127.0.0.1:8123", "--api-key", "given") == "given"
+    monkeypatch.setenv("PREBLE_API_KEY", "env")
+    assert key("--url", "127.0.0.1:8123") == "env"

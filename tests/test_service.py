@@ -225,6 +225,11 @@ def test_engine_deaths_migrate_requests_and_the_engines_come_back(tmp_path, tiny
     params = {"max_tokens": 96, "temperature": 0, "ignore_eos": True}
     reference = {p: client.stream_grpc(p, params).text for p in prompts}
     router = router_pid(stack)
+
+    def routed_to(engine: str) -> bool:  # round robin: two requests reach both engines
+        answers = [client.stream_grpc("Hello", {"max_tokens": 2}).final["instance"] for _ in range(2)]
+        return engine in answers
+
     try:
         for kill in range(10):
             victim = f"preble_engine_{kill % 2}"
@@ -245,7 +250,8 @@ def test_engine_deaths_migrate_requests_and_the_engines_come_back(tmp_path, tiny
                 t.join(timeout=180)
             assert results == reference, f"kill {kill}: {results}"
             assert http("GET", stack.url("/v2/health/ready"))[0] == 200
-            wait_for(lambda v=victim: engine_up(stack).get(v) == 1.0, 30, f"{victim} rejoining")
+            back = lambda v=victim: engine_up(stack).get(v) == 1.0 and routed_to(v)  # noqa: E731
+            wait_for(back, 30, f"{victim} rejoining and taking requests")
         assert migrations(stack) >= 10  # requests did move, at least one per kill
         assert router_pid(stack) == router  # the router's server never died
         assert stack.process.poll() is None

@@ -200,6 +200,15 @@ class EngineClient:
         if self._aio is not None:
             await self._aio[0].close()
 
+    def reopen_streams(self) -> None:
+        """Stream on a fresh channel from now on (on the event loop). An engine's server
+        that was restarted is reached at once by a new channel, while the old one may still
+        sit out its reconnect backoff and fail a stream at once with UNAVAILABLE — which
+        would mark the engine down again just after it came back."""
+        if self._aio is not None and not self._aio[2].is_closed():
+            channel, self._aio = self._aio[0], None
+            asyncio.get_running_loop().create_task(channel.close())
+
 
 def _control_inputs(op: str, **fields) -> dict[str, np.ndarray]:
     return {"control": np.array([json.dumps({"op": op, **fields}).encode()], dtype=np.object_)}

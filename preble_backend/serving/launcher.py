@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from preble_backend.common.procfs import group_running
@@ -58,7 +58,7 @@ class TritonServer:
     ports: ServerPorts
     log_path: Path
     workdir: Path
-    access: Access
+    access: Access = field(default_factory=Access)
 
     def is_ready(self) -> bool:
         try:

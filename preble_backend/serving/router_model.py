@@ -390,6 +390,7 @@ class TritonPythonModel:
         name = self.engines[instance].name
         pb_utils.Logger.log_info(f"preble router: engine {name} is back; routing to it again")
         self.metrics.gauge("preble_router_engine_up", 1, {"instance": name})
+        self.engines[instance].reopen_streams()
         self.policy.instance_up(instance)
 
     # ---- shutdown ---------------------------------------------------------------------------
