@@ -41,8 +41,20 @@ def stack(tmp_path_factory, tiny_model):
 
 
 def test_models_lists_the_served_model(stack):
+    import openai
+
     _, api = stack
     assert [m.id for m in api.models.list().data] == ["preble"]
+    assert api.models.retrieve("preble").id == "preble"
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("gpt-4")
+
+
+def test_fields_the_server_does_not_know_are_ignored(stack):
+    _, api = stack
+    extra = {"store": False, "service_tier": "auto", "prompt_cache_key": "k", **IGNORE_EOS}
+    done = api.completions.create(model="preble", prompt=PROMPT, max_tokens=3, extra_body=extra)
+    assert done.usage.completion_tokens == 3
 
 
 def test_a_completion_is_the_routers_answer_with_usage(stack):

@@ -49,7 +49,6 @@ def test_chat_renders_text_parts_and_prefers_max_completion_tokens():
         ({"model": "m", "prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed when"),
-        ({"model": "m", "prompt": "x", "mystery": 1}, 400, "unknown field(s): mystery"),
     ],
 )
 def test_bad_completions_are_named(body, status, words):
@@ -58,6 +57,13 @@ def test_bad_completions_are_named(body, status, words):
     assert info.value.status == status and words in info.value.message
     error = info.value.body()["error"]
     assert error["message"] == info.value.message and error["code"] == status and error["type"]
+
+
+def test_unknown_fields_are_ignored_and_named_as_vllm_does():
+    body = {"model": "m", "prompt": "x", "store": False, "metadata": {"a": "b"}, "service_tier": "auto"}
+    call = parse_completion(body, "m")
+    assert call.ignored == ["metadata", "service_tier", "store"] and call.prompt == "x"
+    assert parse_completion({"model": "m", "prompt": "x"}, "m").ignored == []
 
 
 def test_bad_chat_messages_are_named():

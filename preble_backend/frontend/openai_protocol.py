@@ -66,11 +66,15 @@ class RouterCall:
     echo: bool = False
     chat: bool = False
     logprobs: int | None = None  # alternatives per token, when logprobs are asked for
+    ignored: list[str] = field(default_factory=list)  # fields this server does not know (logged)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def _check_unsupported(body: dict) -> None:
+def _check_unsupported(body: dict) -> list[str]:
+    """Refuse what would change the answer and cannot be honoured; return the fields this
+    server does not know, which it ignores, as vLLM does (clients such as LangChain and
+    the OpenAI SDK send ``store``, ``metadata``, ``service_tier`` and more by default)."""
     if body.get("n", 1) != 1:
         raise bad_request("n must be 1: this server returns one choice per request", "n")
     if body.get("best_of", 1) not in (1, None):
@@ -84,9 +88,7 @@ def _check_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_request("response_format must be {'type': 'text'}", "response_format")
-    unknown = sorted(set(body) - set(SAMPLING_KEYS) - set(OTHER_KEYS))
-    if unknown:
-        raise bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+    return sorted(set(body) - set(SAMPLING_KEYS) - set(OTHER_KEYS))
 
 
 def _sampling(body: dict, max_tokens_key: str, logprobs: int | None) -> dict:
@@ -123,7 +125,7 @@ def check_model(body: dict, served: str) -> None:
 
 def parse_completion(body: dict, served: str) -> RouterCall:
     check_model(body, served)
-    _check_unsupported(body)
+    ignored = _check_unsupported(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -137,7 +139,8 @@ def parse_completion(body: dict, served: str) -> RouterCall:
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
         raise bad_request("logprobs must be an integer (alternatives per token)", "logprobs")
     params = _sampling(body, "max_tokens", logprobs)
-    return RouterCall(prompt, params, stream, include_usage, echo=bool(echo), logprobs=logprobs)
+    return RouterCall(prompt, params, stream, include_usage, echo=bool(echo), logprobs=logprobs,
+                      ignored=ignored)  # fmt: skip
 
 
 def message_text(message: dict, index: int) -> tuple[str, str]:
@@ -163,7 +166,7 @@ def message_text(message: dict, index: int) -> tuple[str, str]:
 def parse_chat(body: dict, served: str, render: Callable[[list[dict]], str]) -> RouterCall:
     """``render`` applies the model's chat template (with the assistant's turn opened)."""
     check_model(body, served)
-    _check_unsupported(body)
+    ignored = _check_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
@@ -176,7 +179,8 @@ def parse_chat(body: dict, served: str, render: Callable[[list[dict]], str]) -> 
         raise bad_request("top_logprobs must be an integer, and needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if wanted else None
     params = _sampling(body, "max_completion_tokens", logprobs)
-    return RouterCall(render(turns), params, stream, include_usage, chat=True, logprobs=logprobs)
+    return RouterCall(render(turns), params, stream, include_usage, chat=True, logprobs=logprobs,
+                      ignored=ignored)  # fmt: skip
 
 
 # ---- answers -------------------------------------------------------------------------------

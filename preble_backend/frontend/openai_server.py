@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from preble_backend.frontend.openai_protocol import (
     OpenAIError,
     RouterCall,
     Usage,
+    check_model,
     chunk_body,
     completion_body,
     logprobs_body,
@@ -45,6 +47,7 @@ from preble_backend.serving.access import API_KEY_ENV
 from preble_backend.serving.protocol import invalid, retryable
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
+log = logging.getLogger("preble.frontend")
 
 
 @dataclass
@@ -233,10 +236,16 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
                 raise OpenAIError(503, why)
         return {"status": "ok"}
 
+    model = {"id": served, "object": "model", "created": 0, "owned_by": "preble"}
+
     @app.get("/v1/models")
     async def models():
-        model = {"id": served, "object": "model", "created": 0, "owned_by": "preble"}
         return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):
+        check_model({"model": name}, served)  # another name: 404, as a request for it would be
+        return model
 
     async def body_of(request: Request) -> dict:
         try:
@@ -253,6 +262,8 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
         return body
 
     async def answer(call: RouterCall):
+        if call.ignored:
+            log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
         pieces = router.generate(call)
         if call.stream:
             first = await anext(pieces)  # an error before the first token is still an HTTP error
