@@ -96,6 +96,8 @@ def test_serve_names_the_model_that_failed_to_load_and_why(tmp_path, tiny_model,
         (["repo", "OUT", "--cost-model", "nosuch"],
          "preble repo: error: argument --cost-model: cost_model='nosuch' is invalid: "
          "no such file or shipped fit"),
+        (["serve", "--http-port", "70000"],
+         "preble serve: error: argument --http-port: '70000' is not a port number (1-65535)"),
         (["repo", "OUT", "--cpu-engines", "0"],
          "preble repo: error: argument --cpu-engines: '0' is not an integer > 0"),
         (["repo", "OUT", "--model-path", "/nonexistent"],

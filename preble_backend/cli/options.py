@@ -75,6 +75,17 @@ def _positive(kind):
     return parse
 
 
+def _port(low: int):
+    """A TCP port number from ``low`` to 65535 (0: the endpoint is off)."""
+
+    def parse(text: str) -> int:
+        if not text.isdigit() or not low <= int(text) <= 65535:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port number ({low}-65535)")
+        return int(text)
+
+    return parse
+
+
 COST_MODEL_HELP = "a shipped fit (tiny_cpu, mistral7b_a6000) or a JSON file from preble profile"
 
 
@@ -94,12 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None,
         help="every request but health must send 'Authorization: Bearer KEY' (also: PREBLE_API_KEY)",
     )  # fmt: skip
-    p.add_argument("--http-port", type=int, default=8000, help="HTTP/REST (KServe v2, generate)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC (KServe v2, streaming)")
-    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics")
+    p.add_argument("--http-port", type=_port(1), default=8000, help="HTTP/REST (KServe v2, generate)")
+    p.add_argument("--grpc-port", type=_port(1), default=8001, help="gRPC (KServe v2, streaming)")
+    p.add_argument("--metrics-port", type=_port(1), default=8002, help="Prometheus /metrics")
     p.add_argument("--log-file", default=None, help="tritonserver's log (none: a temporary file)")
     p.add_argument(
-        "--openai-port", type=int, default=9000, help="the OpenAI-compatible API (/v1/...); 0: none"
+        "--openai-port", type=_port(0), default=9000, help="the OpenAI-compatible API (/v1/...); 0: none"
     )
     p.add_argument("--served-model-name", default="preble", help="the model name OpenAI clients send")
     p.add_argument(
