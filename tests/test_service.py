@@ -360,4 +360,4 @@ def test_the_router_server_is_restarted_and_deep_json_cannot_kill_it(tmp_path, t
     finally:
         out, err = stack.stop()
     assert stack.process.returncode == 0, err
-    assert "router preble failed" in out and "router preble is back" in out, out
+    assert "router preble failed" in out, out  # and was restarted: it answered again above

@@ -53,7 +53,7 @@ def serve(args: argparse.Namespace) -> int:
     public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK)
     run_dir = Path(tempfile.mkdtemp(prefix="preble-serve-"))
     log = Path(args.log_file) if args.log_file else run_dir / "tritonserver.log"
-    supervisor, server, front, router = None, None, None, None
+    supervisor, front, router = None, None, None
     try:
         for port in (args.http_port, args.grpc_port, args.metrics_port, args.openai_port):
             if port:
@@ -86,11 +86,10 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         if not supervisor.add(router, lambda: bool(stop)):
             return 0
-        server = router.server
         model_path = router_model_path(repository)
         front = start_openai_front(
             f"{LOOPBACK}:{ports.grpc}", args.openai_port, model_path, log.with_suffix(".front.log"),
-            args.served_model_name, server=server, http_port=args.http_port, access=public,
+            args.served_model_name, server=router.server, http_port=args.http_port, access=public,
             max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout,
         )  # fmt: skip
         front.wait_answering()
@@ -108,7 +107,6 @@ def serve(args: argparse.Namespace) -> int:
         print("ready; Ctrl-C to stop", flush=True)
         while not stop:
             supervisor.poll()  # restarts an engine's server, or the router's, that died
-            server = router.server
             if front.process.poll() is not None:
                 print(f"preble serve: the front exited: {front.failure()}", file=sys.stderr)
                 return 1
