@@ -94,7 +94,7 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         front.wait_answering()
         _announce(args, public, front)
-        for unit in supervisor.engines:
+        for unit in supervisor.units:
             if unit.role == "engine":  # their preble_engine_* series; loopback only, no key needed
                 print(f"  {unit.model} metrics http://{LOOPBACK}:{unit.ports.metrics}/metrics")
         for line in unreachable_engines(router_repo / "preble" / "config.pbtxt", env[ENGINE_KEY_ENV]):

@@ -20,7 +20,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.common.procfs import children
@@ -76,20 +76,19 @@ class Supervised:
 class Supervisor:
     """Starts the engine servers, then keeps them up (``poll`` from the serving loop)."""
 
-    engines: list[Supervised]
+    units: list[Supervised]  # the engines' servers, then the router's
     access: Access
     env: dict[str, str]
     log: Callable[[str], None] = print
     clock: Callable[[], float] = time.monotonic
     backoff_s: tuple[float, ...] = BACKOFF_S
-    history: list[str] = field(default_factory=list)
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start every engine server and wait until all are ready; one line on failure."""
-        for engine in self.engines:
+        for engine in self.units:
             self._launch(engine)
         deadline = self.clock() + timeout_s
-        for engine in self.engines:
+        for engine in self.units:
             try:
                 engine.server.wait_ready(max(1.0, deadline - self.clock()))
             except LaunchError as exc:
@@ -114,7 +113,7 @@ class Supervisor:
             self.poll()
             time.sleep(0.25)
         unit.ready_since = self.clock()
-        self.engines.append(unit)
+        self.units.append(unit)
         return True
 
     def _launch(self, unit: Supervised) -> None:
@@ -127,7 +126,7 @@ class Supervisor:
     def poll(self) -> None:
         """One look at every engine server: restart what died, once its backoff is over."""
         now = self.clock()
-        for engine in self.engines:
+        for engine in self.units:
             if engine.server is None:
                 continue
             if engine.restart_at is not None:
@@ -143,7 +142,7 @@ class Supervisor:
                 continue
             stable = engine.ready_since is not None and now - engine.ready_since >= STABLE_S
             engine.failures = 0 if stable else engine.failures + 1
-            delay = self.backoff_s[min(max(engine.failures - 1, 0), len(self.backoff_s) - 1)]
+            delay = self._delay(engine.failures)
             self._say(f"{engine.label} failed ({reason}); restarting it in {delay:g}s")
             engine.server.stop(timeout=0.5)  # nothing to save: its streams fail over at once
             engine.restart_at = now + delay
@@ -169,25 +168,25 @@ class Supervisor:
             self._launch(engine)
         except LaunchError as exc:  # its port is still held, say: try again after the next backoff
             engine.failures += 1
-            delay = self.backoff_s[min(engine.failures - 1, len(self.backoff_s) - 1)]
+            delay = self._delay(engine.failures)
             self._say(f"{engine.label} could not restart ({exc}); next try in {delay:g}s")
             engine.restart_at = self.clock() + delay
 
     def _say(self, line: str) -> None:
-        self.history.append(line)
         self.log(f"preble serve: {line}")
+
+    def _delay(self, failures: int) -> float:
+        """The backoff after ``failures`` quick failures in a row."""
+        return self.backoff_s[min(max(failures - 1, 0), len(self.backoff_s) - 1)]
 
     def stop(self) -> None:
         """Stop every server, all at once (each takes seconds to unload its model)."""
-        running = [e.server for e in self.engines if e.server is not None and e.server.process.poll() is None]
+        running = [e.server for e in self.units if e.server is not None and e.server.process.poll() is None]
         for server in running:
             server.process.terminate()
-        for engine in self.engines:
+        for engine in self.units:
             if engine.server is not None:
                 engine.server.stop(timeout=30)
-
-    def restarting(self, unit: Supervised) -> bool:
-        return unit.restart_at is not None
 
 
 # ---- the layout: the repository split into one per engine and the router's ----------------
