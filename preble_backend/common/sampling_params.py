@@ -3,9 +3,9 @@ checks them before routing, the engine samples with them.
 
 Values may come as JSON strings, as Triton's vLLM backend accepts them (its own sample
 client and genai-perf send ``{"max_tokens": "100", "temperature": "0.1"}``): numbers as
-numeric strings, booleans as ``"true"``/``"false"``. Where the vLLM backend converts with
-``int()``/``bool()`` (so ``"1.5"`` fails but ``1.5`` truncates to 1, and ``"false"`` is
-true), we refuse what is not exactly a value of the key's type, naming the key.
+numeric strings, booleans as ``"true"``/``"false"``/``"1"``/``"0"``. Where the vLLM
+backend converts loosely we differ: it truncates ``1.5`` to 1, which we refuse, naming the
+key; it reads ``"false"`` as true (``bool("false")``), which we read as false.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields
+
+from preble_backend.common.structured_outputs import LEGACY_KEYS, Guide, parse_guide
 
 _INT_KEYS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs")
 _FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -37,6 +39,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per time a token was generated
     repetition_penalty: float = 1.0  # divides (multiplies, if negative) prompt and output tokens' logits
     logprobs: int | None = None  # None: none; k: the sampled token's and the top k's
+    guide: Guide | None = None  # structured outputs: what the answer must match
+    # Output tokens already generated under the guide, which the engine's matcher consumes
+    # first: the router sends them when it migrates a guided request to another engine.
+    guided_prefix_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,7 +81,14 @@ class SamplingParams:
     def from_dict(cls, raw: dict | None) -> SamplingParams:
         """Build from the JSON object clients send; every wrong key or type is named."""
         raw = dict(raw or {})
-        known = {f.name for f in fields(cls)}
+        guides = [k for k in ("structured_outputs", *LEGACY_KEYS) if raw.get(k) is not None]
+        if len(guides) > 1:
+            both = " and ".join(guides)
+            raise ValueError(f"sampling parameters {both} both constrain the output: send one")
+        guide = parse_guide(guides[0], raw.pop(guides[0])) if guides else None
+        for key in ("structured_outputs", *LEGACY_KEYS):
+            raw.pop(key, None)
+        known = {f.name for f in fields(cls)} - {"guide"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
@@ -94,12 +107,12 @@ class SamplingParams:
                 if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
                     raise ValueError("sampling parameter stop must be a string or list of strings")
                 value = tuple(value)
-            elif key == "stop_token_ids":
+            elif key in ("stop_token_ids", "guided_prefix_ids"):
                 if not isinstance(value, list | tuple):
-                    raise ValueError("sampling parameter stop_token_ids must be a list of integers")
-                value = tuple(_integer("stop_token_ids", t) for t in value)
+                    raise ValueError(f"sampling parameter {key} must be a list of integers")
+                value = tuple(_integer(key, t) for t in value)
             kwargs[key] = value
-        return cls(**kwargs)
+        return cls(**kwargs, guide=guide)
 
     @classmethod
     def from_json(cls, text: str | bytes | None) -> SamplingParams:

@@ -24,6 +24,7 @@ from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from preble_backend.engine.emulated_runner import EmulatedRunner
 from preble_backend.engine.event_log import EventLog
+from preble_backend.engine.guided import GuidedDecoding
 from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.model_runner import ModelRunner
 from preble_backend.engine.request import Request, RequestOutput, Status
@@ -62,6 +63,7 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._wake = threading.Condition()
+        self._guided: GuidedDecoding | None = None  # built on the first guided request
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_finished = 0
@@ -97,6 +99,7 @@ class Engine:
             params=params,
             sampler=SamplerState.create(params, self.runner.device),
             callback=callback,
+            matcher=self._matcher(params),
         )
         with self._wake:
             if request_id in self._requests:
@@ -126,6 +129,17 @@ class Engine:
             )
         if params.stop:
             self.stops.require_tokenizer()
+
+    def _matcher(self, params: SamplingParams):
+        """The request's grammar matcher when it asks for structured output (compiled on
+        the caller's thread: a constraint that cannot compile is refused here)."""
+        if params.guide is None:
+            return None
+        with self._wake:
+            if self._guided is None:
+                self._guided = GuidedDecoding(self.config.model_path, self.model_config.vocab_size,
+                                              self.stops.eos_token_ids)  # fmt: skip
+        return self._guided.matcher(params.guide, params.guided_prefix_ids)
 
     def abort(self, request_id: str) -> None:
         with self._wake:
@@ -171,8 +185,15 @@ class Engine:
             return
         for part, logits, rows in self._forward_isolating(batch):
             self.scheduler.advance(part)
-            for row, i in zip(logits, rows):
-                self._sample(part.requests[i], row)
+            masked, complete = self._mask_guided([part.requests[i] for i in rows], logits)
+            for k, (row, i) in enumerate(zip(logits, rows)):
+                req = part.requests[i]
+                if req.status is Status.FINISHED:  # its structured output failed
+                    continue
+                if k in complete:
+                    self._finish(req, "stop")  # the structured answer is whole
+                else:
+                    self._sample(req, masked.get(k, row))
 
     def _forward_isolating(
         self, batch: ScheduledBatch
@@ -195,6 +216,20 @@ class Engine:
         )
         return [run for part in parts for run in self._forward_isolating(part)]
 
+    def _mask_guided(self, reqs: list[Request], logits: torch.Tensor) -> tuple[dict[int, torch.Tensor], set]:
+        """The logits of the guided requests among ``reqs`` (one row each) masked to what
+        their grammars allow, and the rows whose answer is complete."""
+        rows = [(k, req.matcher) for k, req in enumerate(reqs) if req.matcher is not None]
+        if not rows:
+            return {}, set()
+        try:
+            return self._guided.mask(logits, rows)
+        except Exception as exc:  # the guided requests fail; their batch-mates sample on
+            log.exception("structured output masks failed")
+            for k, _ in rows:
+                self._finish(reqs[k], "error", error=f"structured output failed: {exc}")
+            return {}, set()
+
     def _sample(self, req: Request, row: torch.Tensor) -> None:
         try:
             token = sample_one(row, req.sampler, self.stops.banned(req), req.prompt_ids, req.output_ids)
@@ -202,6 +237,9 @@ class Engine:
         except Exception as exc:  # this request's sampling failed: it alone ends
             log.exception("sampling request %s failed", req.request_id)
             self._finish(req, "error", error=f"sampling failed: {exc}")
+            return
+        if req.matcher is not None and not req.matcher.accept_token(token):
+            self._finish(req, "error", error=f"structured output: the grammar rejected token {token}")
             return
         req.output_ids.append(token)
         if logprobs is not None:

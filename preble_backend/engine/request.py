@@ -56,6 +56,7 @@ class Request:
     admitted: float | None = None  # when it first left the wait queue
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the request asks
+    matcher: object | None = None  # structured outputs: the grammar's state (engine/guided.py)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

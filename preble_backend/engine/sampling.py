@@ -43,6 +43,8 @@ def token_logprobs(row: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     if top:
         values, ids = torch.topk(logprobs, top)
         for rank, (value, i) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            if value == float("-inf"):  # masked out (structured output): not an alternative
+                break
             out.setdefault(i, (value, rank))
     return out
 

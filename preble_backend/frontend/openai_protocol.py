@@ -7,10 +7,11 @@ Sampling follows vLLM's OpenAI server: OpenAI's keys (``max_tokens``, or
 ``presence_penalty``, ``frequency_penalty``) and vLLM's extras (``top_k``,
 ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``); logprobs of
 the sampled tokens as OpenAI returns them (completions: ``logprobs: k``; chat:
-``logprobs: true`` and ``top_logprobs: k``). What the engine cannot do (``n`` > 1,
-``best_of``, ``logit_bias``, ``suffix``, tools, a ``response_format`` other than text) is
-refused, naming the field.
-"""
+``logprobs: true`` and ``top_logprobs: k``); ``n`` choices; structured output
+(``response_format`` ``json_object`` or ``json_schema``, and vLLM's ``structured_outputs``
+and ``guided_*`` keys) and tool calls (``tool_calls.py``). Fields this server does not
+know are ignored and logged, as vLLM does; what would change the answer and cannot be
+honoured (``best_of``, ``logit_bias``, ``suffix``) is refused, naming the field."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preble_backend.common.sampling_params import SamplingParams
+from preble_backend.common.structured_outputs import LEGACY_KEYS
+from preble_backend.frontend.tool_calls import Tools, parse_tools
 
 SAMPLING_KEYS = (
     "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
@@ -31,7 +34,9 @@ OTHER_KEYS = (  # read by the parsers or checked by _check_unsupported (``user``
     "max_completion_tokens", "n", "best_of", "logit_bias", "suffix", "response_format",
     "tools", "tool_choice", "logprobs", "top_logprobs", "parallel_tool_calls",
 )  # fmt: skip
+GUIDE_KEYS = ("structured_outputs", *LEGACY_KEYS)  # vLLM's extras: passed on as sampling parameters
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
+MAX_N = 32  # choices per request
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -66,6 +71,8 @@ class RouterCall:
     echo: bool = False
     chat: bool = False
     logprobs: int | None = None  # alternatives per token, when logprobs are asked for
+    n: int = 1  # choices, each its own router request after the first's prefill
+    tools: Tools | None = None
     ignored: list[str] = field(default_factory=list)  # fields this server does not know (logged)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -75,24 +82,51 @@ def _check_unsupported(body: dict) -> list[str]:
     """Refuse what would change the answer and cannot be honoured; return the fields this
     server does not know, which it ignores, as vLLM does (clients such as LangChain and
     the OpenAI SDK send ``store``, ``metadata``, ``service_tier`` and more by default)."""
-    if body.get("n", 1) != 1:
-        raise bad_request("n must be 1: this server returns one choice per request", "n")
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N):
+        raise bad_request(f"n must be an integer from 1 to {MAX_N}", "n")
     if body.get("best_of", 1) not in (1, None):
         raise bad_request("best_of is not supported", "best_of")
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported", "logit_bias")
     if body.get("suffix"):
         raise bad_request("suffix is not supported", "suffix")
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tools are not supported", "tools")
+    return sorted(set(body) - set(SAMPLING_KEYS) - set(OTHER_KEYS) - set(GUIDE_KEYS))
+
+
+def _guide(body: dict, tools: Tools | None = None) -> dict:
+    """The sampling parameter that constrains the answer, from ``response_format``,
+    vLLM's ``structured_outputs``/``guided_*`` keys, or the tool call a request demands."""
+    given = {k: body[k] for k in GUIDE_KEYS if body.get(k) is not None}
     fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("response_format must be {'type': 'text'}", "response_format")
-    return sorted(set(body) - set(SAMPLING_KEYS) - set(OTHER_KEYS))
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request("response_format.type must be text, json_object or json_schema",
+                              "response_format")  # fmt: skip
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format.json_schema.schema must be a JSON schema (an object)",
+                                  "response_format")  # fmt: skip
+            given["response_format"] = {"json": schema}
+    forced = tools.guide() if tools is not None else None
+    if forced is not None:
+        given["tool_choice"] = forced
+    if len(given) > 1:
+        raise bad_request(f"{' and '.join(given)} both constrain the answer: send one", next(iter(given)))
+    if not given:
+        return {}
+    (key, value), = given.items()
+    return {key if key in GUIDE_KEYS else "structured_outputs": value}
 
 
-def _sampling(body: dict, max_tokens_key: str, logprobs: int | None) -> dict:
+def _sampling(body: dict, max_tokens_key: str, logprobs: int | None, guide: dict) -> dict:
     params = {k: body[k] for k in SAMPLING_KEYS if body.get(k) is not None}
+    params.update(guide)
     if logprobs is not None:
         params["logprobs"] = logprobs
     max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
@@ -138,18 +172,22 @@ def parse_completion(body: dict, served: str) -> RouterCall:
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
         raise bad_request("logprobs must be an integer (alternatives per token)", "logprobs")
-    params = _sampling(body, "max_tokens", logprobs)
+    if body.get("tools") or body.get("tool_choice") is not None:
+        raise bad_request("tools are for /v1/chat/completions", "tools")
+    params = _sampling(body, "max_tokens", logprobs, _guide(body))
     return RouterCall(prompt, params, stream, include_usage, echo=bool(echo), logprobs=logprobs,
-                      ignored=ignored)  # fmt: skip
+                      n=body.get("n") or 1, ignored=ignored)  # fmt: skip
 
 
-def message_text(message: dict, index: int) -> tuple[str, str]:
-    """(role, text) of a chat message; content may be a string or a list of text parts."""
+def chat_message(message: dict, index: int) -> dict:
+    """A chat message checked: ``role`` and text ``content`` (a string or a list of text
+    parts), an assistant's ``tool_calls``, a tool result's ``tool_call_id``."""
     if not isinstance(message, dict):
         raise bad_request(f"messages[{index}] must be an object", "messages")
     role, content = message.get("role"), message.get("content")
-    if role not in ("system", "developer", "user", "assistant"):
-        raise bad_request(f"messages[{index}].role must be system, developer, user or assistant", "messages")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise bad_request(f"messages[{index}].role must be system, developer, user, assistant or tool",
+                          "messages")  # fmt: skip
     if isinstance(content, list):
         parts = []
         for part in content:
@@ -158,19 +196,29 @@ def message_text(message: dict, index: int) -> tuple[str, str]:
                 raise bad_request(f"messages[{index}].content: only text parts are supported", "messages")
             parts.append(text)
         content = "".join(parts)
-    if not isinstance(content, str):
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+        raise bad_request(f"messages[{index}].tool_calls must be a list of objects", "messages")
+    if not isinstance(content, str) and not (calls and content is None):
         raise bad_request(f"messages[{index}].content must be a string or a list of text parts", "messages")
-    return role, content
+    turn = {"role": role, "content": content}
+    if calls:
+        turn["tool_calls"] = calls
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        turn["tool_call_id"] = message["tool_call_id"]
+    return turn
 
 
-def parse_chat(body: dict, served: str, render: Callable[[list[dict]], str]) -> RouterCall:
-    """``render`` applies the model's chat template (with the assistant's turn opened)."""
+def parse_chat(body: dict, served: str, render: Callable[..., str]) -> RouterCall:
+    """``render(turns, tools)`` applies the model's chat template, the assistant's turn
+    opened (``tools``: the tools' JSON schemas, for a template that renders them)."""
     check_model(body, served)
     ignored = _check_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
-    turns = [dict(zip(("role", "content"), message_text(m, i))) for i, m in enumerate(messages)]
+    turns = [chat_message(m, i) for i, m in enumerate(messages)]
+    tools = parse_tools(body, bad_request)
     stream, include_usage = _stream_flags(body)
     wanted, top = body.get("logprobs") or False, body.get("top_logprobs")
     if not isinstance(wanted, bool):
@@ -178,9 +226,10 @@ def parse_chat(body: dict, served: str, render: Callable[[list[dict]], str]) -> 
     if top is not None and (not wanted or isinstance(top, bool) or not isinstance(top, int)):
         raise bad_request("top_logprobs must be an integer, and needs logprobs: true", "top_logprobs")
     logprobs = (top or 0) if wanted else None
-    params = _sampling(body, "max_completion_tokens", logprobs)
-    return RouterCall(render(turns), params, stream, include_usage, chat=True, logprobs=logprobs,
-                      ignored=ignored)  # fmt: skip
+    params = _sampling(body, "max_completion_tokens", logprobs, _guide(body, tools))
+    prompt = render(turns, tools)
+    return RouterCall(prompt, params, stream, include_usage, chat=True, logprobs=logprobs,
+                      n=body.get("n") or 1, tools=tools, ignored=ignored)  # fmt: skip
 
 
 # ---- answers -------------------------------------------------------------------------------
@@ -236,30 +285,49 @@ def logprobs_body(call: RouterCall, steps: list[dict], offset: int = 0) -> dict 
     }
 
 
-def completion_body(
-    call: RouterCall, served: str, text: str, finish: str | None, usage: Usage, steps: list[dict] = ()
-) -> dict:
+@dataclass
+class Choice:
+    """One choice's whole answer: its text, finish reason and logprob steps."""
+
+    text: str = ""
+    finish: str | None = None
+    steps: list[dict] = field(default_factory=list)
+
+
+def completion_body(call: RouterCall, served: str, choices: list[Choice], usage: Usage) -> dict:
     """The whole answer of a request that did not stream."""
     echoed = call.prompt if call.echo and not call.chat else ""
-    logprobs = logprobs_body(call, list(steps), len(echoed))
-    if call.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}  # fmt: skip
-    else:
-        choice = {"index": 0, "text": echoed + text, "logprobs": logprobs, "finish_reason": finish}
-    return {**_envelope(call, served, False), "choices": [choice], "usage": usage.body()}
+    bodies = []
+    for index, c in enumerate(choices):
+        logprobs = logprobs_body(call, c.steps, len(echoed))
+        if not call.chat:
+            bodies.append({"index": index, "text": echoed + c.text, "logprobs": logprobs,
+                           "finish_reason": c.finish})  # fmt: skip
+            continue
+        message, finish = {"role": "assistant", "content": c.text}, c.finish
+        if call.tools is not None:
+            content, calls = call.tools.calls(c.text)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        bodies.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish})
+    return {**_envelope(call, served, False), "choices": bodies, "usage": usage.body()}
 
 
 def chunk_body(
-    call: RouterCall, served: str, text: str | None, finish: str | None, first=False, logprobs=None
-) -> dict:
-    """One streamed chunk: new text (and its tokens' logprobs), or the finish reason on the
-    last one."""
+    call: RouterCall, served: str, text: str | None, finish: str | None, first=False, logprobs=None,
+    index: int = 0, tool_calls: list[dict] | None = None,
+) -> dict:  # fmt: skip
+    """One streamed chunk of choice ``index``: new text (and its tokens' logprobs), the
+    tool calls, or the finish reason on the last one."""
     if call.chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     body = {**_envelope(call, served, True), "choices": [choice]}
     if call.include_usage:
         body["usage"] = None

@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from preble_backend.common.keys import HEADER, grpc_bearer
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.frontend.openai_protocol import (
+    Choice,
     OpenAIError,
     RouterCall,
     Usage,
@@ -42,6 +43,7 @@ from preble_backend.frontend.openai_protocol import (
     sse,
     usage_chunk,
 )
+from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
 from preble_backend.frontend.triton_http import MAX_BODY_BYTES, EngineView, add_triton_routes
 from preble_backend.serving.access import API_KEY_ENV
 from preble_backend.serving.protocol import invalid, retryable
@@ -94,11 +96,15 @@ class Router:
         except Exception:
             return False
 
-    async def generate(self, call: RouterCall) -> AsyncIterator[Piece]:
+    async def generate(self, call: RouterCall, choice: int = 0) -> AsyncIterator[Piece]:
+        """Choice ``choice`` of the call (a seeded call's choice i samples with seed + i)."""
         from client.triton_client import infer_inputs
 
+        params = call.params
+        if choice and params.get("seed") is not None:
+            params = {**params, "seed": int(params["seed"]) + choice}
         inputs = infer_inputs({
-            "text_input": call.prompt, "stream": True, "sampling_parameters": json.dumps(call.params),
+            "text_input": call.prompt, "stream": True, "sampling_parameters": json.dumps(params),
             "exclude_input_in_output": True, "return_finish_reason": True,
             "return_num_input_tokens": True, "return_num_output_tokens": True,
             "return_logprobs": call.logprobs is not None,
@@ -166,11 +172,14 @@ def chat_renderer(model_path: str):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    renders_tools = "tools" in (tokenizer.chat_template or "")
 
-    def render(messages: list[dict]) -> str:
+    def render(messages: list[dict], tools: Tools | None = None) -> str:
         if not tokenizer.chat_template:
             raise OpenAIError(400, f"the model at {model_path} has no chat template: use /v1/completions")
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        turns = chat_turns(messages, tools, renders_tools)
+        schemas = tools.schemas if tools is not None and renders_tools else None
+        return tokenizer.apply_chat_template(turns, tools=schemas, tokenize=False, add_generation_prompt=True)
 
     return render
 
@@ -264,16 +273,16 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
     async def answer(call: RouterCall):
         if call.ignored:
             log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
-        pieces = router.generate(call)
+        streams = await open_choices(router, call)
         if call.stream:
-            first = await anext(pieces)  # an error before the first token is still an HTTP error
-            return StreamingResponse(_events(call, served, first, pieces), media_type="text/event-stream")
-        text, usage, finish, steps = [], Usage(), None, []
-        async for piece in pieces:
-            text.append(piece.text)
-            steps.extend(piece.logprobs)
-            finish = _count(usage, piece) or finish
-        return completion_body(call, served, "".join(text), finish, usage, steps)
+            return StreamingResponse(_events(call, served, streams), media_type="text/event-stream")
+        choices, usage = [Choice() for _ in streams], Usage()
+        async for index, piece in _merged(streams):
+            choice = choices[index]
+            choice.text += piece.text
+            choice.steps.extend(piece.logprobs)
+            choice.finish = _count(usage, piece, index) or choice.finish
+        return completion_body(call, served, choices, usage)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -286,35 +295,88 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
     return app
 
 
-def _count(usage: Usage, piece: Piece) -> str | None:
+async def open_choices(router: Router, call: RouterCall) -> list[AsyncIterator[Piece]]:
+    """The call's ``n`` answer streams. The first is awaited to its first token before the
+    others start: an error before any token is still an HTTP error, and the others find
+    the prompt in the engine's cache (one prefill for ``n`` choices)."""
+    first = router.generate(call)
+    piece = await anext(first)
+
+    async def whole():
+        yield piece
+        async for rest in first:
+            yield rest
+
+    return [whole(), *(router.generate(call, i) for i in range(1, call.n))]
+
+
+async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+    """(choice, piece) from every stream as they come; the first error ends them all."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield 0, piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, pieces: AsyncIterator[Piece]) -> None:
+        try:
+            async for piece in pieces:
+                await queue.put((index, piece))
+        except Exception as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _count(usage: Usage, piece: Piece, index: int = 0) -> str | None:
+    """Add a piece to the usage (the prompt counts once, as OpenAI counts it for ``n``)."""
     usage.completion_tokens += piece.output_tokens
-    if piece.final:
+    if piece.final and index == 0:
         usage.prompt_tokens, usage.cached_tokens = piece.prompt_tokens, piece.cached_tokens
     return piece.finish_reason
 
 
-async def _events(call: RouterCall, served: str, first: Piece, rest: AsyncIterator[Piece]):
-    usage, offset = Usage(), 0
-    if call.chat:
-        yield sse(chunk_body(call, served, None, None, first=True))
-    elif call.echo:
-        yield sse(chunk_body(call, served, call.prompt, None))
-        offset = len(call.prompt)
-
-    async def all_pieces():
-        yield first
-        async for piece in rest:
-            yield piece
-
+async def _events(call: RouterCall, served: str, streams: list[AsyncIterator[Piece]]):
+    usage, offsets = Usage(), [0] * len(streams)
+    tools = [ToolStream(call.tools) if call.tools is not None else None for _ in streams]
+    for index in range(len(streams)):
+        if call.chat:
+            yield sse(chunk_body(call, served, None, None, first=True, index=index))
+        elif call.echo:
+            yield sse(chunk_body(call, served, call.prompt, None, index=index))
+            offsets[index] = len(call.prompt)
     try:
-        async for piece in all_pieces():
-            finish = _count(usage, piece)
-            if piece.text or piece.logprobs:
-                logprobs = logprobs_body(call, piece.logprobs, offset)
-                offset += sum(len(t) for t in logprobs["tokens"]) if logprobs and not call.chat else 0
-                yield sse(chunk_body(call, served, piece.text, None, logprobs=logprobs))
-            if piece.final:
-                yield sse(chunk_body(call, served, None, finish))
+        async for index, piece in _merged(streams):
+            finish = _count(usage, piece, index)
+            text = tools[index].feed(piece.text) if tools[index] else piece.text
+            if text or piece.logprobs:
+                logprobs = logprobs_body(call, piece.logprobs, offsets[index])
+                offsets[index] += sum(len(t) for t in logprobs["tokens"]) if logprobs and not call.chat else 0
+                yield sse(chunk_body(call, served, text, None, logprobs=logprobs, index=index))
+            if not piece.final:
+                continue
+            if tools[index]:
+                content, calls = tools[index].finish()
+                if content:
+                    yield sse(chunk_body(call, served, content, None, index=index))
+                if calls:
+                    yield sse(chunk_body(call, served, None, None, index=index, tool_calls=calls))
+                    finish = "tool_calls" if finish == "stop" else finish
+            yield sse(chunk_body(call, served, None, finish, index=index))
         if call.include_usage:
             yield sse(usage_chunk(call, served, usage))
     except OpenAIError as exc:  # after the first token: the stream ends with the error

@@ -249,21 +249,25 @@ class TritonPythonModel:
                  reason: str) -> tuple[RoutingRequest, str]:  # fmt: skip
         """Forget the dead placement; the request goes on from its prompt plus the tokens
         already generated, for the tokens it has left (as NVIDIA Dynamo migrates). Greedy
-        decoding continues exactly; a seeded sample or a frequency/presence penalty sees
-        the earlier tokens as prompt, so it may differ from an undisturbed run."""
+        decoding continues exactly, and a structured output's grammar resumes where it
+        was; a seeded sample or a frequency/presence penalty sees the earlier tokens as
+        prompt, so it may differ from an undisturbed run."""
         old = self.engines[flight.instance].name
         self._settle(flight)
         flight.instance, flight.settled, flight.engine_finished = None, False, False
         generated = answer.num_output
+        guided = (*req.params.guided_prefix_ids, *answer.token_ids) if req.params.guide else ()
         params = dataclasses.replace(
             req.params, max_tokens=req.params.max_tokens - generated,
-            min_tokens=max(0, req.params.min_tokens - generated),
+            min_tokens=max(0, req.params.min_tokens - generated), guided_prefix_ids=guided,
         )  # fmt: skip
         prompt = [*routing.input_ids[: answer.num_input_tokens], *answer.token_ids]
         continued = RoutingRequest(uuid.uuid4().hex, prompt, params)
         continued.chain(self.config.page_size)
         raw = json.loads(req.params_json) if req.params_json else {}
         raw.update(max_tokens=params.max_tokens, min_tokens=params.min_tokens)
+        if guided:  # the new engine's grammar matcher resumes after the tokens so far
+            raw["guided_prefix_ids"] = list(guided)
         self.metrics.count("preble_router_migrations_total", 1, {"policy": self.policy.name, "instance": old})
         pb_utils.Logger.log_warn(f"preble router: engine {old} failed ({reason}); request continues "
                                  f"elsewhere after {generated} tokens")  # fmt: skip
