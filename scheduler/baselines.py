@@ -93,10 +93,13 @@ class CacheAware(Policy):
                 choice, branch = best, "cache_hit"
             else:
                 choice, branch = least, "cache_miss"
-        tree = self.trees[choice]
+        self.record(request, choice)
+        return Decision(choice, branch)
+
+    def record(self, request, instance: int) -> None:
+        tree = self.trees[instance]
         tree.route(request.chain(self.page_size), 0, self.clock())
         tree.drop_oldest_leaves(0, self.max_tree_tokens)
-        return Decision(choice, branch)
 
     def forget(self, instance: int) -> None:
         self.trees[instance] = GlobalPrefixTree(1, float("inf"), self.page_size)
@@ -130,9 +133,13 @@ class KVCost(Policy):
         order = [(self._next + k) % self.num_instances for k in range(self.num_instances)]
         choice = min((i for i in order if i in costs), key=lambda i: costs[i])
         self._next = (choice + 1) % self.num_instances
-        self.active_blocks[choice] += blocks
-        self._blocks[request.request_id] = blocks
+        self.record(request, choice)
         return Decision(choice, "kv_cost")
+
+    def record(self, request, instance: int) -> None:
+        blocks = -(-len(request.input_ids) // self.block_size)
+        self.active_blocks[instance] += blocks
+        self._blocks[request.request_id] = blocks
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         self.tree.apply_events(instance, info.events)

@@ -242,6 +242,9 @@ class E2(Policy):
 
     # ---- recording a decision ---------------------------------------------------------------
 
+    def record(self, request: RoutingRequest, instance: int) -> None:
+        self._record(request, instance, self.tree.match(request.chain(self.page_size)), self.clock())
+
     def _record(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
         """Count the request in the instance's load and route it in the tree."""
         prompt_len = len(request.input_ids)

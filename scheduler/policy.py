@@ -79,6 +79,17 @@ class Policy(ABC):
         """Pick a live instance; the request is then dispatched there (and counted as such).
         The router asks only while at least one instance is live."""
 
+    def place(self, request: RoutingRequest, instance: int) -> Decision:
+        """Route the request to ``instance``, decided outside the policy (the later choices
+        of an ``n`` > 1 request follow the first, whose prompt that engine now caches); the
+        policy counts it as it counts its own decisions."""
+        self.record(request, instance)
+        return Decision(instance, "pinned")
+
+    def record(self, request: RoutingRequest, instance: int) -> None:
+        """Count a placement in the policy's state. Stateless policies keep none."""
+        return None
+
     def instance_down(self, instance: int) -> None:
         """The instance died or cannot be reached: route around it and forget what it
         cached (an engine process that comes back starts with an empty cache)."""

@@ -409,3 +409,25 @@ def test_decision_benchmark_replays_the_simulated_decisions():
     stats = bench_isolated("toolbench", 2, 60, 60.0, 1, num_tools=50)
     assert stats.decisions_per_s > 0 and stats.select_us > 0 and stats.finish_us > 0
     assert 0 < stats.explore_share < 1 and stats.events_per_finish > 0
+
+
+def test_a_pinned_placement_is_counted_as_the_policys_own():
+    """The later choices of an ``n`` > 1 request are pinned to the first's engine: each
+    policy counts them there as if it had chosen so (E2's load and pending tree marks,
+    cache_aware's routing tree, kv_cost's active blocks)."""
+    policy, clock = e2()
+    _, d = route(policy, range(100))
+    assert d.instance == 0
+    pinned = req(range(100))
+    assert policy.place(pinned, 1) == type(d)(1, "pinned")
+    m = policy.tree.match(chain_hashes(range(100), 1))
+    # instance 1's load: the pinned request's 100 missed tokens + 32 decode; its prompt is
+    # now held there (pending), so a third copy would miss nothing
+    assert (policy.load_cost(1, m, 100, clock()), m.cached_on(1)) == (132 + 0 + 0, 100)
+    aware = make_policy("cache_aware", 2, {"page_size": 1})
+    aware.place(req(range(100)), 1)
+    d = aware.select(req(list(range(100)) + [7]), [InstanceLoad(1), InstanceLoad(1)])
+    assert (d.instance, d.branch) == (1, "cache_hit")
+    cost = make_policy("kv_cost", 2, {"page_size": 16})
+    cost.place(req(range(64)), 0)
+    assert cost.active_blocks == [4, 0]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+from server_utils import assert_engine_pages_free, client_for, launch, wait_idle, write_test_repository
 
 from preble_backend.frontend.process import start_openai_front
 from preble_backend.serving.launcher import free_port
@@ -114,7 +114,8 @@ def test_chat_applies_the_models_template(stack):
     "kwargs, error, words",
     [
         ({"temperature": -1}, "BadRequestError", "temperature"),
-        ({"n": 2}, "BadRequestError", "n must be 1"),
+        ({"best_of": 2}, "BadRequestError", "best_of"),
+        ({"extra_body": {"guided_regex": "(unclosed"}}, "BadRequestError", "regex cannot be compiled"),
         ({"model": "gpt-4"}, "NotFoundError", "gpt-4"),
     ],
 )
@@ -155,6 +156,72 @@ def test_logprobs_of_the_sampled_tokens(stack):
     logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     streamed = [value for chunk in logprobs for value in chunk.token_logprobs]
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-4)  # cached prefix: other float sums
+
+
+VERDICT = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+           "score": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["answer", "score"],
+           "additionalProperties": False}  # fmt: skip
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+           "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_structured_output_on_both_apis(stack):
+    """The tiny model's weights are random: only the grammar makes these answers parse."""
+    import jsonschema
+
+    server, api = stack
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT}}
+    messages = [{"role": "user", "content": PROMPT}]
+    done = api.chat.completions.create(model="preble", messages=messages, response_format=fmt, max_tokens=40)
+    jsonschema.validate(json.loads(done.choices[0].message.content), VERDICT)
+    assert done.choices[0].finish_reason == "stop"
+    loose = api.completions.create(model="preble", prompt=PROMPT, max_tokens=400, temperature=0,
+                                   extra_body={"response_format": {"type": "json_object"}})  # fmt: skip
+    assert loose.choices[0].finish_reason == "length" or isinstance(json.loads(loose.choices[0].text), dict)
+    triton = client_for(server).generate(PROMPT, {"guided_choice": ["red", "green"], "max_tokens": 5},
+                                         exclude_input_in_output=True)  # fmt: skip
+    assert triton["text_output"] in ("red", "green")
+
+
+def test_tool_calls_whole_and_streamed(stack):
+    import jsonschema
+
+    _, api = stack
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    ask = {"model": "preble", "messages": messages, "tools": [WEATHER],
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": 60,
+           "temperature": 0}  # fmt: skip
+    done = api.chat.completions.create(**ask)
+    [call] = done.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and done.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(api.chat.completions.create(**ask, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    required = api.chat.completions.create(**{**ask, "tool_choice": "required"})
+    assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_n_choices_share_one_prefill(stack):
+    server, api = stack
+    client = client_for(server)
+    computed = lambda: sum(wait_idle(client, e)["prompt_tokens_computed"] for e in ENGINES)  # noqa: E731
+    before = computed()
+    prompt = " ".join([PROMPT] * 8) + " Four samples of one prompt."
+    args = {"model": "preble", "prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 7,
+            "extra_body": IGNORE_EOS}  # fmt: skip
+    done = api.completions.create(n=4, **args)
+    spent = computed() - before
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert done.usage.completion_tokens == 24 and done.usage.prompt_tokens > 100
+    # one prefill, and each later choice recomputes at most its last, partly filled page
+    assert spent < done.usage.prompt_tokens + 3 * 16, (spent, done.usage.prompt_tokens)
+    chunks = list(api.completions.create(n=4, stream=True, **args))
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)}
+    assert streamed == {c.index: c.text for c in done.choices}  # choice i samples with seed + i
+    assert len(set(streamed.values())) > 1
 
 
 GENAI_PERF = Path(__file__).resolve().parent.parent / ".venv-genai-perf" / "bin" / "genai-perf"

@@ -63,6 +63,7 @@ class Piece:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)  # the router's steps, one per new token
+    engine: str | None = None  # the engine serving it (on the first and the last piece)
 
 
 def router_error(message: str) -> OpenAIError:
@@ -96,8 +97,10 @@ class Router:
         except Exception:
             return False
 
-    async def generate(self, call: RouterCall, choice: int = 0) -> AsyncIterator[Piece]:
-        """Choice ``choice`` of the call (a seeded call's choice i samples with seed + i)."""
+    async def generate(self, call: RouterCall, choice: int = 0,
+                       engine: str | None = None) -> AsyncIterator[Piece]:  # fmt: skip
+        """Choice ``choice`` of the call (a seeded call's choice i samples with seed + i),
+        on ``engine`` when it is named and up."""
         from client.triton_client import infer_inputs
 
         params = call.params
@@ -110,9 +113,12 @@ class Router:
             "return_logprobs": call.logprobs is not None,
         })  # fmt: skip
 
+        parameters = {"triton_enable_empty_final_response": True}
+        if engine:
+            parameters["preble_engine"] = engine
+
         async def one():
-            yield {"model_name": self.model, "inputs": inputs,
-                   "parameters": {"triton_enable_empty_final_response": True}}  # fmt: skip
+            yield {"model_name": self.model, "inputs": inputs, "parameters": parameters}
 
         try:
             responses = self.client.stream_infer(one(), headers=self.headers)
@@ -155,6 +161,7 @@ def _piece(result, final: bool) -> Piece:
     text = value("text_output")
     reason = value("finish_reason")
     steps = value("logprobs")
+    engine = value("instance")
     return Piece(
         text=text.decode("utf-8") if isinstance(text, bytes) else "",
         output_tokens=int(value("num_output_tokens") or 0),
@@ -163,6 +170,7 @@ def _piece(result, final: bool) -> Piece:
         prompt_tokens=int(value("num_input_tokens") or 0),
         cached_tokens=int(value("num_cached_tokens") or 0),
         logprobs=(json.loads(steps) or []) if isinstance(steps, bytes) else [],  # "null": not asked
+        engine=engine.decode() if isinstance(engine, bytes) else None,
     )
 
 
@@ -297,8 +305,8 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
 
 async def open_choices(router: Router, call: RouterCall) -> list[AsyncIterator[Piece]]:
     """The call's ``n`` answer streams. The first is awaited to its first token before the
-    others start: an error before any token is still an HTTP error, and the others find
-    the prompt in the engine's cache (one prefill for ``n`` choices)."""
+    others start: an error before any token is still an HTTP error, and the others, pinned
+    to the first's engine, find the prompt in its cache (one prefill for ``n`` choices)."""
     first = router.generate(call)
     piece = await anext(first)
 
@@ -307,7 +315,7 @@ async def open_choices(router: Router, call: RouterCall) -> list[AsyncIterator[P
         async for rest in first:
             yield rest
 
-    return [whole(), *(router.generate(call, i) for i in range(1, call.n))]
+    return [whole(), *(router.generate(call, i, piece.engine) for i in range(1, call.n))]
 
 
 async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:

@@ -55,6 +55,8 @@ class Answer:
         """The next response's outputs: ``text`` and what the request asked to see since the
         previous response (counts and logprobs), and on the final one the totals."""
         req, out = self.req, {"text_output": _strings(text)}
+        if resp.final or not self._sent_tokens:  # the engine, from the first tokens on (n's choices follow)
+            out["instance"] = _strings(instance)
         if req.return_num_output_tokens:
             out["num_output_tokens"] = np.asarray([self.num_output - self._sent_tokens], dtype=np.uint32)
         if req.return_logprobs:
@@ -68,7 +70,6 @@ class Answer:
             if req.return_num_input_tokens:
                 out["num_input_tokens"] = np.asarray([self.num_input_tokens], dtype=np.uint32)
             out["num_cached_tokens"] = np.asarray([resp.num_cached_tokens], dtype=np.uint32)
-            out["instance"] = _strings(instance)
         return out
 
     def _logprobs_json(self) -> str:

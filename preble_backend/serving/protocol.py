@@ -103,7 +103,8 @@ def retryable(message: str) -> bool:
 # The router's and the engines' refusals of requests that can never be served as sent
 # (a gRPC stream's error is text only): fronts answer them 400.
 INVALID = ("is invalid", "must be", "input '", "encodes to no", "over the model's context length",
-           "exceeds the KV pool", "outside the vocabulary", "is not valid JSON")  # fmt: skip
+           "exceeds the KV pool", "outside the vocabulary", "is not valid JSON", "cannot be compiled",
+           "both constrain", "need a tokenizer", "do not match the structured output")  # fmt: skip
 
 
 def invalid(message: str) -> bool:
@@ -150,6 +151,7 @@ class GenerateRequest:
     return_logprobs: bool
     return_num_input_tokens: bool
     return_num_output_tokens: bool
+    engine: str | None = None  # the request parameter ``preble_engine``: route there while it is up
 
 
 def parse_generate(
@@ -161,7 +163,8 @@ def parse_generate(
     ``max_text_bytes`` is refused before anyone tokenizes it.
 
     Sampling parameters come from the ``sampling_parameters`` input, else from the
-    request's own parameters (Triton's ``triton_*`` keys are not ours and are dropped).
+    request's own parameters (Triton's ``triton_*`` keys are not ours and are dropped;
+    ``preble_engine`` names the engine to route to).
     Without ``exclude_input_in_output`` a non-streaming answer repeats the prompt;
     streaming answers never do, and asking for it is an error.
     """
@@ -181,26 +184,29 @@ def parse_generate(
     prepend = not _flag("exclude_input_in_output", exclude) if exclude is not None else not stream
     if prepend and stream:
         raise BadRequest("when streaming, exclude_input_in_output = false is not allowed")
+    try:
+        extra = json.loads(request_parameters or "{}")
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"request parameters are not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request parameters are not valid JSON: nested too deeply") from None
+    if not isinstance(extra, dict):
+        raise BadRequest("request parameters must be a JSON object")
+    engine = extra.pop("preble_engine", None)
+    if engine is not None and not isinstance(engine, str):
+        raise BadRequest("request parameter preble_engine must be an engine's name")
     sp = _single("sampling_parameters", inputs.get("sampling_parameters"))
     if sp is not None:
         params_json = _text("sampling_parameters", sp)
         params = SamplingParams.from_json(params_json)
     else:
-        try:
-            extra = json.loads(request_parameters or "{}")
-        except json.JSONDecodeError as exc:
-            raise BadRequest(f"request parameters are not valid JSON: {exc}") from None
-        except RecursionError:
-            raise BadRequest("request parameters are not valid JSON: nested too deeply") from None
-        if not isinstance(extra, dict):
-            raise BadRequest("request parameters must be a JSON object")
         extra = {k: v for k, v in extra.items() if not k.startswith("triton_")}
         params = SamplingParams.from_dict(extra)
         params_json = json.dumps(extra)
     flags = {name: _flag(name, inputs.get(name)) for name in ROUTER_FLAGS}
     if flags["return_cumulative_logprob"] and params.logprobs is None:  # the engine must compute them
         params_json = json.dumps({**json.loads(params_json or "{}"), "logprobs": 0})
-    return GenerateRequest(prompt, params, params_json, stream, prepend, **flags)
+    return GenerateRequest(prompt, params, params_json, stream, prepend, **flags, engine=engine)
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,7 @@ class TritonPythonModel:
                 return
             answer, params_json = Answer(req, self.tokenizer, len(routing.input_ids)), req.params_json
             for migrations in itertools.count():
-                engine = self._place(flight, routing, arrival)
+                engine = self._place(flight, routing, arrival, req.engine)
                 try:
                     await self._forward(flight, req, routing, engine, arrival, answer, params_json)
                     return
@@ -227,11 +227,17 @@ class TritonPythonModel:
             self._settle(flight)
             self.tasks.discard(task)
 
-    def _place(self, flight: Flight, routing: RoutingRequest, arrival: float) -> EngineClient:
-        """Route the request with the policy and record the placement."""
+    def _place(self, flight: Flight, routing: RoutingRequest, arrival: float,
+               pin: str | None) -> EngineClient:  # fmt: skip
+        """Route the request with the policy, or to the engine it is pinned to while that
+        one is up, and record the placement."""
         if not self.policy.live:
             raise EngineUnavailable("no engine is available: every engine has failed")
-        decision = self.policy.select(routing, self.loads)
+        pinned = next((i for i in self.policy.live if self.engines[i].name == pin), None)
+        if pinned is not None:
+            decision = self.policy.place(routing, pinned)
+        else:
+            decision = self.policy.select(routing, self.loads)
         self.loads[decision.instance].in_flight += 1
         flight.instance, flight.routing = decision.instance, routing
         engine = self.engines[decision.instance]
