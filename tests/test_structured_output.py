@@ -88,7 +88,7 @@ DATE = r"\d{4}-\d{2}-\d{2}"
 @pytest.mark.parametrize("ask, guide, check", [
     (QUESTION, {"guided_choice": CITIES}, lambda t: t in CITIES),
     (QUESTION, {"guided_regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"}, lambda t: re.fullmatch(DATE, t)),
-    (QUESTION, {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}, lambda t: t in ("yes", "no")),
+    (QUESTION, {"structured_outputs": {"grammar": 'start: "yes" | "no"'}}, lambda t: t in ("yes", "no")),
     # an open JSON object: the model decides when it closes, so the question asks for a short one
     ('Answer in JSON as {"capital": ...}: what is the capital of France?',
      {"structured_outputs": {"json_object": True}, "temperature": 0},

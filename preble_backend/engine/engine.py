@@ -185,12 +185,12 @@ class Engine:
             return
         for part, logits, rows in self._forward_isolating(batch):
             self.scheduler.advance(part)
-            masked, complete = self._mask_guided([part.requests[i] for i in rows], logits)
+            masked, complete, failed = self._mask_guided([part.requests[i] for i in rows], logits)
             for k, (row, i) in enumerate(zip(logits, rows)):
                 req = part.requests[i]
-                if req.status is Status.FINISHED:  # its structured output failed
-                    continue
-                if k in complete:
+                if k in failed:
+                    self._finish(req, "error", error=failed[k])
+                elif k in complete:
                     self._finish(req, "stop")  # the structured answer is whole
                 else:
                     self._sample(req, masked.get(k, row))
@@ -216,19 +216,17 @@ class Engine:
         )
         return [run for part in parts for run in self._forward_isolating(part)]
 
-    def _mask_guided(self, reqs: list[Request], logits: torch.Tensor) -> tuple[dict[int, torch.Tensor], set]:
+    def _mask_guided(self, reqs: list[Request], logits: torch.Tensor) -> tuple[dict, set, dict]:
         """The logits of the guided requests among ``reqs`` (one row each) masked to what
-        their grammars allow, and the rows whose answer is complete."""
+        their grammars allow, the rows whose answer is complete, and those that failed."""
         rows = [(k, req.matcher) for k, req in enumerate(reqs) if req.matcher is not None]
         if not rows:
-            return {}, set()
+            return {}, set(), {}
         try:
             return self._guided.mask(logits, rows)
         except Exception as exc:  # the guided requests fail; their batch-mates sample on
             log.exception("structured output masks failed")
-            for k, _ in rows:
-                self._finish(reqs[k], "error", error=f"structured output failed: {exc}")
-            return {}, set()
+            return {}, set(), {k: f"structured output failed: {exc}" for k, _ in rows}
 
     def _sample(self, req: Request, row: torch.Tensor) -> None:
         try:
@@ -238,13 +236,16 @@ class Engine:
             log.exception("sampling request %s failed", req.request_id)
             self._finish(req, "error", error=f"sampling failed: {exc}")
             return
-        if req.matcher is not None and not req.matcher.accept_token(token):
+        if req.matcher is not None and not req.matcher.consume_token(token):
             self._finish(req, "error", error=f"structured output: the grammar rejected token {token}")
             return
         req.output_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)
-        reason = self.stops.finish_reason(req, self.model_config.max_context)
+        if req.matcher is not None and req.matcher.is_stopped():  # a stop token ended the structure
+            reason = "stop"  # (even with ignore_eos: the grammar allows nothing after it)
+        else:
+            reason = self.stops.finish_reason(req, self.model_config.max_context)
         if reason is None:
             self._emit(req, [token])
         else:
