@@ -200,7 +200,7 @@ def test_tool_calls_whole_and_streamed(stack):
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert deltas[0].function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
-    required = api.chat.completions.create(**{**ask, "tool_choice": "required"})
+    required = api.chat.completions.create(**{**ask, "tool_choice": "required", "parallel_tool_calls": False})
     assert required.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 

@@ -167,6 +167,9 @@ def test_tool_choice_decides_the_constraint_and_the_parse():
     required = chat_call(tool_choice="required")
     items = required.params["structured_outputs"]["json"]["items"]["anyOf"]
     assert items[0]["properties"]["name"] == {"const": "weather"}
+    assert "maxItems" not in required.params["structured_outputs"]["json"]
+    assert chat_call(tool_choice="required", parallel_tool_calls=False).params["structured_outputs"]["json"][
+        "maxItems"] == 1
     answer = json.dumps([{"name": "weather", "parameters": {"city": "Oslo"}}])
     [call] = completion_body(required, "m", [Choice(answer, "stop")], Usage())["choices"][0]["message"][
         "tool_calls"]

@@ -31,9 +31,8 @@ class GuidedDecoding:
     tokenizer), then shared by every request."""
 
     def __init__(self, model_path: str | Path, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
+        import llguidance  # not llguidance.torch: it torch.compiles, and inductor's import fails in
+        import llguidance.hf  # a Triton stub, whose locale decodes its templates as ASCII
         from transformers import AutoTokenizer
 
         path = Path(model_path)
@@ -81,13 +80,13 @@ class GuidedDecoding:
         whose answer is complete (only a stop token may follow: the request stops there,
         even where ``min_tokens`` or ``ignore_eos`` would ban the stop); and the rows whose
         matcher failed, with the error (each fails alone)."""
-        bitmask = self.ll.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = np.zeros((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
         failed = {}
         for i, (row, matcher) in enumerate(rows):
-            self.ll.torch.fill_next_token_bitmask(matcher, bitmask, i)
+            matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, bitmask.shape[1] * 4)
             if matcher.is_error():
                 failed[row] = f"structured output failed: {matcher.get_error()}"
-        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(allowed[:, : logits.shape[-1]]).to(logits.device, torch.bool)
         index = torch.tensor([r for r, _ in rows], device=logits.device)
         masked = logits[index].masked_fill(~allowed, float("-inf"))

@@ -6,7 +6,8 @@ constrained where the client demands a call, and parsed back into ``tool_calls``
   format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, which Qwen,
   Hermes and SmolLM3 templates use and vLLM's ``hermes`` parser reads) and parsed back.
 - ``"required"``: the answer is constrained to a JSON list of calls (vLLM's form:
-  ``[{"name": ..., "parameters": {...}}]``) of the given tools.
+  ``[{"name": ..., "parameters": {...}}]``) of the given tools; one call only with
+  ``parallel_tool_calls: false``.
 - a named function: the answer is constrained to that function's arguments.
 
 A model whose chat template does not render tools (SmolLM2's does not) gets them in a
@@ -31,6 +32,7 @@ class Tools:
     functions: tuple[dict, ...]  # each {"name", "description"?, "parameters"?}
     choice: str  # "none", "auto", "required" or "named"
     named: str | None = None
+    parallel: bool = True  # parallel_tool_calls: more than one call per answer
 
     @property
     def schemas(self) -> list[dict]:
@@ -43,8 +45,10 @@ class Tools:
             return {"json": params[self.named]}
         if self.choice == "required":
             call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                     "required": ["name", "parameters"]} for name, schema in params.items()]  # fmt: skip
-            return {"json": {"type": "array", "minItems": 1, "items": {"anyOf": call}}}
+                     "required": ["name", "parameters"], "additionalProperties": False}
+                    for name, schema in params.items()]  # fmt: skip
+            calls = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+            return {"json": calls if self.parallel else {**calls, "maxItems": 1}}
         return None
 
     def calls(self, text: str) -> tuple[str | None, list[dict]]:
@@ -52,7 +56,10 @@ class Tools:
         if self.choice == "named":
             return None, [_call(self.named, text)]
         if self.choice == "required":
-            return None, [_call(c["name"], json.dumps(c["parameters"])) for c in _json(text) or []]
+            calls = _json(text)
+            if not isinstance(calls, list):  # cut short (max_tokens): the text is all there is
+                return text, []
+            return None, [_call(c["name"], json.dumps(c["parameters"])) for c in calls]
         if self.choice == "none":
             return text, []
         found = []
@@ -89,8 +96,11 @@ def parse_tools(body: dict, bad_request) -> Tools | None:
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
         functions.append({k: function[k] for k in ("name", "description", "parameters") if k in function})
     names = [f["name"] for f in functions]
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice is None or choice in ("none", "auto", "required"):
-        return Tools(tuple(functions), choice or "auto")
+        return Tools(tuple(functions), choice or "auto", parallel=parallel is not False)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
         raise bad_request("tool_choice must be none, auto, required or {'type': 'function', 'function': "
@@ -98,7 +108,7 @@ def parse_tools(body: dict, bad_request) -> Tools | None:
     if named not in names:
         raise bad_request(f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)})",
                           "tool_choice")  # fmt: skip
-    return Tools(tuple(functions), "named", named)
+    return Tools(tuple(functions), "named", named, parallel is not False)
 
 
 def chat_turns(messages: list[dict], tools: Tools | None, template_renders_tools: bool) -> list[dict]:
