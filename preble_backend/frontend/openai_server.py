@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from preble_backend.common.keys import HEADER, grpc_bearer
+from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.frontend.openai_protocol import (
     Choice,
@@ -44,7 +45,7 @@ from preble_backend.frontend.openai_protocol import (
     usage_chunk,
 )
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
-from preble_backend.frontend.triton_http import MAX_BODY_BYTES, EngineView, add_triton_routes
+from preble_backend.frontend.triton_http import EngineView, add_triton_routes
 from preble_backend.serving.access import API_KEY_ENV
 from preble_backend.serving.protocol import invalid, retryable
 

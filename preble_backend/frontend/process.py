@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from preble_backend.frontend.triton_http import MAX_BODY_BYTES
+from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.serving.access import API_KEY_ENV, Access
 from preble_backend.serving.launcher import LaunchError, TritonServer
 

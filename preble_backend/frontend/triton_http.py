@@ -33,7 +33,6 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 BINARY = "inference-header-content-length"  # Triton's binary tensor extension: the body is not JSON
 ENGINE_UP = re.compile(r"^preble_router_engine_up\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 RETRY_AFTER_S = "1"
-MAX_BODY_BYTES = 32 << 20  # 8x the router's largest text_input (max_input_bytes)
 MAX_DEPTH = 512  # fewer brackets than this: no nesting to fear
 DRAIN_LIMIT_BYTES = 1 << 30  # an oversized body is read and dropped up to this, then cut
 

@@ -17,9 +17,8 @@ import torch
 
 from kernels.reference import extend_attention_ref, kv_write_ref
 from preble_backend.common.prefix import longest_match
+from preble_backend.common.settings import ATTENTION_BACKENDS
 from preble_backend.model.kv_pool import KVPool
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 @dataclass

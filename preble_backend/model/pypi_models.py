@@ -63,7 +63,8 @@ def model_directory(path: str, base: str | Path | None = None) -> Path:
     if base is not None and not directory.is_absolute():
         directory = Path(base) / directory
     if not (directory / "config.json").is_file():
-        raise ValueError(f"model_path={path!r} is invalid: {directory} holds no config.json")
+        known = f" (and it is not a model name: tiny, {', '.join(MODELS)})" if "/" not in str(path) else ""
+        raise ValueError(f"model_path={path!r} is invalid: {directory} holds no config.json{known}")
     return directory
 
 

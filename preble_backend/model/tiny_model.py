@@ -14,9 +14,10 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
 VERSION = "v2"
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
@@ -117,6 +118,8 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 2048) -> int:
 
 
 def random_weights(config: dict, seed: int = 0, std: float = 0.1) -> dict[str, torch.Tensor]:
+    import torch  # here, not at the top: ``preble --help`` reaches this module
+
     """Seeded normal init in Hugging Face key names; norms start at one. The std is larger
     than training inits use so that outputs vary and depend on the whole context."""
     gen = torch.Generator().manual_seed(seed)
@@ -160,6 +163,8 @@ def tiny_model_path() -> Path:
     try:
         config = dict(TINY_CONFIG, vocab_size=train_tokenizer(tmp))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        from safetensors.torch import save_file
+
         save_file(random_weights(config), str(tmp / "model.safetensors"))
         try:
             tmp.rename(target)

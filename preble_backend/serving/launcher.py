@@ -89,8 +89,9 @@ class TritonServer:
         models: dict[str, str] = {}
         for line in lines:
             found = LOAD_FAILURE.search(line)
-            if found:
-                models[found.group(1)] = found.group(2).replace('\\"', '"').strip()
+            if found:  # the stub's reason, without the Python stack it appends ("\n\nAt:\n  ...")
+                reason = found.group(2).replace('\\"', '"').split("\\n")[0].strip()
+                models[found.group(1)] = reason.removeprefix("Internal: ")
         if models:
             return "; ".join(
                 f"model {name} failed to load: {reason[-400:]}" for name, reason in models.items()

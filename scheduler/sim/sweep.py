@@ -22,11 +22,8 @@ from tqdm import tqdm
 from client.plots import latency_vs_rate
 from client.workloads import Materializer, WorkloadRequest, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
-from scheduler.policies import make_policy
+from scheduler.policies import ALL_POLICIES, make_policy
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
-
-BASELINES = ("round_robin", "least_load", "prefix_hash", "cache_aware", "kv_cost")
-ALL_POLICIES = ("e2", *BASELINES)
 
 
 def trace(workload: str, n: int, rps: float, seed: int = 0) -> list[SimRequest]:
