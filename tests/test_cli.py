@@ -3,11 +3,13 @@ port is taken or the repository is missing."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from server_utils import fresh_ports, write_test_repository
@@ -42,13 +44,36 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_mode
             break
     assert any(f"http://127.0.0.1:{ports.http}" in ln for ln in lines), lines
     assert any(f"127.0.0.1:{ports.grpc}" in ln for ln in lines), lines
+    [targets] = [Path(ln.split(" in ")[-1].strip()) for ln in lines if "engine scrape targets" in ln]
+    assert_scrape_config_finds(targets)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert "stopped" in out
+    assert "stopped" in out and not targets.exists()
     with socket.socket() as s:  # nothing listens on the port any more (TIME_WAIT may linger)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", ports.http))
+
+
+def assert_scrape_config_finds(targets: Path) -> None:
+    """docs/grafana/prometheus.yml's engine job reads the file ``preble serve`` wrote (its
+    glob, with this cache for the default one), and each target serves engine metrics."""
+    import fnmatch
+    import json
+    import urllib.request
+
+    import yaml
+
+    path = Path(__file__).parent.parent / "docs" / "grafana" / "prometheus.yml"
+    config = yaml.safe_load(path.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["preble-router"]["static_configs"][0]["targets"] == ["127.0.0.1:8002"]  # the default port
+    [pattern] = jobs["preble-engines"]["file_sd_configs"][0]["files"]
+    assert fnmatch.fnmatch(str(targets), pattern.replace("/root/.cache/preble", os.environ["PREBLE_CACHE"]))
+    [group] = json.loads(targets.read_text())
+    assert group["labels"] == {"engine": "preble_engine_0"}
+    with urllib.request.urlopen(f"http://{group['targets'][0]}/metrics", timeout=10) as r:
+        assert 'preble_engine_kv_pages_free{model="preble_engine_0"' in r.read().decode()
 
 
 def test_serve_fails_with_one_line_when_a_port_is_taken(tmp_path):

@@ -179,7 +179,7 @@ def test_without_migration_a_killed_engine_fails_its_requests_fast_and_is_routed
     # The shared prefix was cached only on the dead engine: it goes to the live one now.
     for i in range(6):
         assert client.generate(f"{SHARED} after {i}", {"max_tokens": 4})["instance"] == other
-    assert _metric(small, f'preble_router_engine_up{{instance="{first}"') == 0
+    assert _metric(small, f'preble_router_engine_up{{engine="{first}"') == 0
     assert f"engine {first} is down" in small.log_path.read_text()
     stubs = process_tree(small.process.pid)[1:]
     started = time.monotonic()

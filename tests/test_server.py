@@ -247,7 +247,7 @@ def test_metrics_report_engines_and_routing(server, client):
     for name in per_request:
         counts = _series(text, f"preble_router_{name}_count")
         assert sum(v for _, v in counts) >= 2
-        assert all('policy="e2"' in labels and "instance=" in labels for labels, _ in counts)
+        assert all('policy="e2"' in labels and "engine=" in labels for labels, _ in counts)
     prompt = sum(v for _, v in _series(text, "preble_router_prompt_tokens_total"))
     cached = sum(v for _, v in _series(text, "preble_router_cached_prompt_tokens_total"))
     assert prompt >= 2 * len(PROMPT.split()) and 0 < cached < prompt  # the second request hit the cache

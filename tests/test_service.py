@@ -195,7 +195,7 @@ def test_at_capacity_the_answer_is_503_with_retry_after(tmp_path, tiny_model):
 
 def engine_up(stack: Stack) -> dict[str, float]:
     text = http("GET", f"http://127.0.0.1:{stack.ports.metrics}/metrics")[2].decode()
-    found = re.findall(r'preble_router_engine_up\{[^}]*instance="([^"]+)"[^}]*\} (\S+)', text)
+    found = re.findall(r'preble_router_engine_up\{[^}]*engine="([^"]+)"[^}]*\} (\S+)', text)
     return {name: float(v) for name, v in found}
 
 

@@ -8,6 +8,7 @@ message, and the exit code is 0."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from preble_backend.frontend.process import OpenAIFront, start_openai_front
 from preble_backend.model.pypi_models import resolve as resolve_model
+from preble_backend.model.tiny_model import cache_root
 from preble_backend.serving.access import (
     API_KEY_ENV,
     ENGINE_KEY_ENV,
@@ -92,9 +94,12 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         front.wait_answering()
         _announce(args, public, front)
-        for unit in supervisor.units:
-            if unit.role == "engine":  # their preble_engine_* series; loopback only, no key needed
-                print(f"  {unit.model} metrics http://{LOOPBACK}:{unit.ports.metrics}/metrics")
+        engines = [unit for unit in supervisor.units if unit.role == "engine"]
+        for unit in engines:  # their preble_engine_* series; loopback only, no key needed
+            print(f"  {unit.model} metrics http://{LOOPBACK}:{unit.ports.metrics}/metrics")
+        if engines:
+            targets = write_scrape_targets(args.grpc_port, engines)
+            print(f"  engine scrape targets (Prometheus file_sd) in {targets}")
         for line in unreachable_engines(router_repo / "preble" / "config.pbtxt", env[ENGINE_KEY_ENV]):
             print(f"preble serve: warning: {line}", flush=True)
         key_file = None if api_key else write_admin_key(args.grpc_port, admin_key)
@@ -119,7 +124,23 @@ def serve(args: argparse.Namespace) -> int:
         _shutdown(front, router.server if router else None, supervisor, args.drain_timeout, run_dir)
         if not api_key:
             admin_key_file(args.grpc_port).unlink(missing_ok=True)
+        scrape_targets_file(args.grpc_port).unlink(missing_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def scrape_targets_file(grpc_port: int) -> Path:
+    """Where ``preble serve`` lists its engine servers' metrics endpoints for Prometheus
+    (``docs/grafana/prometheus.yml`` reads these files): their ports are picked at start."""
+    return cache_root() / "prometheus" / f"engines-{grpc_port}.json"
+
+
+def write_scrape_targets(grpc_port: int, engines: list[Supervised]) -> Path:
+    path = scrape_targets_file(grpc_port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    groups = [{"targets": [f"{LOOPBACK}:{unit.ports.metrics}"], "labels": {"engine": unit.model}}
+              for unit in engines]  # fmt: skip
+    path.write_text(json.dumps(groups, indent=1))
+    return path
 
 
 def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> None:

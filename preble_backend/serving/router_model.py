@@ -132,7 +132,7 @@ class TritonPythonModel:
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
-            self.metrics.gauge("preble_router_engine_up", 1, {"instance": engine.name})
+            self.metrics.gauge("preble_router_engine_up", 1, {"engine": engine.name})
         # pb_utils.TritonError exists once the stub runs, not when this module is imported
         self.failure_reasons = {getattr(pb_utils.TritonError, code): r for code, r in FAILURES.items()}
         self.metrics.count("preble_router_rejected_total", 0)  # every series exists from the start
@@ -241,7 +241,7 @@ class TritonPythonModel:
         self.loads[decision.instance].in_flight += 1
         flight.instance, flight.routing = decision.instance, routing
         engine = self.engines[decision.instance]
-        labels = {"policy": self.policy.name, "branch": decision.branch, "instance": engine.name}
+        labels = {"policy": self.policy.name, "branch": decision.branch, "engine": engine.name}
         self.metrics.count("preble_router_decisions_total", 1, labels)
         self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
                              {"policy": self.policy.name})  # fmt: skip
@@ -274,7 +274,7 @@ class TritonPythonModel:
         raw.update(max_tokens=params.max_tokens, min_tokens=params.min_tokens)
         if guided:  # the new engine's grammar matcher resumes after the tokens so far
             raw["guided_prefix_ids"] = list(guided)
-        self.metrics.count("preble_router_migrations_total", 1, {"policy": self.policy.name, "instance": old})
+        self.metrics.count("preble_router_migrations_total", 1, {"policy": self.policy.name, "engine": old})
         pb_utils.Logger.log_warn(f"preble router: engine {old} failed ({reason}); request continues "
                                  f"elsewhere after {generated} tokens")  # fmt: skip
         return continued, json.dumps(raw)
@@ -330,7 +330,7 @@ class TritonPythonModel:
     def _observe(self, engine: str, arrival: float, first_token_at: float | None, answer: Answer,
                  cached: int) -> None:  # fmt: skip
         """A finished request's latencies and token counts, as the client saw them."""
-        now, labels = time.monotonic(), {"policy": self.policy.name, "instance": engine}
+        now, labels = time.monotonic(), {"policy": self.policy.name, "engine": engine}
         observe = self.metrics.observe
         observe("preble_router_e2e_request_latency_seconds", now - arrival, labels)
         if first_token_at is not None:
@@ -343,13 +343,17 @@ class TritonPythonModel:
         self.metrics.count("preble_router_prompt_tokens_total", answer.num_input_tokens, labels)
         self.metrics.count("preble_router_cached_prompt_tokens_total", cached, labels)
 
-    def _count_failure(self, code) -> None:
-        labels = {"policy": self.policy.name, "reason": self.failure_reasons.get(code, "internal")}
-        self.metrics.count("preble_router_failures_total", 1, labels)
+    def _count_failure(self, code, engine: str = "none") -> None:
+        """A failed request, by reason and by the engine it was placed on ("none": refused
+        before routing)."""
+        reason = self.failure_reasons.get(code, "internal")
+        self.metrics.count("preble_router_failures_total", 1, {"policy": self.policy.name, "reason": reason,
+                                                               "engine": engine})  # fmt: skip
 
     def _fail(self, flight: Flight, message: str, code) -> None:
         if self.responder.fail(flight, message, code):
-            self._count_failure(code)
+            engine = "none" if flight.instance is None else self.engines[flight.instance].name
+            self._count_failure(code, engine)
 
     def _settle(self, flight: Flight) -> None:
         """The router's bookkeeping for a routed request, once, whoever ends it first."""
@@ -386,7 +390,7 @@ class TritonPythonModel:
     def _engine_down(self, instance: int, reason: str) -> None:
         name = self.engines[instance].name
         pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
-        self.metrics.gauge("preble_router_engine_up", 0, {"instance": name})
+        self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
         self.policy.instance_down(instance)
         self.feeds[instance].reset()
         if not self.config.migration_limit:  # else each task moves its request elsewhere
@@ -399,7 +403,7 @@ class TritonPythonModel:
     def _engine_up(self, instance: int) -> None:
         name = self.engines[instance].name
         pb_utils.Logger.log_info(f"preble router: engine {name} is back; routing to it again")
-        self.metrics.gauge("preble_router_engine_up", 1, {"instance": name})
+        self.metrics.gauge("preble_router_engine_up", 1, {"engine": name})
         self.engines[instance].reopen_streams()
         self.policy.instance_up(instance)
 
