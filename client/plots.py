@@ -10,10 +10,11 @@ import numpy as np
 MARKERS, STYLES = "osD^vx<>", ("-", "--", ":", "-.")
 
 
-def latency_vs_rate(records: list[dict], path: str | Path, caption: str) -> None:
+def latency_vs_rate(records: list[dict], path: str | Path, caption: str) -> list[tuple[float, float]]:
     """Average and p99 latency against ``rps``; records of one policy at one rate (repeats,
     or traces) are averaged, their spread drawn as error bars. Distinct markers and line
-    styles keep coinciding policies visible; linear axes with plain ticks."""
+    styles keep coinciding policies visible; linear axes with plain ticks. Returns each
+    axis's y range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,6 +22,7 @@ def latency_vs_rate(records: list[dict], path: str | Path, caption: str) -> None
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
     peaks: list[dict[str, float]] = [{}, {}]  # per axis: each policy's highest point
+    highest: dict[str, float] = {}  # per metric: the top of the highest error bar
     for k, policy in enumerate(dict.fromkeys(r["policy"] for r in records)):
         rows = [r for r in records if r["policy"] == policy]
         rates = sorted({r["rps"] for r in rows})
@@ -34,19 +36,23 @@ def latency_vs_rate(records: list[dict], path: str | Path, caption: str) -> None
                         markerfacecolor="none", markeredgewidth=1.6, linestyle=STYLES[k % len(STYLES)],
                         capsize=3, label=policy)  # fmt: skip
             peak[policy] = max(mean)
+            highest[key] = max(highest.get(key, 0.0), *(m + up for m, up in zip(mean, spread[1])))
+    for ax, key in zip(axes, ("avg_latency_s", "p99_latency_s")):  # room above the top marker
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.12 * highest.get(key, 0.0)))
     for ax, peak in zip(axes, peaks):
         _clip_outlier(ax, peak)
     for ax, title in zip(axes, ("average latency (s)", "p99 latency (s)")):
         ax.set_xlabel("requests per second")
         ax.set_ylabel(title)
-        ax.set_ylim(bottom=0)
         ax.ticklabel_format(style="plain", axis="both")
         ax.grid(True, alpha=0.3)
     axes[0].legend(loc="upper left")
     fig.suptitle(caption)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    limits = [ax.get_ylim() for ax in axes]
     plt.close(fig)
+    return limits
 
 
 def _clip_outlier(ax, peak: dict[str, float], factor: float = 2.5) -> None:

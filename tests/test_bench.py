@@ -18,16 +18,19 @@ from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL
 pytestmark = pytest.mark.server
 
 
-def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model):
+def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
     repo = write_test_repository(tmp_path / "repo", compute="emulated", cost_model="mistral7b_a6000",
                                  max_num_tokens=65536)  # fmt: skip
     server = launch(repo, tmp_path / "server.log", extra_args=EXPLICIT_MODEL_CONTROL)
     try:
         url = f"127.0.0.1:{server.ports.grpc}"
+        # no --tokenizer: prompts are sized in the served model's tokens (the simulator's
+        # run below, given the same model's tokenizer, sees the same prompt tokens)
         code = main(["bench", "--url", url, "--workload", "toolbench", "--requests", "24", "--rates", "6,12",
-                     "--policies", "e2,round_robin", "--scale", "0.2", "--tokenizer", tiny_model,
+                     "--policies", "e2,round_robin", "--scale", "0.2",
                      "--output", str(tmp_path / "out"), "--api-key", server.access.admin_key])  # fmt: skip
         assert code == 0
+        assert "prompts sized in the served model's tokens" in capsys.readouterr().out
         report = json.loads((tmp_path / "out" / "bench_toolbench.json").read_text())
         runs = report["runs"]
         assert [(r["policy"], r["rps"]) for r in runs] == [
@@ -127,3 +130,23 @@ def test_a_conversation_is_played_closed_loop():
     assert sent["t2"] - sent["t1"] == pytest.approx(0.5, abs=0.05)
     assert sent["t3"] - sent["t2"] == pytest.approx(0.3, abs=0.05)
     assert sent["other"] == pytest.approx(0.1, abs=0.05)
+
+
+def test_a_runs_failures_are_printed_with_their_reasons():
+    from client.bench import summary_line
+
+    record = {"policy": "e2", "rps": 4.0, "avg_latency_s": 1.0, "p99_latency_s": 2.0, "avg_ttft_s": 0.1,
+              "cache_hit_ratio": 0.5, "completed": 11, "num_requests": 12, "per_engine": {"a": 11},
+              "errors": {"prompt (5000 tokens) plus max_tokens (16) is 5016 tokens, over the model's context "
+                         "length of 4096": 1}}  # fmt: skip
+    [why] = record["errors"]
+    assert summary_line(record).splitlines()[-1] == f"    1 failed: {why}"
+
+
+def test_the_plot_leaves_room_above_its_top_marker(tmp_path):
+    from client.plots import latency_vs_rate
+
+    records = [{"policy": p, "rps": 4.0, "avg_latency_s": v, "p99_latency_s": 2 * v}
+               for p, v in (("e2", 1.0), ("round_robin", 1.5))]  # one rate: the case that clipped
+    (_, avg_top), (_, p99_top) = latency_vs_rate(records, tmp_path / "one.png", "one rate")
+    assert avg_top >= 1.12 * 1.5 and p99_top >= 1.12 * 3.0

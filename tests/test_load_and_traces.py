@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 from client.workloads import azure_trace, generate, mix, poisson_arrivals
 from preble_backend.cli import main
@@ -59,7 +61,14 @@ def test_mix_and_poisson_arrivals():
     assert all(g > 0 for g in gaps) and 0.1 < sum(gaps) / len(gaps) < 0.4  # mean 1/5 s
 
 
-def test_workload_and_simulate_commands(tmp_path, capsys):
+class Terminal(io.StringIO):
+    """stderr as a terminal: tqdm draws its bars only there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_workload_and_simulate_commands(tmp_path, capsys, monkeypatch):
     assert main(["workload", "summarize", "--workload", "videoqa", "--num-requests", "60"]) == 0
     out = capsys.readouterr().out
     assert "| prompt_len |" in out and "(9865, 5976)" in out
@@ -68,8 +77,11 @@ def test_workload_and_simulate_commands(tmp_path, capsys):
                  "--output", str(trace)]) == 0  # fmt: skip
     rows = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(rows) == 5 and all(r["text_input"] and r["max_tokens"] >= 1 for r in rows)
+    monkeypatch.setattr(sys, "stderr", terminal := Terminal())
     assert main(["simulate", "--workload", "toolbench", "--instances", "2", "--requests", "60",
                  "--policies", "e2,round_robin", "--output", str(tmp_path / "sim")]) == 0  # fmt: skip
+    bars = terminal.getvalue()  # the stress-rate search, then the runs
+    assert "finding the stress rate" in bars and "toolbench x2: 100%" in bars and "run/s" in bars
     records = json.loads((tmp_path / "sim" / "toolbench_2.json").read_text())
     assert {r["policy"] for r in records} == {"e2", "round_robin"}
     for key in ("avg_latency_s", "p99_latency_s", "avg_ttft_s", "p99_ttft_s", "avg_tpot_s", "throughput_rps",

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from client.bench import BenchConfig, bench, describe_cluster
+from client.bench import BenchConfig, bench, describe_cluster, served_tokenizer
 from client.bench import write as write_bench
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
@@ -128,12 +128,17 @@ def simulate_cmd(args: argparse.Namespace) -> int:
 
 
 def bench_cmd(args: argparse.Namespace) -> int:
+    key = _bench_key(args)
+    if not args.tokenizer and not args.simulate and not args.trace:
+        args.tokenizer = served_tokenizer(args.url, args.model, key)
+        print(f"prompts sized in the served model's tokens ({args.tokenizer})" if args.tokenizer else
+              "prompts sized in words: the served model's tokenizer is not on this host (--tokenizer)")
     cfg = BenchConfig(
         url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
         rates=args.rates, policies=args.policies,
         repeats=args.repeats, scale=args.scale, seed=args.seed,
         tokenizer=resolve_model(args.tokenizer) if args.tokenizer else None,
-        transport=args.transport, http_url=args.http_url, direct=args.direct, api_key=_bench_key(args),
+        transport=args.transport, http_url=args.http_url, direct=args.direct, api_key=key,
     )  # fmt: skip
     if not cfg.trace:  # the scaled trace keeps the paper's sharing structure: show it
         reqs = generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale)

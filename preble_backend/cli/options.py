@@ -270,7 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=_positive(int), default=1, help="passes over every rate and policy")
     p.add_argument("--scale", type=_positive(float), default=0.4, help="prompt lengths x scale")
-    p.add_argument("--tokenizer", default=None, help="size prompts in this model's tokens (none: words)")
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="size prompts in this model's tokens (none: the served model's if this host has it, else words)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="the trace's random seed")
     p.add_argument("--caption", default=None, help="the plot's title line")
     p.add_argument(

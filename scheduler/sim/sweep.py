@@ -83,14 +83,19 @@ def at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[Sim
 def find_stress_rps(
     requests, base_rps, cfg, cost, start_rps: float, factor: float = 5.0, max_steps: int = 24
 ):
-    """(light rps, light RR p99, stress rps, stress RR p99)."""
-    light = run(at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]
-    rps = start_rps
-    for _ in range(max_steps):
-        rps *= 1.5
-        p99 = run(at_rate(requests, base_rps, rps), "round_robin", cfg, cost)["p99_latency_s"]
-        if p99 >= factor * light:
-            return start_rps, light, rps, p99
+    """(light rps, light RR p99, stress rps, stress RR p99): round robin's p99 at
+    ``start_rps``, then at rates 1.5x apart until it is ``factor`` times that."""
+    with tqdm(total=max_steps + 1, desc="finding the stress rate", unit="run", disable=None) as bar:
+        light = run(at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]
+        bar.update(1)
+        rps = start_rps
+        for _ in range(max_steps):
+            rps *= 1.5
+            p99 = run(at_rate(requests, base_rps, rps), "round_robin", cfg, cost)["p99_latency_s"]
+            bar.update(1)
+            bar.set_postfix_str(f"{rps:.2f} rps: p99 {p99:.2f}s (stress at {factor * light:.2f}s)")
+            if p99 >= factor * light:
+                break
     return start_rps, light, rps, p99
 
 
