@@ -67,3 +67,65 @@ def test_fields_without_effect_on_inference_are_accepted(qwen2_gqa_model):
              "torch_dtype": "bfloat16", "num_beams": 4, "temperature": 0.7, "pad_token_id": 3,
              "_model_name_or_path": "SmolLM2 135M"}  # what transformers' GGUF loader adds  # fmt: skip
     assert ModelConfig.from_dict({**cfg, **extra}).num_kv_heads == 2
+
+
+def _with_config(src: str, dst: Path, **changes) -> Path:
+    path = _copy(src, dst)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return path
+
+
+def test_rope_scaling_beside_rope_parameters_is_honoured_as_transformers_does(
+    llama3_tied_model, tmp_path, make_engine, hf_reference
+):  # fmt: skip
+    """transformers 5 writes ``rope_parameters``; a model card's ``rope_scaling`` added to
+    such a config replaces it there, so here too (it was ignored: every token differed)."""
+    cfg = json.loads((Path(llama3_tied_model) / "config.json").read_text())
+    theta = cfg.get("rope_theta", 500000.0)
+    default, linear = {"rope_type": "default", "rope_theta": theta}, {"rope_type": "linear", "factor": 4.0}
+    path = _with_config(llama3_tied_model, tmp_path / "scaled", rope_parameters=default, rope_scaling=linear)
+    assert ModelConfig.from_dir(path).rope["rope_type"] == "linear"
+    prompts = random_prompts([30, 9], 320, seed=41)
+    out = make_engine(str(path)).generate(prompts, {**GREEDY, "max_tokens": 12, "ignore_eos": True})
+    assert out == [hf_reference(str(path)).greedy(p, 12) for p in prompts]
+    for kind in ("yarn", "dynamic", "longrope"):
+        with pytest.raises(ValueError, match=f"rope_scaling rope_type '{kind}' is not supported"):
+            ModelConfig.from_dict({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                                   "rope_scaling": {"rope_type": kind, "factor": 2.0}})  # fmt: skip
+
+
+def test_an_untied_checkpoint_without_lm_head_is_refused(qwen2_gqa_model, tmp_path):
+    path = _copy(qwen2_gqa_model, tmp_path / "headless")
+    [weights] = path.glob("*.safetensors")
+    state = load_file(str(weights))
+    del state["lm_head.weight"]
+    save_file(state, str(weights), metadata={"format": "pt"})
+    missing = r"lacks weights: \['lm_head.weight'\] \(tie_word_embeddings is false\)"
+    with pytest.raises(ValueError, match=missing):
+        LlamaForCausalLM.from_pretrained(path, torch.float32, "cpu")
+
+
+def test_only_the_checkpoints_own_safetensors_are_read(qwen2_gqa_model, tmp_path, make_engine):
+    """A second file beside ``model.safetensors`` (an adapter, a copy) is not read, as
+    transformers does not read it; several files and no index are refused by name."""
+    path = _copy(qwen2_gqa_model, tmp_path / "beside")
+    [weights] = path.glob("*.safetensors")
+    assert weights.name == "model.safetensors"
+    prompts = random_prompts([12], 320, seed=5)
+    before = make_engine(str(path)).generate(prompts, {**GREEDY, "max_tokens": 8, "ignore_eos": True})
+    state = load_file(str(weights))
+    save_file({k: torch.zeros_like(v) for k, v in state.items()}, str(path / "adapter.safetensors"))
+    after = make_engine(str(path)).generate(prompts, {**GREEDY, "max_tokens": 8, "ignore_eos": True})
+    assert after == before
+    weights.rename(path / "weights-a.safetensors")
+    with pytest.raises(ValueError, match="has 2 .safetensors files .* and no model.safetensors.index.json"):
+        LlamaForCausalLM.from_pretrained(path, torch.float32, "cpu")
+
+
+def test_a_prompt_past_a_sliding_window_is_refused_naming_it(qwen2_gqa_model, tmp_path, make_engine):
+    path = _with_config(qwen2_gqa_model, tmp_path / "window", use_sliding_window=True, sliding_window=16,
+                        max_window_layers=0)  # fmt: skip
+    engine = make_engine(str(path))
+    with pytest.raises(ValueError, match="over the model's context length of 16 .its sliding_window"):
+        engine.add_request("long", list(range(3, 20)), {"max_tokens": 2})

@@ -8,7 +8,6 @@ modeling code (RMSNorm in fp32, rotate-half RoPE) so greedy outputs match token 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 
 from preble_backend.model.attention import AttentionBackend, AttentionBatch
 from preble_backend.model.kv_pool import KVPool
+from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -129,12 +129,13 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         state = _load_state_dict(Path(model_path))
-        if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        if cfg.tie_word_embeddings:  # a checkpoint without it and untied lacks it: refused below
             state["lm_head.weight"] = state["embed_tokens.weight"]
         expected = set(model.state_dict())
         missing = expected - set(state)
         if missing:
-            raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:5]}")
+            tie = " (tie_word_embeddings is false)" if "lm_head.weight" in missing else ""
+            raise ValueError(f"checkpoint {model_path} lacks weights: {sorted(missing)[:5]}{tie}")
         unused = sorted(k for k in set(state) - expected if not k.endswith("rotary_emb.inv_freq"))
         if unused:  # a tensor the model would silently drop: its arithmetic would differ
             more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
@@ -147,16 +148,10 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All safetensors shards, with Hugging Face's ``model.`` prefix stripped."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [p.name for p in sorted(path.glob("*.safetensors"))]
-    if not files:
-        raise FileNotFoundError(f"model_path {path} has no .safetensors weights")
+    """The checkpoint's tensors (``weight_files``), with Hugging Face's ``model.`` prefix
+    stripped."""
     state: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in weight_files(path):
         for key, tensor in load_file(str(path / name)).items():
             state[key.removeprefix("model.")] = tensor
     return state

@@ -67,6 +67,7 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    sliding_window: int | None = None  # where it caps the context (sliding attention is not built)
 
     @property
     def max_context(self) -> int:
@@ -96,8 +97,8 @@ class ModelConfig:
         if layer_types - {"full_attention", "sliding_attention"}:
             raise ValueError(f"layer_types {sorted(layer_types)} are not supported")
         sliding = family == "mistral" or cfg.get("use_sliding_window") or "sliding_attention" in layer_types
-        if window and sliding and window < max_pos:
-            # Sliding-window attention is not implemented; cap the context where it is exact.
+        capped = bool(window and sliding and window < max_pos)
+        if capped:  # sliding-window attention is not implemented; cap the context where it is exact
             max_pos = window
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -121,6 +122,7 @@ class ModelConfig:
             rope=rope,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=window if capped else None,
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -160,14 +162,17 @@ def _refuse_unknown_fields(cfg: dict, family: str) -> None:
 
 
 def _rope_parameters(cfg: dict) -> dict:
-    params = dict(cfg.get("rope_parameters") or {})
-    if not params:
-        params = dict(cfg.get("rope_scaling") or {})
-        params["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    """RoPE settings as transformers 5 reads them: ``rope_scaling``, where a config has it,
+    replaces ``rope_parameters`` (model cards tell users to add it for longer contexts, to
+    a config that already has ``rope_parameters``); ``rope_theta`` is then the dict's own,
+    else the config's top-level one, else 10,000."""
+    source = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    params = dict(cfg.get(source) or {})
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or params.get("type") or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {kind!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(f"{source} rope_type {kind!r} is not supported; expected one of "
+                         f"{SUPPORTED_ROPE_TYPES}")  # fmt: skip
     params["rope_type"] = kind
     return params
 
