@@ -44,6 +44,8 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_mode
             break
     assert any(f"http://127.0.0.1:{ports.http}" in ln for ln in lines), lines
     assert any(f"127.0.0.1:{ports.grpc}" in ln for ln in lines), lines
+    [model] = [ln for ln in lines if ln.startswith("  model ")]  # which model, its size and dtype
+    assert "tiny: 4.2M parameters, float32, context 4096 tokens" in model and "random weights" in model
     [targets] = [Path(ln.split(" in ")[-1].strip()) for ln in lines if "engine scrape targets" in ln]
     assert_scrape_config_finds(targets)
     proc.send_signal(signal.SIGTERM)

@@ -44,8 +44,10 @@ def test_models_lists_the_served_model(stack):
     import openai
 
     _, api = stack
-    assert [m.id for m in api.models.list().data] == ["preble"]
-    assert api.models.retrieve("preble").id == "preble"
+    assert [m.id for m in api.models.list().data] == ["preble"]  # named so: no alias beside it
+    card = api.models.retrieve("preble")
+    assert card.id == "preble" and card.root.endswith("tiny-llama-v2") and card.max_model_len == 4096
+    assert card.dtype == "float32" and card.parameters > 4_000_000
     with pytest.raises(openai.NotFoundError):
         api.models.retrieve("gpt-4")
 

@@ -10,6 +10,7 @@ from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.frontend.openai_protocol import (
     Choice,
     OpenAIError,
+    Served,
     Usage,
     chunk_body,
     completion_body,
@@ -235,3 +236,12 @@ def test_n_choices_each_have_an_index():
     assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "a", "stop"),
                                                                                       (1, "b", "length")]
     assert chunk_body(call, "m", "b", None, index=2)["choices"][0]["index"] == 2
+
+
+def test_the_served_model_answers_to_its_name_and_to_preble():
+    served = Served("smollm2", aliases=("preble",))
+    for name in ("smollm2", "preble"):
+        call = parse_completion({"model": name, "prompt": "x"}, served)
+        assert completion_body(call, served, [Choice("y", "stop")], Usage())["model"] == "smollm2"
+    with pytest.raises(OpenAIError, match="serves `smollm2` or `preble`"):
+        parse_completion({"model": "gpt-4", "prompt": "x"}, served)

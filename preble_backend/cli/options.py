@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--openai-port", type=_port(0), default=9000, help="the OpenAI-compatible API (/v1/...); 0: none"
     )
-    p.add_argument("--served-model-name", default="preble", help="the model name OpenAI clients send")
+    p.add_argument(
+        "--served-model-name", default=None,
+        help="the name OpenAI answers carry (none: the model's, e.g. smollm2); 'preble' is accepted too",
+    )  # fmt: skip
     p.add_argument(
         "--layout", choices=("split", "single"), default="split",
         help="split: each engine in a tritonserver of its own, restarted when it dies; single: engines "

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from preble_backend.frontend.process import OpenAIFront, start_openai_front
+from preble_backend.model.model_card import ModelCard, model_card
 from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.model.tiny_model import cache_root
 from preble_backend.serving.access import (
@@ -86,13 +87,15 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         if not supervisor.add(router, lambda: bool(stop)):
             return 0
-        model_path = router_model_path(repository)
+        model = served_model(repository)
         front = start_openai_front(
-            f"{LOOPBACK}:{ports.grpc}", args.openai_port, model_path, log.with_suffix(".front.log"),
-            args.served_model_name, server=router.server, http_port=args.http_port, access=public,
-            max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout,
+            f"{LOOPBACK}:{ports.grpc}", args.openai_port, model.path, log.with_suffix(".front.log"),
+            args.served_model_name or "", server=router.server, http_port=args.http_port, access=public,
+            max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout, model_name=model.name,
+            dtype=model.dtype,
         )  # fmt: skip
         front.wait_answering()
+        print(f"  model    {model.line()}")
         _announce(args, public, front)
         engines = [unit for unit in supervisor.units if unit.role == "engine"]
         for unit in engines:  # their preble_engine_* series; loopback only, no key needed
@@ -209,8 +212,13 @@ def unreachable_engines(router_config: Path, key: str | None, timeout_s: float =
     return problems
 
 
-def router_model_path(repository: Path) -> str:
-    """The engines' model as the repository's router names it, resolved as the router does."""
+def served_model(repository: Path) -> ModelCard:
+    """The engines' model as the repository's router names it (resolved as the router
+    does), with the dtype and device of its first local engine."""
     config = repository / "preble" / "config.pbtxt"
-    model_path = config_parameter(config.read_text(), "model_path") if config.is_file() else None
-    return resolve_model(model_path or "tiny", base=repository)
+    model_path = (config_parameter(config.read_text(), "model_path") if config.is_file() else None) or "tiny"
+    engine = next(iter(sorted(repository.glob("preble_engine_*/config.pbtxt"))), None)
+    text = engine.read_text() if engine is not None else ""
+    dtype, device = (config_parameter(text, key) for key in ("dtype", "device"))
+    resolved = resolve_model(model_path, base=repository)
+    return model_card(model_path, resolved, dtype or "auto", device or "cpu")

@@ -148,12 +148,28 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
+class Served(str):
+    """The served model's name, as answers carry it, and the other names requests may use
+    for it (``preble``, the router model's name, which Triton tools send)."""
+
+    def __new__(cls, name: str, aliases: tuple[str, ...] = ()) -> Served:
+        served = super().__new__(cls, name)
+        served.aliases = tuple(a for a in aliases if a != name)
+        return served
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (str(self), *self.aliases)
+
+
 def check_model(body: dict, served: str) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model is required", "model")
-    if model != served:
-        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{served}`", "model",
+    names = served.names if isinstance(served, Served) else (served,)
+    if model not in names:
+        listed = " or ".join(f"`{n}`" for n in names)
+        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves {listed}", "model",
                           "not_found_error")  # fmt: skip
 
 

@@ -34,6 +34,7 @@ from preble_backend.frontend.openai_protocol import (
     Choice,
     OpenAIError,
     RouterCall,
+    Served,
     Usage,
     check_model,
     chunk_body,
@@ -202,7 +203,10 @@ class TritonSide:
     max_body_bytes: int = MAX_BODY_BYTES
 
 
-def make_app(router: Router, served: str, render, triton: TritonSide | None = None, key: str | None = None):
+def make_app(router: Router, served: str, render, triton: TritonSide | None = None, key: str | None = None,
+             card: dict | None = None):  # fmt: skip
+    """``card``: what ``/v1/models`` says of the model (vLLM's ``root``, ``max_model_len``,
+    and its parameters and dtype)."""
     import aiohttp
 
     session: list[aiohttp.ClientSession] = []
@@ -254,16 +258,18 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
                 raise OpenAIError(503, why)
         return {"status": "ok"}
 
-    model = {"id": served, "object": "model", "created": 0, "owned_by": "preble"}
+    cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "preble", **(card or {}),
+                    **({"parent": str(served)} if name != served else {})}
+             for name in (served.names if isinstance(served, Served) else (served,))}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str):
         check_model({"model": name}, served)  # another name: 404, as a request for it would be
-        return model
+        return cards[name]
 
     async def body_of(request: Request) -> dict:
         try:
@@ -400,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
+    from preble_backend.model.model_card import model_card
     from preble_backend.model.pypi_models import resolve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -407,7 +414,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router", default="127.0.0.1:8001", help="the router's tritonserver gRPC endpoint")
     parser.add_argument("--router-model", default="preble", help="the router model's name")
     parser.add_argument("--model-path", default="tiny", help="the engines' model (its chat template)")
-    parser.add_argument("--served-model-name", default="preble", help="the model name clients send")
+    parser.add_argument("--model-name", default="", help="the model as the repository names it")
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype, as /v1/models reports it")
+    parser.add_argument("--served-model-name", default="",
+                        help="the name answers carry (none: the model's); 'preble' is always accepted too")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--port", type=int, default=9000, help="the OpenAI API's port (0: none)")
     parser.add_argument("--http-port", type=int, default=0, help="Triton's HTTP API's port (0: none)")
@@ -423,8 +433,12 @@ def main(argv: list[str] | None = None) -> None:
                             args.max_body_bytes)  # fmt: skip
     drain = Drain(args.drain_timeout)
     router = Router(args.router, args.router_model, key, drain)
-    render = chat_renderer(resolve(args.model_path))
-    app = drain.wrap(make_app(router, args.served_model_name, render, triton, key))
+    path = resolve(args.model_path)
+    info = model_card(args.model_name or args.model_path, path, args.dtype)
+    served = Served(args.served_model_name or info.name, aliases=(args.router_model,))
+    card = {"root": info.path, "max_model_len": info.max_model_len, "parameters": info.parameters,
+            "dtype": info.dtype}  # fmt: skip
+    app = drain.wrap(make_app(router, served, chat_renderer(path), triton, key, card))
     ports = [p for p in (args.port, args.http_port) if p]
     configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning", timeout_graceful_shutdown=5)
                for p in ports]  # fmt: skip

@@ -82,7 +82,7 @@ class OpenAIFront:
 def start_openai_front(
     router_grpc: str, port: int, model_path: str, log_path: Path, served_model_name: str = "preble",
     server: TritonServer | None = None, http_port: int = 0, access: Access | None = None,
-    max_body_bytes: int = MAX_BODY_BYTES, drain_s: float = 30.0,
+    max_body_bytes: int = MAX_BODY_BYTES, drain_s: float = 30.0, model_name: str = "", dtype: str = "auto",
 ) -> OpenAIFront:  # fmt: skip
     """Launch the front (not yet waiting for it): the OpenAI API on ``port``, and with a
     ``server`` Triton's HTTP API on ``http_port``, forwarded to that server's own HTTP
@@ -91,6 +91,7 @@ def start_openai_front(
     cmd = [
         sys.executable, "-m", "preble_backend.frontend.openai_server", "--router", router_grpc,
         "--model-path", model_path, "--port", str(port), "--served-model-name", served_model_name,
+        "--model-name", model_name, "--dtype", dtype,
         "--host", access.host, "--max-body-bytes", str(max_body_bytes), "--drain-timeout", str(drain_s),
     ]  # fmt: skip
     if server is not None and http_port:

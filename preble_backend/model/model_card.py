@@ -23,7 +23,10 @@ class ModelCard:
     def line(self) -> str:
         size = f"{self.parameters / 1e9:.1f}B" if self.parameters >= 1e9 else f"{self.parameters / 1e6:.1f}M"
         context = f"context {self.max_model_len} tokens"
-        return f"{self.name}: {size} parameters, {self.dtype}, {context} ({self.path})"
+        note = ""
+        if self.name == "tiny":
+            note = "; random weights, random text: for a trained model, preble repo DIR --model-path smollm2"
+        return f"{self.name}: {size} parameters, {self.dtype}, {context} ({self.path}){note}"
 
 
 def model_card(model_path: str, resolved: str | Path, dtype: str = "auto", device: str = "cpu") -> ModelCard:
