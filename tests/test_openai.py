@@ -255,3 +255,39 @@ def test_a_short_genai_perf_profile_runs_clean(stack, tmp_path, tiny_model, endp
     stats = json.loads(export.read_text())
     assert stats["request_throughput"]["avg"] > 0 and stats["request_count"]["avg"] >= 4
     assert 0 < stats["time_to_first_token"]["avg"] <= stats["request_latency"]["avg"]
+
+
+def test_the_responses_api(stack):
+    """OpenAI's Responses API, whole and streamed, on the chat machinery: text, a JSON
+    schema in text.format, a function call, and what a stateless server refuses."""
+    import jsonschema
+
+    _, api = stack
+    ask = {"model": "preble", "input": PROMPT, "instructions": "Be brief.", "max_output_tokens": 8,
+           "temperature": 0, "extra_body": IGNORE_EOS}  # fmt: skip
+    done = api.responses.create(**ask)
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+    assert done.usage.output_tokens == 8 and done.output_text and done.model == "preble"
+    events = list(api.responses.create(**ask, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == done.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    fmt = {"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT}}
+    typed = api.responses.create(model="preble", input=PROMPT, text=fmt, max_output_tokens=40)
+    jsonschema.validate(json.loads(typed.output_text), VERDICT)
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    named = {"type": "function", "name": "get_weather"}
+    called = api.responses.create(model="preble", input="Weather in Oslo?", tools=[tool], tool_choice=named,
+                                  max_output_tokens=60)
+    [item] = called.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id
+    jsonschema.validate(json.loads(item.arguments), tool["parameters"])
+    asked = {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments}
+    answered = {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}
+    follow = [{"role": "user", "content": "Weather in Oslo?"}, asked, answered]
+    assert api.responses.create(model="preble", input=follow, max_output_tokens=4).usage.input_tokens > 0
+    for kwargs, words in (({"previous_response_id": "resp_1"}, "stores no responses"),
+                          ({"tools": [{"type": "web_search"}]}, "only function tools")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError, match=words):
+            api.responses.create(model="preble", input=PROMPT, **kwargs)

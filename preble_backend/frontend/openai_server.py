@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from preble_backend.common.keys import HEADER, grpc_bearer
 from preble_backend.common.settings import MAX_BODY_BYTES
+from preble_backend.frontend import responses
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.frontend.openai_protocol import (
     Choice,
@@ -306,6 +307,24 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await answer(parse_chat(await body_of(request), served, render))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        body = await body_of(request)
+        chat = responses.chat_body(body)
+        call = parse_chat(chat, served, render)
+        call.ignored = sorted(set(body) - set(responses.KNOWN))
+        if call.ignored:
+            log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
+        [pieces] = await open_choices(router, call)
+        if call.stream:
+            return StreamingResponse(responses.response_events(call, served, body, pieces),
+                                     media_type="text/event-stream")  # fmt: skip
+        choice, usage = Choice(), Usage()
+        async for _, piece in _merged([pieces]):
+            choice.text += piece.text
+            choice.finish = _count(usage, piece) or choice.finish
+        return responses.response_object(call, served, body, choice, usage)
 
     return app
 
