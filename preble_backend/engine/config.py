@@ -34,7 +34,7 @@ class EngineConfig:
     priority_quota: int = setting(10, doc="k: group g admits (g + 1) * k requests per round")
     enable_prefix_caching: bool = setting(True, doc="radix prefix cache on/off")
     attention_backend: str = setting(
-        "auto", doc="auto (torch on CPU, triton on GPU) | torch | triton | flashinfer"
+        "auto", doc="auto (sdpa on CPU, triton on GPU) | torch (the reference) | sdpa | triton | flashinfer"
     )
     cpu_cores: str = setting(
         "", doc="CPU engines: the cores this engine runs on, e.g. 0-1 (its torch threads = their count)"

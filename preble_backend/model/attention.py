@@ -102,11 +102,16 @@ def shared_prefix_groups(
 
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` is the torch reference on the CPU and the Triton kernels on CUDA."""
+    """``auto`` is the batched SDPA path on the CPU and the Triton kernels on CUDA; ``torch``
+    is the kernels' reference, request by request."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "sdpa"
     if name == "torch":
         return TorchAttention()
+    if name == "sdpa":
+        from preble_backend.model.attention_sdpa import SdpaAttention
+
+        return SdpaAttention()
     if name == "triton":
         from preble_backend.model.attention_triton import TritonAttention
 
