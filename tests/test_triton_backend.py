@@ -110,11 +110,13 @@ def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend,
                 break  # bf16 rounding picked another token: later forwards see other inputs
 
 
-def test_auto_backend_is_torch_on_cpu_and_unknown_names_are_refused():
+def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_refused():
     from preble_backend.model.attention import TorchAttention, make_attention_backend
+    from preble_backend.model.attention_sdpa import SdpaAttention
 
-    assert isinstance(make_attention_backend("auto", torch.device("cpu")), TorchAttention)
-    with pytest.raises(ValueError, match="accepted: auto, torch, triton, flashinfer"):
+    assert isinstance(make_attention_backend("auto", torch.device("cpu")), SdpaAttention)
+    assert isinstance(make_attention_backend("torch", torch.device("cpu")), TorchAttention)
+    with pytest.raises(ValueError, match="accepted: auto, torch, sdpa, triton, flashinfer"):
         make_attention_backend("cuda_magic", torch.device("cpu"))
     with pytest.raises(ValueError, match="'flashinfer' needs a CUDA device"):
         make_attention_backend("flashinfer", torch.device("cpu"))

@@ -18,6 +18,10 @@ from preble_backend.common.keys import grpc_bearer
 from preble_backend.serving.access import engine_key
 from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names
 
+# Triton's answers for a model that is not loaded: a restarted engine server answers them
+# until its model is up. The request is not the engine's fault: it moves elsewhere.
+NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready")
+
 OUTPUTS = names(ENGINE_OUTPUTS)
 
 
@@ -187,6 +191,8 @@ class EngineClient:
             message = str(exc)
             if message.startswith(REFUSED):
                 raise EngineRefused(message.removeprefix(REFUSED)) from None
+            if any(words in message for words in NOT_LOADED):  # its server is up, the model not (yet)
+                raise EngineUnavailable(f"engine {self.name} is unavailable: {message}") from None
             raise EngineError(message) from None
         except grpc.RpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
