@@ -30,7 +30,8 @@ def serve(repo, ports, *more: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_model):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])  # SIGINT: Ctrl-C
+def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_model, stop):
     ports = fresh_ports()
     proc = serve(write_test_repository(tmp_path / "repo", cpu_engines=1), ports)
     lines = []
@@ -48,10 +49,10 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_mode
     assert "tiny: 4.2M parameters, float32, context 4096 tokens" in model and "random weights" in model
     [targets] = [Path(ln.split(" in ")[-1].strip()) for ln in lines if "engine scrape targets" in ln]
     assert_scrape_config_finds(targets)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert "stopped" in out and not targets.exists()
+    assert "stopped" in out and not targets.exists() and "Exit timeout" not in err
     with socket.socket() as s:  # nothing listens on the port any more (TIME_WAIT may linger)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", ports.http))
@@ -94,6 +95,12 @@ def test_serve_fails_with_one_line_when_the_repository_is_missing(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert err.strip() == f"preble serve: model repository {tmp_path / 'nowhere'} does not exist"
+    (tmp_path / "empty").mkdir()  # there, but nothing to serve: one line too, not a wait
+    proc = serve(tmp_path / "empty", fresh_ports())
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.strip().splitlines() == [f"preble serve: {tmp_path / 'empty'} holds no router model "
+                                        "(preble/config.pbtxt): see `preble repo`"]
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])

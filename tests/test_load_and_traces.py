@@ -88,3 +88,13 @@ def test_workload_and_simulate_commands(tmp_path, capsys, monkeypatch):
                 "cache_hit_ratio", "num_requests", "rps", "instances", "workload"):  # fmt: skip
         assert key in records[0]
     assert (tmp_path / "sim" / "toolbench_2.png").stat().st_size > 10_000
+
+
+def test_bench_shows_its_progress(tmp_path, monkeypatch, tiny_model):
+    """``preble bench --simulate``: tokenizing and each rate's policies as bars."""
+    monkeypatch.setattr(sys, "stderr", terminal := Terminal())
+    assert main(["bench", "--simulate", "2", "--workload", "toolbench", "--requests", "12", "--rates", "4",
+                 "--policies", "e2,round_robin", "--scale", "0.05", "--tokenizer", tiny_model,
+                 "--output", str(tmp_path / "b")]) == 0  # fmt: skip
+    bars = terminal.getvalue()
+    assert "tokenizing: 100%" in bars and "simulating @ 4.0 rps: 100%" in bars

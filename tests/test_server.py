@@ -268,6 +268,7 @@ def test_every_metric_the_grafana_dashboard_queries_exists(server, client):
         assert re.search(rf"^{name}(_bucket|_sum|_count)?{{", text, re.M), f"{name} is not on /metrics"
     failures = _series(text, "preble_router_failures_total")
     assert any('reason="invalid"' in labels and value >= 1 for labels, value in failures), failures
+    assert all("engine=" in labels for labels, _ in failures), failures  # "none": refused before routing
 
 
 def test_router_in_another_server_reaches_these_engines(server, client, tmp_path, direct_text):

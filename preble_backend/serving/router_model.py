@@ -136,8 +136,8 @@ class TritonPythonModel:
         # pb_utils.TritonError exists once the stub runs, not when this module is imported
         self.failure_reasons = {getattr(pb_utils.TritonError, code): r for code, r in FAILURES.items()}
         self.metrics.count("preble_router_rejected_total", 0)  # every series exists from the start
-        for reason in FAILURES.values():
-            labels = {"policy": self.policy.name, "reason": reason}
+        for reason in FAILURES.values():  # at zero, with the label a refusal before routing has
+            labels = {"policy": self.policy.name, "reason": reason, "engine": "none"}
             self.metrics.count("preble_router_failures_total", 0, labels)
         self.responder = Responder(_response, error_response, FINAL, pb_utils.Logger.log_error)
         self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="preble-tokenize")
