@@ -163,13 +163,12 @@ def bench_cmd(args: argparse.Namespace) -> int:
 def _served_tokenizer(model_path: str) -> str | None:
     """The served model's directory when this host has it (a preble model name, or a
     directory that exists here), so the bench sizes prompts in its tokens."""
-    from preble_backend.model.pypi_models import is_named
-
     if not model_path:
         return None
-    if is_named(model_path):
+    try:
         return resolve_model(model_path)
-    return model_path if os.path.isfile(os.path.join(model_path, "config.json")) else None
+    except ValueError:  # a directory this host does not have
+        return None
 
 
 def _bench_key(args: argparse.Namespace) -> str | None:

@@ -25,13 +25,6 @@ class Guide:
     kind: str
     spec: str = ""
 
-    def to_json(self) -> dict:
-        if self.kind == "json_object":
-            return {"json_object": True}
-        if self.kind in ("json", "choice"):
-            return {self.kind: json.loads(self.spec)}
-        return {self.kind: self.spec}
-
 
 def parse_guide(key: str, value) -> Guide:
     """A ``Guide`` from ``structured_outputs`` or a ``guided_*`` key's value; a wrong shape

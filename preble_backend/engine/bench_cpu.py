@@ -45,13 +45,10 @@ class Transformers:
         return out[:, ids.shape[1] :].tolist()
 
 
-def best_of(rounds: int, fn) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def run(path: str, backend: str, args, reference: Transformers) -> dict:
@@ -80,8 +77,8 @@ def run(path: str, backend: str, args, reference: Transformers) -> dict:
     ):  # fmt: skip
         t_engine, t_ref = [], []
         for _ in range(args.rounds):  # alternated, so both see the same host
-            t_engine.append(best_of(1, fn_engine))
-            t_ref.append(best_of(1, fn_ref))
+            t_engine.append(timed(fn_engine))
+            t_ref.append(timed(fn_ref))
         result[name] = {"engine_tok_s": tokens / min(t_engine), "transformers_tok_s": tokens / min(t_ref),
                         "ratio": min(t_ref) / min(t_engine)}  # fmt: skip
     ours, theirs = engine_generate(eight, greedy), reference.generate(eight, args.max_tokens)

@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve(args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     vocab = AutoConfig.from_pretrained(path).vocab_size
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     rows = [drive(xgrammar_library(tokenizer, vocab, args.batch), args.batch, vocab, args.steps)]
     try:
         rows.append(drive(llguidance_library(tokenizer, vocab, args.batch), args.batch, vocab, args.steps))

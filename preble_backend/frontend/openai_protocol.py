@@ -252,6 +252,20 @@ def parse_chat(body: dict, served: str, render: Callable[..., str]) -> RouterCal
 
 
 @dataclass
+class Piece:
+    """What one router response adds: new text, and on the last one the finish reason."""
+
+    text: str
+    output_tokens: int
+    final: bool
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)  # the router's steps, one per new token
+    engine: str | None = None  # the engine serving it (on the first and the last piece)
+
+
+@dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -264,6 +278,14 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+    def add(self, piece: Piece, choice: int = 0) -> str | None:
+        """Count a piece of choice ``choice`` (the prompt once, as OpenAI counts it for
+        ``n``); return its finish reason."""
+        self.completion_tokens += piece.output_tokens
+        if piece.final and choice == 0:
+            self.prompt_tokens, self.cached_tokens = piece.prompt_tokens, piece.cached_tokens
+        return piece.finish_reason
 
 
 def _envelope(call: RouterCall, served: str, chunk: bool) -> dict:

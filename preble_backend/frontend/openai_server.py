@@ -21,19 +21,19 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from preble_backend.common.keys import HEADER, grpc_bearer
+from preble_backend.common.keys import HEADER
 from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.frontend import responses
-from preble_backend.frontend.drain import MESSAGE, Drain
+from preble_backend.frontend.drain import Drain
 from preble_backend.frontend.openai_protocol import (
-    Choice,
     OpenAIError,
+    Piece,
     RouterCall,
     Served,
     Usage,
@@ -46,135 +46,13 @@ from preble_backend.frontend.openai_protocol import (
     sse,
     usage_chunk,
 )
+from preble_backend.frontend.router_stream import Router, collect, merged, open_choices
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
 from preble_backend.frontend.triton_http import EngineView, add_triton_routes
 from preble_backend.serving.access import API_KEY_ENV
-from preble_backend.serving.protocol import invalid, retryable
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
 log = logging.getLogger("preble.frontend")
-
-
-@dataclass
-class Piece:
-    """What one router response adds: new text, and on the last one the finish reason."""
-
-    text: str
-    output_tokens: int
-    final: bool
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[dict] = field(default_factory=list)  # the router's steps, one per new token
-    engine: str | None = None  # the engine serving it (on the first and the last piece)
-
-
-def router_error(message: str) -> OpenAIError:
-    """The router's error as an OpenAI error: 503 when it is at capacity or has no engine to
-    serve it (retry), 400 when it refused the request, 500 otherwise."""
-    if retryable(message):
-        return OpenAIError(503, message)
-    if invalid(message):
-        return OpenAIError(400, message)
-    return OpenAIError(500, message)
-
-
-class Router:
-    """The router's gRPC endpoint: one channel, a stream per request. The channel is
-    opened inside the server's event loop (``open``), which it is bound to."""
-
-    def __init__(self, url: str, model: str = "preble", key: str | None = None, drain: Drain | None = None):
-        self.url, self.model = url, model
-        self.headers = dict(grpc_bearer(key))
-        self.drain = drain or Drain()
-        self.client = None
-
-    def open(self) -> None:
-        import tritonclient.grpc.aio as grpcaio
-
-        self.client = grpcaio.InferenceServerClient(self.url)
-
-    async def ready(self) -> bool:
-        try:
-            return await self.client.is_model_ready(self.model, headers=self.headers)
-        except Exception:
-            return False
-
-    async def generate(self, call: RouterCall, choice: int = 0,
-                       engine: str | None = None) -> AsyncIterator[Piece]:  # fmt: skip
-        """Choice ``choice`` of the call (a seeded call's choice i samples with seed + i),
-        on ``engine`` when it is named and up."""
-        from client.triton_client import infer_inputs
-
-        params = call.params
-        if choice and params.get("seed") is not None:
-            params = {**params, "seed": int(params["seed"]) + choice}
-        inputs = infer_inputs({
-            "text_input": call.prompt, "stream": True, "sampling_parameters": json.dumps(params),
-            "exclude_input_in_output": True, "return_finish_reason": True,
-            "return_num_input_tokens": True, "return_num_output_tokens": True,
-            "return_logprobs": call.logprobs is not None,
-        })  # fmt: skip
-
-        parameters = {"triton_enable_empty_final_response": True}
-        if engine:
-            parameters["preble_engine"] = engine
-
-        async def one():
-            yield {"model_name": self.model, "inputs": inputs, "parameters": parameters}
-
-        try:
-            responses = self.client.stream_infer(one(), headers=self.headers)
-        except Exception as exc:
-            raise OpenAIError(503, f"the router at {self.url} is unreachable: {exc}") from None
-        done = False
-        self.drain.upstreams.add(responses)
-        try:
-            async for result, error in responses:
-                if error is not None:
-                    raise router_error(error.message())
-                final = result.get_response().parameters["triton_final_response"].bool_param
-                yield _piece(result, final)
-                if final:
-                    done = True
-                    return
-            raise OpenAIError(500, "the router closed the stream before its final response")
-        except OpenAIError:
-            raise
-        except asyncio.CancelledError:  # how grpc.aio ends a call the drain's deadline cancelled
-            if not self.drain.cutting or asyncio.current_task().cancelling():
-                raise
-            raise OpenAIError(503, MESSAGE) from None
-        except Exception as exc:  # the channel broke
-            raise OpenAIError(503, f"the router at {self.url} failed: {exc}") from None
-        finally:
-            self.drain.upstreams.discard(responses)
-            if not done:
-                responses.cancel()  # the client went away, or an error: the router aborts the request
-
-    async def close(self) -> None:
-        await self.client.close()
-
-
-def _piece(result, final: bool) -> Piece:
-    def value(name):
-        array = result.as_numpy(name)
-        return None if array is None or array.size == 0 else array.reshape(-1)[0]
-
-    text = value("text_output")
-    reason = value("finish_reason")
-    steps = value("logprobs")
-    engine = value("instance")
-    return Piece(
-        text=text.decode("utf-8") if isinstance(text, bytes) else "",
-        output_tokens=int(value("num_output_tokens") or 0),
-        final=final,
-        finish_reason=reason.decode() if isinstance(reason, bytes) and reason else None,
-        prompt_tokens=int(value("num_input_tokens") or 0),
-        cached_tokens=int(value("num_cached_tokens") or 0),
-        logprobs=(json.loads(steps) or []) if isinstance(steps, bytes) else [],  # "null": not asked
-        engine=engine.decode() if isinstance(engine, bytes) else None,
-    )
 
 
 def chat_renderer(model_path: str):
@@ -204,7 +82,7 @@ class TritonSide:
     max_body_bytes: int = MAX_BODY_BYTES
 
 
-def make_app(router: Router, served: str, render, triton: TritonSide | None = None, key: str | None = None,
+def make_app(router: Router, served: Served, render, triton: TritonSide | None = None, key: str | None = None,
              card: dict | None = None):  # fmt: skip
     """``card``: what ``/v1/models`` says of the model (vLLM's ``root``, ``max_model_len``,
     and its parameters and dtype)."""
@@ -261,7 +139,7 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
 
     cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "preble", **(card or {}),
                     **({"parent": str(served)} if name != served else {})}
-             for name in (served.names if isinstance(served, Served) else (served,))}  # fmt: skip
+             for name in served.names}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
@@ -287,18 +165,11 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
         return body
 
     async def answer(call: RouterCall):
-        if call.ignored:
-            log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
+        _warn_ignored(call)
         streams = await open_choices(router, call)
         if call.stream:
             return StreamingResponse(_events(call, served, streams), media_type="text/event-stream")
-        choices, usage = [Choice() for _ in streams], Usage()
-        async for index, piece in _merged(streams):
-            choice = choices[index]
-            choice.text += piece.text
-            choice.steps.extend(piece.logprobs)
-            choice.finish = _count(usage, piece, index) or choice.finish
-        return completion_body(call, served, choices, usage)
+        return completion_body(call, served, *await collect(streams))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -314,74 +185,20 @@ def make_app(router: Router, served: str, render, triton: TritonSide | None = No
         chat = responses.chat_body(body)
         call = parse_chat(chat, served, render)
         call.ignored = sorted(set(body) - set(responses.KNOWN))
-        if call.ignored:
-            log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
+        _warn_ignored(call)
         [pieces] = await open_choices(router, call)
         if call.stream:
             return StreamingResponse(responses.response_events(call, served, body, pieces),
                                      media_type="text/event-stream")  # fmt: skip
-        choice, usage = Choice(), Usage()
-        async for _, piece in _merged([pieces]):
-            choice.text += piece.text
-            choice.finish = _count(usage, piece) or choice.finish
+        [choice], usage = await collect([pieces])
         return responses.response_object(call, served, body, choice, usage)
 
     return app
 
 
-async def open_choices(router: Router, call: RouterCall) -> list[AsyncIterator[Piece]]:
-    """The call's ``n`` answer streams. The first is awaited to its first token before the
-    others start: an error before any token is still an HTTP error, and the others, pinned
-    to the first's engine, find the prompt in its cache (one prefill for ``n`` choices)."""
-    first = router.generate(call)
-    piece = await anext(first)
-
-    async def whole():
-        yield piece
-        async for rest in first:
-            yield rest
-
-    return [whole(), *(router.generate(call, i, piece.engine) for i in range(1, call.n))]
-
-
-async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
-    """(choice, piece) from every stream as they come; the first error ends them all."""
-    if len(streams) == 1:
-        async for piece in streams[0]:
-            yield 0, piece
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, pieces: AsyncIterator[Piece]) -> None:
-        try:
-            async for piece in pieces:
-                await queue.put((index, piece))
-        except Exception as exc:
-            await queue.put((index, exc))
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        open_streams = len(streams)
-        while open_streams:
-            index, item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _count(usage: Usage, piece: Piece, index: int = 0) -> str | None:
-    """Add a piece to the usage (the prompt counts once, as OpenAI counts it for ``n``)."""
-    usage.completion_tokens += piece.output_tokens
-    if piece.final and index == 0:
-        usage.prompt_tokens, usage.cached_tokens = piece.prompt_tokens, piece.cached_tokens
-    return piece.finish_reason
+def _warn_ignored(call: RouterCall) -> None:
+    if call.ignored:
+        log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
 
 
 async def _events(call: RouterCall, served: str, streams: list[AsyncIterator[Piece]]):
@@ -394,8 +211,8 @@ async def _events(call: RouterCall, served: str, streams: list[AsyncIterator[Pie
             yield sse(chunk_body(call, served, call.prompt, None, index=index))
             offsets[index] = len(call.prompt)
     try:
-        async for index, piece in _merged(streams):
-            finish = _count(usage, piece, index)
+        async for index, piece in merged(streams):
+            finish = usage.add(piece, index)
             text = tools[index].feed(piece.text) if tools[index] else piece.text
             if text or piece.logprobs:
                 logprobs = logprobs_body(call, piece.logprobs, offsets[index])

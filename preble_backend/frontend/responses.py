@@ -129,17 +129,15 @@ def response_object(
     choice: Choice,
     usage: Usage,
     status: str = "completed",
-    rid: str | None = None,
 ) -> dict:
     """The ``response`` object: a message item with the text, a function_call item per call."""
-    rid = rid or f"resp_{call.id}"
     content, calls = call.tools.calls(choice.text) if call.tools is not None else (choice.text, [])
     output = [_function_call(c) for c in calls]
     if content:
         output.insert(0, _message(f"msg_{call.id}", content))
     incomplete = choice.finish == "length"
     return {
-        "id": rid,
+        "id": f"resp_{call.id}",
         "object": "response",
         "created_at": call.created,
         "model": served,
@@ -205,10 +203,7 @@ async def response_events(
     try:
         async for piece in pieces:
             choice.text += piece.text
-            choice.finish = piece.finish_reason or choice.finish
-            usage.completion_tokens += piece.output_tokens
-            if piece.final:
-                usage.prompt_tokens, usage.cached_tokens = piece.prompt_tokens, piece.cached_tokens
+            choice.finish = usage.add(piece) or choice.finish
             delta = tools.feed(piece.text) if tools else piece.text
             if delta and not text_open:
                 text_open = True

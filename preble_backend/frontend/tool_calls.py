@@ -160,7 +160,7 @@ class ToolStream:
 
     def finish(self) -> tuple[str | None, list[dict]]:
         """What the held text is: more content, or the calls."""
-        content, calls = self.tools.calls(self.sent + self.held)
+        _, calls = self.tools.calls(self.sent + self.held)
         if not calls:
             return self.held, []
         return None, calls

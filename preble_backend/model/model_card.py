@@ -35,8 +35,8 @@ def model_card(model_path: str, resolved: str | Path, dtype: str = "auto", devic
     config = json.loads((directory / "config.json").read_text())
     if dtype == "auto":  # as the engine resolves it
         dtype = "float32" if device == "cpu" else "bfloat16"
-    name = model_path if is_named(model_path) and model_path else directory.name
-    return ModelCard(name or "tiny", str(directory), count_parameters(directory), dtype,
+    name = (model_path or "tiny") if is_named(model_path) else directory.name
+    return ModelCard(name, str(directory), count_parameters(directory), dtype,
                      int(config.get("max_position_embeddings", 0)))  # fmt: skip
 
 

@@ -16,11 +16,7 @@ import numpy as np
 from client.triton_client import StreamError, open_grpc, stream_infer, stream_infer_async
 from preble_backend.common.keys import grpc_bearer
 from preble_backend.serving.access import engine_key
-from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names
-
-# Triton's answers for a model that is not loaded: a restarted engine server answers them
-# until its model is up. The request is not the engine's fault: it moves elsewhere.
-NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready")
+from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names, not_loaded
 
 OUTPUTS = names(ENGINE_OUTPUTS)
 
@@ -191,7 +187,7 @@ class EngineClient:
             message = str(exc)
             if message.startswith(REFUSED):
                 raise EngineRefused(message.removeprefix(REFUSED)) from None
-            if any(words in message for words in NOT_LOADED):  # its server is up, the model not (yet)
+            if not_loaded(message):  # its server is up, the model not (yet): the request moves
                 raise EngineUnavailable(f"engine {self.name} is unavailable: {message}") from None
             raise EngineError(message) from None
         except grpc.RpcError as exc:

@@ -100,6 +100,15 @@ def retryable(message: str) -> bool:
     return any(words in message for words in RETRYABLE)
 
 
+# Triton's answers for a model that is not loaded: a restarted engine server gives them
+# until its model is up. They are not the engine failing a request.
+NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready")
+
+
+def not_loaded(message: str) -> bool:
+    return any(words in message for words in NOT_LOADED)
+
+
 # The router's and the engines' refusals of requests that can never be served as sent
 # (a gRPC stream's error is text only): fronts answer them 400.
 INVALID = ("is invalid", "must be", "input '", "encodes to no", "over the model's context length",

@@ -57,7 +57,7 @@ from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.event_feed import EventFeed
 from preble_backend.serving.flights import Flight, Flights
 from preble_backend.serving.loopback import server_grpc_url
-from preble_backend.serving.metrics import Metrics, MetricSpec
+from preble_backend.serving.metrics import Metrics
 from preble_backend.serving.protocol import (
     ROUTER_INPUTS,
     BadRequest,
@@ -68,40 +68,12 @@ from preble_backend.serving.protocol import (
 )
 from preble_backend.serving.repository import check_local_engines
 from preble_backend.serving.responder import Responder
+from preble_backend.serving.router_metrics import FAILURES, METRICS
 from scheduler.nvml_load import LoadView
 from scheduler.policies import make_policy
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 
 INPUTS = names(ROUTER_INPUTS)
-LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
-TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-FAILURES = {  # Triton error code's name -> the failures counter's reason
-    "INVALID_ARG": "invalid", "UNAVAILABLE": "unavailable", "CANCELLED": "cancelled", "INTERNAL": "internal",
-}
-METRICS = [  # as vLLM names its request metrics; per request, labelled by policy and engine
-    MetricSpec("preble_router_decisions_total", "counter", "routing decisions"),
-    MetricSpec("preble_router_rejected_total", "counter", "requests refused: the router was at capacity"),
-    MetricSpec("preble_router_failures_total", "counter", "requests that ended with an error, by reason"),
-    MetricSpec("preble_router_e2e_request_latency_seconds", "histogram", "arrival to final response",
-               LATENCY_BUCKETS),
-    MetricSpec("preble_router_time_to_first_token_seconds", "histogram", "arrival to first token",
-               LATENCY_BUCKETS),
-    MetricSpec("preble_router_time_per_output_token_seconds", "histogram",
-               "first to last token over the tokens after the first", TOKEN_LATENCY_BUCKETS),
-    MetricSpec("preble_router_queue_time_seconds", "histogram",
-               "arrival to forwarded (waiting for a forwarding slot, tokenizing, routing)", LATENCY_BUCKETS),
-    MetricSpec("preble_router_request_prompt_tokens", "histogram", "prompt tokens per request",
-               TOKEN_BUCKETS),
-    MetricSpec("preble_router_request_generation_tokens", "histogram", "generated tokens per request",
-               TOKEN_BUCKETS),
-    MetricSpec("preble_router_prompt_tokens_total", "counter", "prompt tokens of finished requests"),
-    MetricSpec("preble_router_cached_prompt_tokens_total", "counter",
-               "prompt tokens the engines' prefix caches served"),
-    MetricSpec("preble_router_engine_up", "gauge", "1 while the engine takes requests, 0 once it failed"),
-    MetricSpec("preble_router_migrations_total", "counter",
-               "requests that went on elsewhere when their engine failed, by the engine that failed"),
-]  # fmt: skip
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTTING_DOWN = "the server is shutting down"
 
@@ -233,7 +205,7 @@ class TritonPythonModel:
         one is up, and record the placement."""
         if not self.policy.live:
             raise EngineUnavailable("no engine is available: every engine has failed")
-        pinned = next((i for i in self.policy.live if self.engines[i].name == pin), None)
+        pinned = next((i for i in self.policy.live if self.engines[i].name == pin), None) if pin else None
         if pinned is not None:
             decision = self.policy.place(routing, pinned)
         else:

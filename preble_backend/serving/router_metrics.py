@@ -1,0 +1,36 @@
+"""What the router measures: its Prometheus series (as vLLM names its request metrics;
+per request, labelled by policy and engine) and the failure reasons it counts."""
+
+from __future__ import annotations
+
+from preble_backend.serving.metrics import MetricSpec
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+FAILURES = {  # Triton error code's name -> the failures counter's reason
+    "INVALID_ARG": "invalid", "UNAVAILABLE": "unavailable", "CANCELLED": "cancelled", "INTERNAL": "internal",
+}
+METRICS = [  # as vLLM names its request metrics; per request, labelled by policy and engine
+    MetricSpec("preble_router_decisions_total", "counter", "routing decisions"),
+    MetricSpec("preble_router_rejected_total", "counter", "requests refused: the router was at capacity"),
+    MetricSpec("preble_router_failures_total", "counter", "requests that ended with an error, by reason"),
+    MetricSpec("preble_router_e2e_request_latency_seconds", "histogram", "arrival to final response",
+               LATENCY_BUCKETS),
+    MetricSpec("preble_router_time_to_first_token_seconds", "histogram", "arrival to first token",
+               LATENCY_BUCKETS),
+    MetricSpec("preble_router_time_per_output_token_seconds", "histogram",
+               "first to last token over the tokens after the first", TOKEN_LATENCY_BUCKETS),
+    MetricSpec("preble_router_queue_time_seconds", "histogram",
+               "arrival to forwarded (waiting for a forwarding slot, tokenizing, routing)", LATENCY_BUCKETS),
+    MetricSpec("preble_router_request_prompt_tokens", "histogram", "prompt tokens per request",
+               TOKEN_BUCKETS),
+    MetricSpec("preble_router_request_generation_tokens", "histogram", "generated tokens per request",
+               TOKEN_BUCKETS),
+    MetricSpec("preble_router_prompt_tokens_total", "counter", "prompt tokens of finished requests"),
+    MetricSpec("preble_router_cached_prompt_tokens_total", "counter",
+               "prompt tokens the engines' prefix caches served"),
+    MetricSpec("preble_router_engine_up", "gauge", "1 while the engine takes requests, 0 once it failed"),
+    MetricSpec("preble_router_migrations_total", "counter",
+               "requests that went on elsewhere when their engine failed, by the engine that failed"),
+]  # fmt: skip
