@@ -158,6 +158,10 @@ def test_an_api_key_guards_every_api_but_health(tmp_path, tiny_model):
         status, _, answer = http("GET", openai, headers=bad)
         assert status == 401 and json.loads(answer)["error"]["type"] == "authentication_error"
         assert http("GET", openai, headers=good)[0] == 200
+        ask = json.dumps({"model": "preble", "input": "Hello", "max_output_tokens": 2}).encode()
+        responses, typed = stack.url("/v1/responses", stack.openai_port), {"content-type": "application/json"}
+        assert http("POST", responses, ask, typed)[0] == 401
+        assert http("POST", responses, ask, {**typed, **good})[0] == 200
         assert http("GET", stack.url("/health", stack.openai_port))[0] == 200
         assert http("GET", stack.url("/v2/health/ready"))[0] == 200
         grpc = f"127.0.0.1:{stack.ports.grpc}"
