@@ -2,7 +2,7 @@
 FlashInfer when it is installed.
 
     python -m kernels.benchmark [--out docs/KERNELS.md]    # on the GPU machine
-    python -m kernels.benchmark --smoke --out /tmp/k.md    # tiny shapes, CPU interpreter
+    python -m kernels.benchmark --smoke --out /tmp/k.md    # tiny shapes (the CPU interpreter without a GPU)
 
 It measures the copy bandwidth (bytes read + written by a large device copy) and the bf16
 matmul rate first, then each kernel over a grid of shapes (random data, never zeros;
@@ -248,18 +248,18 @@ def write_between_markers(path: Path, text: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("docs/KERNELS.md"))
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter (CI)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes (interpreted without a GPU)")
     args = ap.parse_args(argv)
-    if args.smoke:
+    if not args.smoke and not torch.cuda.is_available():
+        print("kernels.benchmark needs a CUDA GPU (or --smoke for the CPU interpreter)")
+        return 2
+    if not torch.cuda.is_available():  # --smoke here: the kernels need Triton's interpreter
         device, shapes, dtype = torch.device("cpu"), SMOKE, torch.float32
         machine = (
             f"{platform.processor() or platform.machine()} CPU, Triton interpreter (timings meaningless)"
         )
-    elif not torch.cuda.is_available():
-        print("kernels.benchmark needs a CUDA GPU (or --smoke for the CPU interpreter)")
-        return 2
-    else:
-        device, shapes, dtype = torch.device("cuda"), GPU, torch.bfloat16
+    else:  # --smoke on a GPU host runs the tiny shapes compiled
+        device, shapes, dtype = torch.device("cuda"), SMOKE if args.smoke else GPU, torch.bfloat16
         props = torch.cuda.get_device_properties(device)
         machine = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
         machine += f", torch {torch.__version__}, triton {triton.__version__}"

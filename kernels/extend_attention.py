@@ -104,10 +104,11 @@ def make_extend_items(q_lens, prefix_lens, kv_starts=None, device="cpu") -> tupl
 
 
 def extend_attention_items(
-    q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse=None, sm_scale=None
+    q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse=None, sm_scale=None, chunks=False
 ) -> None:
     """Run ``items`` (see ``ITEM_FIELDS``). ``out`` is [rows, H, D] or [rows, H, splits, D]
-    and ``lse`` the matching [rows, H(, splits)] fp32 tensor, or None."""
+    and ``lse`` the matching [rows, H(, splits)] fp32 tensor, or None. ``chunks``: plain
+    prefill chunks, whose best warp count differs from cascade's (``tuning.Blocks``)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -122,6 +123,7 @@ def extend_attention_items(
         (lse.stride(0), lse.stride(1), lse.stride(2) if lse.dim() == 3 else 0) if has_lse else (0, 0, 0)
     )
     upcast = upcast_loads(q.dtype)
+    warps = blocks.chunk_warps if chunks and blocks.chunk_warps and not upcast else blocks.num_warps
     grid = (items.shape[0], num_kv_heads, triton.cdiv(max_q_len * group, blocks.extend_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, lse_t, page_table, items,
@@ -131,7 +133,7 @@ def extend_attention_items(
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=blocks.extend_m, BLOCK_N=blocks.extend_n,
         UPCAST=upcast, PRECISION="ieee" if upcast else "tf32", HAS_LSE=has_lse,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        num_warps=warps, num_stages=blocks.num_stages,
     )  # fmt: skip
 
 
@@ -144,5 +146,7 @@ def extend_attention(
     items, max_q_len = make_extend_items(q_lens, prefix_lens, kv_starts, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
-    extend_attention_items(q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse, sm_scale)
+    extend_attention_items(
+        q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse, sm_scale, chunks=True
+    )
     return (out, lse) if return_lse else out

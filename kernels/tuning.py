@@ -18,13 +18,18 @@ class Blocks:
     extend_m: int  # query rows (token x head-in-group) per extend tile
     extend_n: int  # KV positions per extend step
     decode_n: int  # KV positions per decode step
-    num_warps: int
+    num_warps: int  # the extend kernel's over shared prefixes (cascade) and fp32 tiles
     num_stages: int
     sm_count: int  # used to pick the decode split count
+    chunk_warps: int = 0  # plain 16-bit extend (prefill chunks); 0: num_warps
 
 
 TABLE: dict[str, Blocks] = {
-    "sm90": Blocks(extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=132),
+    # sm90's chunk_warps measured by ``python -m kernels.sweep`` on an H100 (2026-11-25): 4 warps
+    # beat 8 by 17% on chunked prefill, but slowed cascade's shared-prefix pass 3.4x -> 2.7x.
+    "sm90": Blocks(
+        extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=132, chunk_warps=4
+    ),
     "sm89": Blocks(extend_m=64, extend_n=64, decode_n=64, num_warps=4, num_stages=2, sm_count=128),
     "sm80": Blocks(extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=108),
     "default": Blocks(extend_m=64, extend_n=32, decode_n=32, num_warps=4, num_stages=2, sm_count=80),

@@ -137,7 +137,9 @@ def make_engine():
     engines: list[Engine] = []
 
     def build(model_path: str, **overrides) -> Engine:
-        overrides = {"device": TEST_DEVICE, "dtype": "float32", **overrides}
+        # A fixed KV capacity (the CPU default): on a GPU the default takes 85% of free
+        # memory, and test processes running side by side would starve each other.
+        overrides = {"device": TEST_DEVICE, "dtype": "float32", "max_num_tokens": 32768, **overrides}
         engine = Engine(EngineConfig(model_path=model_path, **overrides))
         engines.append(engine)
         return engine

@@ -31,7 +31,7 @@ def poisoned_outputs(monkeypatch):
 
 
 def rel_err(out: torch.Tensor, expect: torch.Tensor) -> float:
-    return ((out.double() - expect).abs().max() / expect.abs().max()).item()
+    return ((out.double().cpu() - expect).abs().max() / expect.abs().max()).item()
 
 
 def paged_batch(q_lens, prefix_lens, num_heads, num_kv_heads, head_dim, page_size, seed=0):

@@ -10,6 +10,7 @@ from conftest import random_prompts
 
 from preble_backend.model.attention import shared_prefix_groups
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels on CPU
 SHARED = 300  # above CASCADE_MIN_SHARED_TOKENS, not a multiple of the page size
 
 
@@ -47,7 +48,9 @@ def test_triton_backend_equals_torch_backend(make_engine, one_layer_model):
     params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
     results = {}
     for backend in ("torch", "triton"):
-        engine = make_engine(one_layer_model, attention_backend=backend, page_size=16, chunk_size=128)
+        engine = make_engine(
+            one_layer_model, attention_backend=backend, page_size=16, chunk_size=128, device=DEVICE
+        )
         logits = record_logits(engine)
         warm = engine.generate([shared + [5]], params)  # puts the shared prefix in the radix cache
         batch = engine.generate([shared + s for s in suffixes] + [loner], params)

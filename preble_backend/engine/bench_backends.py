@@ -2,7 +2,7 @@
 same device and dtype, and its speed on a batch that shares a long prefix.
 
     python -m preble_backend.engine.bench_backends                # CUDA, bf16, every backend
-    python -m preble_backend.engine.bench_backends --smoke        # CPU, tiny shapes (CI)
+    python -m preble_backend.engine.bench_backends --smoke        # tiny shapes, fp32 (CI)
 
 The model is written by the script (no hub): random weights with Llama-3-8B's layer shape
 (hidden 4096, 32 query heads, 8 KV heads, head_dim 128, MLP 14336) and fewer layers. Logits
@@ -166,7 +166,7 @@ def measure(backend: str, path: str, shape: Shape, args, refs: dict, prompts: li
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (CI); timings meaningless")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, fp32; timings meaningless")
     ap.add_argument("--backends", default="torch,triton,flashinfer", help="comma-separated")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; smoke 2)")
     ap.add_argument("--max-num-tokens", type=int, default=262144, help="KV capacity per engine")
@@ -175,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     shape = SMOKE if args.smoke else GPU
     if args.layers:
         shape = replace(shape, layers=args.layers)
-    args.device, args.dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    # --smoke: fp32 on the CPU, or on the GPU where there is one (its Triton kernels need it)
+    smoke_device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device, args.dtype = (smoke_device, "float32") if args.smoke else ("cuda", "bfloat16")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_backends needs a CUDA GPU (or --smoke)")
         return 2

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one command, each step bounded so one hang leaves
+# the others standing. Run from the repository root on a GPU host:
+#
+#     kernels/gpu_check.sh [STEP ...]     # steps: tests bench backends parity (default: all)
+#
+# Logs and the kernel table go to $OUT (default gpu-out/); summary.txt has one line per
+# step. Wheels in .whl/ (FlashInfer, for a host that cannot reach PyPI) are installed first.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# FlashInfer compiles its kernels at first use: for this card only, on every core, into a
+# cache under the repository (kept between runs on the same host).
+CC_MAJOR_MINOR=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-${CC_MAJOR_MINOR}a}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+# pytest-xdist where it is installed: each kernel variant compiles once per test, on its own core.
+XDIST=$(python3 -c "import xdist" 2> /dev/null && echo "-n 8")
+
+step() {  # name, seconds, command...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc in $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
+    tail -n 40 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
+    | tee "$OUT/machine.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/machine.txt"
+
+for s in "${@:-tests bench backends parity}"; do
+    for name in $s; do
+        case $name in
+            tests) step tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short $XDIST tests/test_kernels.py \
+                tests/test_triton_backend.py tests/test_attention_sdpa.py ;;
+            bench) cp docs/KERNELS.md "$OUT/KERNELS.md"
+                step bench 300 python3 -m kernels.benchmark --out "$OUT/KERNELS.md" ;;
+            backends) step backends 400 python3 -m preble_backend.engine.bench_backends ;;
+            parity) PREBLE_TEST_DEVICE=cuda step parity 400 python3 -m pytest -q -p no:cacheprovider $XDIST \
+                tests/test_parity.py ;;
+            *) echo "unknown step $name (tests bench backends parity)" >&2; exit 2 ;;
+        esac
+    done
+done
