@@ -34,6 +34,7 @@ from client.plots import latency_vs_rate
 from client.triton_client import PrebleClient
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.keys import grpc_bearer
+from preble_backend.common.procfs import cpu_seconds, process_role
 
 
 @dataclass
@@ -300,11 +301,12 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                     switch_policy(cfg.url, cfg.model, policy, cfg.api_key)
                     make = functools.partial(TRANSPORTS[cfg.transport], cfg)
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
-                cpu = HostCPU()
+                cpu, stack = HostCPU(), StackCPU()
                 with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:
                     outcomes = asyncio.run(_replay(make, requests, cfg.timeout_s, cfg.stall_s, bar))
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
                        "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip
+                rec.update(router_cost(rec, stack.spent(), cfg.model))
                 records.append(rec)
                 log(summary_line(rec))
         order = order[1:] + order[:1]  # the next repeat starts with another policy
@@ -337,6 +339,47 @@ class HostCPU:
         return round(1.0 - idle / sum(delta), 3) if sum(delta) else None
 
 
+class StackCPU:
+    """CPU seconds spent by tritonserver and each model's stub on this host between
+    construction and ``spent()``, keyed by role (``tritonserver``, ``stub:preble``, ...);
+    empty where there is no ``/proc`` or no stack here. Per run, ``bench`` divides the
+    router stub's by the requests and the tokens it streamed."""
+
+    def __init__(self) -> None:
+        self.start = self._read()
+
+    @staticmethod
+    def _read() -> dict[int, tuple[str, float]]:
+        seen = {}
+        for entry in Path("/proc").glob("[0-9]*"):
+            role = process_role(int(entry.name))
+            if role and (role == "tritonserver" or role.startswith("stub:")):
+                if (spent := cpu_seconds(int(entry.name))) is not None:
+                    seen[int(entry.name)] = (role, spent)
+        return seen
+
+    def spent(self) -> dict[str, float]:
+        """A process started during the run counts from zero; one that ended is lost."""
+        totals: dict[str, float] = {}
+        for pid, (role, now) in self._read().items():
+            totals[role] = round(totals.get(role, 0.0) + now - self.start.get(pid, (role, 0.0))[1], 3)
+        return totals
+
+
+def router_cost(rec: dict, cpu: dict[str, float], router: str) -> dict:
+    """The router stub's CPU per completed request and per streamed token, and the
+    stack's (every stub and tritonserver) per request."""
+    done, tokens = rec.get("completed", 0), rec.get("output_tokens", 0)
+    if not cpu or not done:
+        return {"cpu_s": cpu}
+    return {
+        "cpu_s": cpu,
+        "router_cpu_ms_per_request": 1e3 * cpu.get(f"stub:{router}", 0.0) / done,
+        "router_cpu_ms_per_token": 1e3 * cpu.get(f"stub:{router}", 0.0) / max(1, tokens),
+        "stack_cpu_ms_per_request": 1e3 * sum(cpu.values()) / done,
+    }
+
+
 def summary_line(rec: dict) -> str:
     if "avg_latency_s" not in rec:
         done = f"{rec['completed']}/{rec['num_requests']}"
@@ -347,6 +390,12 @@ def summary_line(rec: dict) -> str:
         f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s hit {rec['cache_hit_ratio']:.2f} "
         f"{rec['completed']}/{rec['num_requests']} "
         + (f"host cpu {rec['host_cpu_busy']:.0%} " if rec.get("host_cpu_busy") is not None else "")
+        + (
+            f"router cpu {rec['router_cpu_ms_per_request']:.1f} ms/req {rec['router_cpu_ms_per_token']:.3f} "
+            f"ms/token, stack {rec['stack_cpu_ms_per_request']:.1f} ms/req "
+            if "router_cpu_ms_per_request" in rec
+            else ""
+        )
         + f"engines {rec['per_engine']}"
         + failed
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from client.triton_client import infer_inputs
-from preble_backend.common.procfs import process_tree
+from preble_backend.common.procfs import process_role, process_tree
 
 KINDS = ("sse", "generate", "grpc")
 
@@ -179,13 +179,10 @@ def peak_rss_mib(pids: list[int]) -> dict[str, float]:
     for pid in pids:
         try:
             status = Path(f"/proc/{pid}/status").read_text()
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        name = Path(cmdline[0].decode()).name if cmdline and cmdline[0] else fields["Name"].strip()
-        if name == "triton_python_backend_stub" and len(cmdline) > 1:
-            name = f"stub:{Path(cmdline[1].decode()).parent.parent.name}"  # the model's directory
+        name = process_role(pid) or fields["Name"].strip()
         peaks[f"{name}[{pid}]"] = int(fields.get("VmHWM", "0 kB").split()[0]) / 1024
     return peaks
 

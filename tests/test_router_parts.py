@@ -227,3 +227,40 @@ def test_bench_finds_the_admin_key_serve_left_for_its_port(tmp_path, monkeypatch
     assert key("--url", "127.0.0.1:8123", "--api-key", "given") == "given"
     monkeypatch.setenv("PREBLE_API_KEY", "env")
     assert key("--url", "127.0.0.1:8123") == "env"
+
+
+def _output(tokens, finished=False, logprobs=None):
+    from preble_backend.engine.request import RequestOutput
+
+    return RequestOutput("r", tokens, finished, "length" if finished else None, 7, 0, 0, logprobs=logprobs)
+
+
+def test_outputs_waiting_for_the_response_thread_go_as_one():
+    """stream_interval 1: an idle request is queued per token; tokens that arrive while it
+    waits for the response thread join its response, logprobs in order."""
+    from preble_backend.serving.coalescer import Coalescer
+
+    held = Coalescer(stream_interval=1)
+    assert held.add(_output([5], logprobs=[{5: (-0.1, 1)}]))
+    assert not held.add(_output([6], logprobs=[{6: (-0.2, 1)}]))  # already queued: joins it
+    out, report = held.take("r")
+    assert out.token_ids == [5, 6] and out.logprobs == [{5: (-0.1, 1)}, {6: (-0.2, 1)}]
+    assert report is None and not out.finished
+    assert held.add(_output([7]))  # sent: the next token is queued again
+    assert not held.add(_output([8], finished=True), report="final report")
+    out, report = held.take("r")
+    assert out.token_ids == [7, 8] and out.finished and report == "final report"
+
+
+def test_stream_interval_holds_tokens_after_the_first_until_due():
+    from preble_backend.serving.coalescer import Coalescer
+
+    held = Coalescer(stream_interval=3)
+    assert held.add(_output([1]))  # the first token goes at once
+    assert held.take("r")[0].token_ids == [1]
+    assert [held.add(_output([t])) for t in (2, 3, 4)] == [False, False, True]
+    assert held.take("r")[0].token_ids == [2, 3, 4]
+    assert not held.add(_output([5]))
+    assert held.add(_output([6], finished=True))  # the last goes at once
+    out, _ = held.take("r")
+    assert out.token_ids == [5, 6] and out.finished and out.finish_reason == "length"

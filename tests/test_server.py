@@ -33,7 +33,10 @@ PROMPT = "The router sends each request to the engine that caches its prefix."
 def server(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("triton")
     # 1 MiB: Triton 2.51's HTTP frontend itself crashes on JSON bodies of about 4 MiB
-    repo = write_test_repository(root / "repo", router_overrides={"max_input_bytes": 1 << 20})
+    # stream_interval 4: every answer here also checks that coalesced responses lose nothing
+    repo = write_test_repository(
+        root / "repo", router_overrides={"max_input_bytes": 1 << 20}, stream_interval=4
+    )
     srv = launch(repo, root / "server.log")
     yield srv
     try:  # after the whole module: every engine has every page back
@@ -77,6 +80,16 @@ def test_http_generate_stream_and_grpc_agree_with_the_engine(client, direct_text
     assert grpc.final["finish_reason"] == "length"
     # Without exclude_input_in_output a non-streaming answer repeats the prompt (vLLM backend).
     assert client.generate(PROMPT, GREEDY)["text_output"] == PROMPT + direct_text
+
+
+def test_engines_stream_interval_tokens_per_response(client, direct_text):
+    """The engines here send 4 tokens per response after the first (``stream_interval``):
+    12 tokens reach the client in at most 4 events (1 + 4 + 4 + 3; more at once when the
+    response thread was behind), as the engine's text."""
+    events = list(client.generate_stream(PROMPT, GREEDY, return_num_output_tokens=True))
+    assert "".join(e["text_output"] for e in events) == direct_text
+    assert sum(e["num_output_tokens"] for e in events) == 12
+    assert 1 < len(events) <= 4
 
 
 def test_logprobs_and_cumulative_logprob_as_the_vllm_backend_returns_them(client, direct_text):

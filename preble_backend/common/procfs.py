@@ -1,6 +1,7 @@
 """What ``/proc`` says about processes: whether one runs, a server's process tree and
-process group (the launcher, the router's engine monitor and the burst tool ask), and
-pinning this process to cores (a CPU engine)."""
+process group (the launcher, the router's engine monitor and the burst tool ask), a
+process's role in the stack and CPU time (the bench tools), and pinning this process to
+cores (a CPU engine)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,33 @@ def command_name(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def process_role(pid: int) -> str | None:
+    """``tritonserver``, ``stub:<model>`` for a Python-backend model's stub (its second
+    argument is the model's ``model.py``, whose directory names the model), another
+    program's name, or None once the process is gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if not argv or not argv[0]:
+        return None
+    name = Path(argv[0].decode()).name
+    if name == "triton_python_backend_stub" and len(argv) > 1:
+        return f"stub:{Path(argv[1].decode()).parent.parent.name}"
+    return name
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of ``pid`` so far, its threads included; None once gone."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def process_tree(root: int) -> list[int]:

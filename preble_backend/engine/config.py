@@ -46,6 +46,9 @@ class EngineConfig:
     emulated_slowdown: float = setting(
         1.0, doc="emulated compute: each iteration waits this multiple of the cost model's time"
     )
+    stream_interval: int = setting(
+        1, doc="tokens per response after the first; the first and the last go at once (Triton only)"
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, key: str, accepted: str) -> None:
@@ -72,6 +75,7 @@ class EngineConfig:
         check(not self.cpu_cores or bool(self.cores()), "cpu_cores", "cores like 0-1,4, or empty")
         check(self.compute in COMPUTE, "compute", f"one of {', '.join(COMPUTE)}")
         check(self.emulated_slowdown > 0, "emulated_slowdown", "a number > 0")
+        check(self.stream_interval >= 1, "stream_interval", "an integer >= 1")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 

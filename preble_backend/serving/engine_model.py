@@ -31,6 +31,7 @@ from preble_backend.serving.backend_utils import (
     send_error,
     string_tensor,
 )
+from preble_backend.serving.coalescer import Coalescer
 from preble_backend.serving.metrics import Metrics, MetricSpec
 from preble_backend.serving.protocol import (
     ENGINE_INPUTS,
@@ -77,6 +78,7 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
+        self._held = Coalescer(self.engine.config.stream_interval)  # outputs not yet sent
         self._responses: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, item)
         self._order = itertools.count()
         self._response_thread = threading.Thread(
@@ -111,21 +113,23 @@ class TritonPythonModel:
                 call.request_id,
                 call.input_ids,
                 call.params,
-                lambda out: self._on_output(sender, out, call.events_since),
+                lambda out: self._on_output(out, call.events_since),
             )
         except ValueError:
             self._active.pop(call.request_id, None)
             raise
 
-    def _on_output(self, sender, out: RequestOutput, events_since: str | None) -> None:
-        """Engine thread: hand the output over; a final one carries the report, read here
-        so that events and the load snapshot are consistent with the cache."""
+    def _on_output(self, out: RequestOutput, events_since: str | None) -> None:
+        """Engine thread: hold the output for the response thread (``Coalescer``), which is
+        told once per response; a final one carries the report, read here so that events
+        and the load snapshot are consistent with the cache."""
         report = None
         if out.finished:
             report = encode_report(self._stats(), self.engine.cache_events(events_since))
             if out.queue_time_s is not None:
                 self.metrics.observe(QUEUE_TIME, out.queue_time_s)
-        self._put(TOKENS, (sender, out, report))
+        if self._held.add(out, report):
+            self._put(TOKENS, out.request_id)
 
     def _control(self, op: dict, sender) -> None:
         """Every answer is sent by the response thread, ahead of token responses (under a
@@ -136,7 +140,7 @@ class TritonPythonModel:
         if op["op"] == "health":
             answer: Future = Future()
             answer.set_result(encode_report({**self._stats(), **self.engine.loop_health()}))
-            self._put(CONTROL, (sender, None, answer))
+            self._put(CONTROL, (sender, answer))
             return
         if op["op"] == "abort":
             self.engine.abort(op["request_id"])
@@ -147,7 +151,7 @@ class TritonPythonModel:
             return encode_report(self._stats())
 
         self.engine.run_in_loop(report).add_done_callback(
-            lambda done: self._put(CONTROL, (sender, None, done))
+            lambda done: self._put(CONTROL, (sender, done))
         )
 
     def _put(self, priority: int, item) -> None:
@@ -162,10 +166,11 @@ class TritonPythonModel:
                 continue
             if item is None:
                 return
-            sender, out, report = item
-            if out is None:  # a control operation's report (a Future)
-                self._send_report(sender, report)
+            if isinstance(item, tuple):  # a control operation's sender and report (a Future)
+                self._send_report(*item)
                 continue
+            out, report = self._held.take(item)
+            sender = self._active[out.request_id]
             try:
                 self._send(sender, out, report)
             except Exception as exc:  # the client is gone; the engine must not keep its pages
