@@ -236,11 +236,11 @@ def _output(tokens, finished=False, logprobs=None):
 
 
 def test_outputs_waiting_for_the_response_thread_go_as_one():
-    """stream_interval 1: an idle request is queued per token; tokens that arrive while it
-    waits for the response thread join its response, logprobs in order."""
+    """Every token due (interval 0 ms): an idle request is queued per token; tokens that
+    arrive while it waits for the response thread join its response, logprobs in order."""
     from preble_backend.serving.coalescer import Coalescer
 
-    held = Coalescer(stream_interval=1)
+    held = Coalescer(stream_interval=16, stream_interval_ms=0)
     assert held.add(_output([5], logprobs=[{5: (-0.1, 1)}]))
     assert not held.add(_output([6], logprobs=[{6: (-0.2, 1)}]))  # already queued: joins it
     out, report = held.take("r")
@@ -255,7 +255,7 @@ def test_outputs_waiting_for_the_response_thread_go_as_one():
 def test_stream_interval_holds_tokens_after_the_first_until_due():
     from preble_backend.serving.coalescer import Coalescer
 
-    held = Coalescer(stream_interval=3)
+    held = Coalescer(stream_interval=3, stream_interval_ms=60_000)
     assert held.add(_output([1]))  # the first token goes at once
     assert held.take("r")[0].token_ids == [1]
     assert [held.add(_output([t])) for t in (2, 3, 4)] == [False, False, True]
@@ -264,3 +264,21 @@ def test_stream_interval_holds_tokens_after_the_first_until_due():
     assert held.add(_output([6], finished=True))  # the last goes at once
     out, _ = held.take("r")
     assert out.token_ids == [5, 6] and out.finished and out.finish_reason == "length"
+
+
+def test_a_response_per_interval_and_held_tokens_are_swept_when_overdue():
+    import time
+
+    from preble_backend.serving.coalescer import Coalescer
+
+    held = Coalescer(stream_interval=16, stream_interval_ms=30)
+    assert held.add(_output([1]))
+    held.take("r")
+    assert not held.add(_output([2]))  # under 30 ms since the last response: held
+    assert held.overdue() == []
+    time.sleep(0.035)
+    assert held.overdue() == ["r"]  # a stalled stream's tokens go anyway
+    assert held.overdue() == []  # queued once
+    assert held.take("r")[0].token_ids == [2]
+    time.sleep(0.035)
+    assert held.add(_output([3]))  # a slow engine: every token arrives due

@@ -47,7 +47,10 @@ class EngineConfig:
         1.0, doc="emulated compute: each iteration waits this multiple of the cost model's time"
     )
     stream_interval: int = setting(
-        1, doc="tokens per response after the first; the first and the last go at once (Triton only)"
+        16, doc="streaming: at most this many tokens per response (Triton only; see stream_interval_ms)"
+    )
+    stream_interval_ms: float = setting(
+        25.0, doc="streaming: a response at least this often; the first and last tokens go at once"
     )
 
     def __post_init__(self) -> None:
@@ -76,6 +79,7 @@ class EngineConfig:
         check(self.compute in COMPUTE, "compute", f"one of {', '.join(COMPUTE)}")
         check(self.emulated_slowdown > 0, "emulated_slowdown", "a number > 0")
         check(self.stream_interval >= 1, "stream_interval", "an integer >= 1")
+        check(self.stream_interval_ms >= 0, "stream_interval_ms", "a number >= 0 (0: every token)")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 

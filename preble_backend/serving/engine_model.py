@@ -13,6 +13,7 @@ import json
 import os
 import queue
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 
@@ -78,7 +79,8 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
-        self._held = Coalescer(self.engine.config.stream_interval)  # outputs not yet sent
+        cfg = self.engine.config
+        self._held = Coalescer(cfg.stream_interval, cfg.stream_interval_ms)  # outputs not yet sent
         self._responses: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, item)
         self._order = itertools.count()
         self._response_thread = threading.Thread(
@@ -158,11 +160,19 @@ class TritonPythonModel:
         self._responses.put((priority, next(self._order), item))
 
     def _response_loop(self) -> None:
+        poll_s = min(CANCEL_POLL_S, max(self._held.interval_s, 0.005))
+        swept = flushed = time.monotonic()
         while True:
+            if (now := time.monotonic()) - flushed >= poll_s:  # tokens held past the interval
+                for request_id in self._held.overdue():
+                    self._put(TOKENS, request_id)
+                flushed = now
             try:
-                _, _, item = self._responses.get(timeout=CANCEL_POLL_S)
+                _, _, item = self._responses.get(timeout=poll_s)
             except queue.Empty:
-                self._sweep()
+                if (now := time.monotonic()) - swept >= CANCEL_POLL_S:
+                    self._sweep()
+                    swept = now
                 continue
             if item is None:
                 return
