@@ -67,6 +67,7 @@ def repo(args: argparse.Namespace) -> int:
     root = write_repository(
         args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
         router_overrides={"policy": args.policy, "cost_model": args.cost_model},
+        router_instances=args.router_instances,
         host_cores=None if args.no_pin else len(os.sched_getaffinity(0)), **engine,
     )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")

@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=_positive(int), default=2, help="CPU engines when no --gpus")
     p.add_argument(
+        "--router-instances", type=_positive(int), default=1,
+        help="router processes (instance_group count), each with its own exact tree",
+    )  # fmt: skip
+    p.add_argument(
         "--policy", default=RouterConfig.policy, choices=list(POLICIES), help="the router's policy"
     )
     p.add_argument(

@@ -64,11 +64,13 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
     )
 
 
-def router_config_pbtxt(config: RouterConfig) -> str:
+def router_config_pbtxt(config: RouterConfig, instances: int = 1) -> str:
+    """``instances``: router processes in this server (Triton spreads requests over them);
+    each keeps its own exact tree from the engines' event logs."""
     return (
         'name: "preble"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
-        f"{_io(ROUTER_INPUTS, ROUTER_OUTPUTS)}instance_group [ {{ count: 1 kind: KIND_CPU }} ]\n"
+        f"{_io(ROUTER_INPUTS, ROUTER_OUTPUTS)}instance_group [ {{ count: {instances} kind: KIND_CPU }} ]\n"
         + _parameters(config)
     )
 
@@ -87,12 +89,14 @@ def write_repository(
     remote_engines: list[str] | None = None,
     with_router: bool = True,
     router_overrides: dict | None = None,
+    router_instances: int = 1,
     host_cores: int | None = None,
     **engine_overrides,
 ) -> Path:
     """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines; ``engine_overrides``:
     ``EngineConfig`` settings) and the router over them and ``remote_engines``
-    (``router_overrides``: ``RouterConfig`` settings; its page size is the engines').
+    (``router_overrides``: ``RouterConfig`` settings; its page size is the engines';
+    ``router_instances`` router processes).
     ``host_cores``: CPU engines that compute get disjoint cores of a host with that many
     (``cpu_cores``), as each GPU engine gets its own GPU."""
     root = Path(path)
@@ -112,7 +116,7 @@ def write_repository(
             page_size=engine_overrides.get("page_size", DEFAULT_PAGE_SIZE),
             **(router_overrides or {}),
         )
-        _write_model(root, "preble", router_config_pbtxt(config), ROUTER_MODEL_PY)
+        _write_model(root, "preble", router_config_pbtxt(config, router_instances), ROUTER_MODEL_PY)
     return root
 
 
