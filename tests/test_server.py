@@ -8,6 +8,7 @@ import shutil
 import time
 import urllib.request
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,9 @@ from server_utils import (
     write_test_repository,
 )
 
+from client.bench import StackCPU
 from client.triton_client import PrebleError
+from preble_backend.common.procfs import cpu_seconds, process_role, process_tree
 
 pytestmark = pytest.mark.server
 ENGINES = ("preble_engine_0", "preble_engine_1")
@@ -94,6 +97,17 @@ def test_engines_stream_interval_tokens_per_response(client, direct_text):
     assert "".join(e["text_output"] for e in events) == direct_text
     assert sum(e["num_output_tokens"] for e in events) == 12
     assert 1 < len(events) <= 4
+
+
+def test_bench_reads_each_stack_process_cpu(client):
+    """``preble bench``'s CPU accounting finds the router's and both engines' stubs and
+    tritonserver, and sees the router spend CPU on requests."""
+    cpu = StackCPU()
+    for _ in range(4):
+        client.generate(PROMPT, GREEDY)
+    spent = cpu.spent()
+    assert {"tritonserver", "stub:preble", *(f"stub:{e}" for e in ENGINES)} <= set(spent), spent
+    assert spent["stub:preble"] > 0
 
 
 def test_logprobs_and_cumulative_logprob_as_the_vllm_backend_returns_them(client, direct_text):
@@ -366,3 +380,22 @@ def test_engine_refuses_a_control_op_sent_with_input_ids(client):
     with pytest.raises(PrebleError, match="'control' cannot be sent together with 'input_ids'"):
         client.infer_grpc(inputs, model=ENGINES[0])
     assert client.engine_control(ENGINES[0], "stats")["load"]["kv_pages_total"] > 0
+
+
+def test_two_router_processes_share_the_requests(tmp_path, direct_text):
+    """``preble repo --router-instances 2``: Triton spreads concurrent requests over two
+    router stubs, each with its own tree and engine streams; every answer is the engine's."""
+    srv = launch(write_test_repository(tmp_path / "repo", router_instances=2), tmp_path / "server.log")
+    try:
+        routers = [pid for pid in process_tree(srv.process.pid) if process_role(pid) == "stub:preble"]
+        assert len(routers) == 2
+        client, before = client_for(srv), {pid: cpu_seconds(pid) for pid in routers}
+        ask = lambda _: client.generate(PROMPT, GREEDY, exclude_input_in_output=True)["text_output"]  # noqa: E731
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, range(32))) == [direct_text] * 32
+        # each served some: idle, a router stub spends well under 50 ms of CPU in a burst's time
+        assert all(cpu_seconds(pid) - before[pid] > 0.05 for pid in routers), before
+        for engine in ENGINES:
+            assert_engine_pages_free(client, engine)
+    finally:
+        srv.stop()
