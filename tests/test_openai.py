@@ -245,13 +245,23 @@ def test_a_short_genai_perf_profile_runs_clean(stack, tmp_path, tiny_model, endp
         "--tokenizer", tiny_model, "--synthetic-input-tokens-mean", "64",
         "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", "16", "--num-prefix-prompts", "2", "--prefix-prompt-length", "128",
-        "--concurrency", "2", "--measurement-interval", "3000", "--artifact-dir", str(tmp_path),
+        "--concurrency", "2", "--measurement-interval", "3000",
         "--verbose",  # perf_analyzer's own output, else sent to /dev/null, ends up in a failure's message
     ]  # fmt: skip
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    for attempt in range(2):
+        artifacts = tmp_path / f"run{attempt}"
+        done = subprocess.run([*command, "--artifact-dir", str(artifacts)], capture_output=True, text=True,
+                              timeout=300, env=env)  # fmt: skip
+        # Twice in full-suite runs on this 2-core host perf_analyzer finished a clean run
+        # (every request answered) but left its export file empty or cut at 64 KiB, and
+        # genai-perf failed parsing it; alone it never has. That, and only that, runs again.
+        said = done.stdout + done.stderr
+        unparsed = "profile_export.json" in said and "JSONDecodeError" in said
+        if done.returncode == 0 or not unparsed:
+            break
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]  # perf_analyzer, genai-perf
-    [export] = tmp_path.glob("*/profile_export_genai_perf.json")
+    [export] = artifacts.glob("*/profile_export_genai_perf.json")
     stats = json.loads(export.read_text())
     assert stats["request_throughput"]["avg"] > 0 and stats["request_count"]["avg"] >= 4
     assert 0 < stats["time_to_first_token"]["avg"] <= stats["request_latency"]["avg"]

@@ -1,0 +1,134 @@
+"""The deployment files, kept true: the Kubernetes manifests validate against the
+Kubernetes schemas and name the engines they run, and the containers' entrypoint runs
+an engine pod and a router pod on this host (no container, no cluster here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from server_utils import fresh_ports
+
+from client.triton_client import PrebleClient
+
+ROOT = Path(__file__).resolve().parent.parent
+MANIFESTS = ROOT / "deploy" / "k8s" / "preble.yaml"
+KUBERNETES = "1.30.0"
+
+
+def documents() -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(MANIFESTS.read_text()) if doc]
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    import kubernetes_validate
+
+    kinds = []
+    for doc in documents():
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)  # raises, naming the field
+        kinds.append(doc["kind"])
+    assert sorted(kinds) == ["ConfigMap", "Deployment", "Service", "Service", "StatefulSet"]
+
+
+def test_the_router_names_every_engine_pod_and_probes_triton():
+    by_kind = {}
+    for doc in documents():
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    [config], [engines] = by_kind["ConfigMap"], by_kind["StatefulSet"]
+    headless = next(s for s in by_kind["Service"] if s["spec"].get("clusterIP") == "None")
+    assert engines["spec"]["serviceName"] == headless["metadata"]["name"]
+    named = config["data"]["PREBLE_ENGINES"].split(",")
+    name, service = engines["metadata"]["name"], headless["metadata"]["name"]
+    pods = [f"{name}-{i}.{service}" for i in range(engines["spec"]["replicas"])]
+    assert [entry.split("//")[1].split(":")[0] for entry in named] == pods
+    for key in ("PREBLE_ENGINE_PARAMETERS", "PREBLE_ROUTER_PARAMETERS"):
+        assert isinstance(json.loads(config["data"][key]), dict), key
+    for workload in (engines, *by_kind["Deployment"]):
+        pod = workload["spec"]["template"]
+        [container] = pod["spec"]["containers"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert engines["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def _ready(url: str, timeout: float, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the pod's process exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not ready in {timeout} s")
+
+
+@pytest.mark.server
+def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model):
+    """Both roles as the manifests run them (the key from the Secret, parameters from the
+    ConfigMap), on loopback: the router reaches the engine by name, with the key."""
+    key = "deployment-test-key-0123456789"
+    base = {
+        **os.environ,
+        "PREBLE_MODEL_PATH": tiny_model,
+        "PREBLE_API_KEY": key,
+        "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192, "page_size": 16}),
+    }
+    eng, rtr = fresh_ports(), fresh_ports()
+    engine_env = {
+        **base,
+        "PREBLE_REPOSITORY": str(tmp_path / "engine"),
+        "PREBLE_HTTP_PORT": str(eng.http),
+        "PREBLE_GRPC_PORT": str(eng.grpc),
+        "PREBLE_METRICS_PORT": str(eng.metrics),
+    }
+    router_env = {
+        **base,
+        "PREBLE_REPOSITORY": str(tmp_path / "router"),
+        "PREBLE_HTTP_PORT": str(rtr.http),
+        "PREBLE_GRPC_PORT": str(rtr.grpc),
+        "PREBLE_METRICS_PORT": str(rtr.metrics),
+        "PREBLE_OPENAI_PORT": "0",
+        "PREBLE_ROUTER_PARAMETERS": json.dumps({"policy": "round_robin"}),
+        "PREBLE_ENGINES": f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0",
+    }
+    entry = [sys.executable, str(ROOT / "deploy" / "entrypoint.py")]
+    logs = tmp_path / "engine.log", tmp_path / "router.log"
+    with open(logs[0], "wb") as out:
+        engine = subprocess.Popen([*entry, "engine"], env=engine_env, stdout=out, stderr=subprocess.STDOUT)
+    router = None
+    try:
+        _ready(f"http://127.0.0.1:{eng.http}/v2/health/ready", 180, engine)
+        with open(logs[1], "wb") as out:
+            router = subprocess.Popen(
+                [*entry, "router"], env=router_env, stdout=out, stderr=subprocess.STDOUT
+            )
+        _ready(f"http://127.0.0.1:{rtr.http}/v2/health/ready", 180, router)
+        urls = f"127.0.0.1:{rtr.http}", f"127.0.0.1:{rtr.grpc}"
+        answer = PrebleClient(*urls, api_key=key).generate(
+            "A pod per engine", {"max_tokens": 8, "temperature": 0}
+        )
+        assert answer["instance"] == "engine-0" and answer["text_output"]
+        with pytest.raises(Exception, match="401|Unauthorized|unauthenticated|key"):
+            PrebleClient(*urls).generate("no key", {"max_tokens": 2})
+        for process in (router, engine):  # Kubernetes stops a pod with SIGTERM
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(60) == 0
+    finally:
+        for process in (router, engine):
+            if process is not None and process.poll() is None:
+                process.kill()
+        for log in logs:
+            if log.exists():
+                print(log.read_text()[-3000:])
