@@ -184,3 +184,18 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
             return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as exc:
         return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
+
+
+def wait_http_ready(url: str, timeout: float, process: subprocess.Popen) -> None:
+    """Poll ``url`` until it answers 200 while ``process`` runs (a pod's readiness probe)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the pod's process exited with {process.returncode}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} not ready in {timeout} s")

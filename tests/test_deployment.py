@@ -9,13 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from server_utils import fresh_ports
+from server_utils import fresh_ports, wait_http_ready
 
 from client.triton_client import PrebleClient
 
@@ -60,20 +58,6 @@ def test_the_router_names_every_engine_pod_and_probes_triton():
     assert engines["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
-def _ready(url: str, timeout: float, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"the pod's process exited with {process.returncode}"
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} not ready in {timeout} s")
-
-
 @pytest.mark.server
 def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model):
     """Both roles as the manifests run them (the key from the Secret, parameters from the
@@ -109,12 +93,12 @@ def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model
         engine = subprocess.Popen([*entry, "engine"], env=engine_env, stdout=out, stderr=subprocess.STDOUT)
     router = None
     try:
-        _ready(f"http://127.0.0.1:{eng.http}/v2/health/ready", 180, engine)
+        wait_http_ready(f"http://127.0.0.1:{eng.http}/v2/health/ready", 180, engine)
         with open(logs[1], "wb") as out:
             router = subprocess.Popen(
                 [*entry, "router"], env=router_env, stdout=out, stderr=subprocess.STDOUT
             )
-        _ready(f"http://127.0.0.1:{rtr.http}/v2/health/ready", 180, router)
+        wait_http_ready(f"http://127.0.0.1:{rtr.http}/v2/health/ready", 180, router)
         urls = f"127.0.0.1:{rtr.http}", f"127.0.0.1:{rtr.grpc}"
         answer = PrebleClient(*urls, api_key=key).generate(
             "A pod per engine", {"max_tokens": 8, "temperature": 0}
