@@ -135,3 +135,19 @@ def test_backend_benchmark_runs_and_its_backends_agree_with_transformers(capsys)
     for backend in ("torch", "triton"):
         row = next(line for line in table.splitlines() if line.startswith(f"| {backend} |"))
         assert "| 2/2 (mean 4.0) |" in row, row
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(make_engine, one_layer_model):
+    """The GPU engine model's warm-up (here through Triton's interpreter): it runs a
+    cascade, then every page is back, the counters read zero, and answers are unchanged."""
+    prompts = random_prompts([40, 300], 512, seed=4)
+    params = {"max_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    fresh = make_engine(one_layer_model, attention_backend="triton", device=DEVICE)
+    expected = fresh.generate(prompts, params)
+    warmed = make_engine(one_layer_model, attention_backend="triton", device=DEVICE)
+    warmed.warm_up()
+    assert warmed.runner.backend.cascade_forwards > 0
+    stats = warmed.stats()
+    assert stats["kv_pages_used"] == 0 and stats["requests_finished"] == 0
+    assert stats["prompt_tokens_computed"] == 0
+    assert warmed.generate(prompts, params) == expected

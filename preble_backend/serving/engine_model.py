@@ -76,6 +76,8 @@ class TritonPythonModel:
         if args["model_instance_kind"] == "GPU":
             params.setdefault("device", f"cuda:{args['model_instance_device_id']}")
         self.engine = Engine(EngineConfig.from_strings(params))
+        if self.engine.runner.device.type == "cuda":  # compile the kernels now, not in a request
+            self.engine.warm_up()
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
