@@ -199,3 +199,14 @@ def wait_http_ready(url: str, timeout: float, process: subprocess.Popen) -> None
             pass
         time.sleep(0.5)
     raise AssertionError(f"{url} not ready in {timeout} s")
+
+
+def stop_pod(process: subprocess.Popen) -> None:
+    """End a pod's entrypoint left running by a failed test: SIGTERM first, so it stops the
+    tritonserver it started (in a session of its own, which a kill would orphan)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from server_utils import fresh_ports, wait_http_ready
+from server_utils import fresh_ports, stop_pod, wait_http_ready
 
 from client.triton_client import PrebleClient
 
@@ -111,8 +111,8 @@ def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model
             assert process.wait(60) == 0
     finally:
         for process in (router, engine):
-            if process is not None and process.poll() is None:
-                process.kill()
+            if process is not None:
+                stop_pod(process)
         for log in logs:
             if log.exists():
                 print(log.read_text()[-3000:])

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from server_utils import fresh_ports, wait_http_ready
+from server_utils import fresh_ports, stop_pod, wait_http_ready
 
 from client.triton_client import PrebleClient
 
@@ -139,9 +139,8 @@ def test_a_host_whose_network_is_cut_is_routed_around_and_rejoins(hosts, tmp_pat
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
+        for process in reversed(processes):
+            stop_pod(process)
         for log in logs:
             if log.exists():
                 print(f"--- {log.name}\n{log.read_text()[-2500:]}")
