@@ -123,7 +123,7 @@ def extend_attention_items(
         (lse.stride(0), lse.stride(1), lse.stride(2) if lse.dim() == 3 else 0) if has_lse else (0, 0, 0)
     )
     upcast = upcast_loads(q.dtype)
-    warps = blocks.chunk_warps if chunks and blocks.chunk_warps and not upcast else blocks.num_warps
+    warps = blocks.chunk_warps if chunks and not upcast else blocks.num_warps
     grid = (items.shape[0], num_kv_heads, triton.cdiv(max_q_len * group, blocks.extend_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, lse_t, page_table, items,

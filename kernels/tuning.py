@@ -19,21 +19,19 @@ class Blocks:
     extend_n: int  # KV positions per extend step
     decode_n: int  # KV positions per decode step
     num_warps: int  # the extend kernel's over shared prefixes (cascade) and fp32 tiles
+    chunk_warps: int  # the extend kernel's over plain 16-bit prefill chunks
     num_stages: int
     sm_count: int  # used to pick the decode split count
-    chunk_warps: int = 0  # plain 16-bit extend (prefill chunks); 0: num_warps
 
 
-TABLE: dict[str, Blocks] = {
+TABLE: dict[str, Blocks] = {  # extend_m, extend_n, decode_n, num_warps, chunk_warps, num_stages, sm_count
     # sm90's chunk_warps measured by ``python -m kernels.sweep`` on an H100 (2026-11-25): 4 warps
     # beat 8 by 17% on chunked prefill, but slowed cascade's shared-prefix pass 3.4x -> 2.7x.
-    "sm90": Blocks(
-        extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=132, chunk_warps=4
-    ),
-    "sm89": Blocks(extend_m=64, extend_n=64, decode_n=64, num_warps=4, num_stages=2, sm_count=128),
-    "sm80": Blocks(extend_m=128, extend_n=64, decode_n=64, num_warps=8, num_stages=3, sm_count=108),
-    "default": Blocks(extend_m=64, extend_n=32, decode_n=32, num_warps=4, num_stages=2, sm_count=80),
-    "interpreter": Blocks(extend_m=16, extend_n=16, decode_n=16, num_warps=1, num_stages=1, sm_count=4),
+    "sm90": Blocks(128, 64, 64, 8, 4, 3, 132),
+    "sm89": Blocks(64, 64, 64, 4, 4, 2, 128),
+    "sm80": Blocks(128, 64, 64, 8, 8, 3, 108),
+    "default": Blocks(64, 32, 32, 4, 4, 2, 80),
+    "interpreter": Blocks(16, 16, 16, 1, 1, 1, 4),
 }
 
 

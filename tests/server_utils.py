@@ -201,12 +201,37 @@ def wait_http_ready(url: str, timeout: float, process: subprocess.Popen) -> None
     raise AssertionError(f"{url} not ready in {timeout} s")
 
 
-def stop_pod(process: subprocess.Popen) -> None:
-    """End a pod's entrypoint left running by a failed test: SIGTERM first, so it stops the
-    tritonserver it started (in a session of its own, which a kill would orphan)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+class Pods:
+    """Pods (``deploy/entrypoint.py ROLE``) a test starts on this host, each logging to a
+    file; ``env`` is what they share (the ConfigMap's and the Secret's part)."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
+        self.tmp_path, self.env = tmp_path, env
+        self.started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(
+        self, role: str, name: str, ports: ServerPorts | None = None, prefix=(), **env
+    ) -> subprocess.Popen:
+        """``prefix``: what runs the entrypoint (``ip netns exec NS``); ``env``: PREBLE_ settings."""
+        env = {**os.environ, **self.env, "PREBLE_REPOSITORY": str(self.tmp_path / name), **env}
+        if ports is not None:
+            env.update(PREBLE_HTTP_PORT=str(ports.http), PREBLE_GRPC_PORT=str(ports.grpc),
+                       PREBLE_METRICS_PORT=str(ports.metrics))  # fmt: skip
+        log = self.tmp_path / f"{name}.log"
+        entry = [sys.executable, str(Path(__file__).resolve().parent.parent / "deploy" / "entrypoint.py")]
+        with open(log, "wb") as out:
+            process = subprocess.Popen([*prefix, *entry, role], env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.started.append((process, log))
+        return process
+
+    def stop(self) -> None:
+        """End any pod still running (SIGTERM first, so its entrypoint stops the tritonserver
+        it started in a session of its own, which a kill would orphan); show their logs."""
+        for process, log in reversed(self.started):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            print(f"--- {log.name}\n{log.read_text()[-2500:]}")

@@ -5,15 +5,12 @@ an engine pod and a router pod on this host (no container, no cluster here)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from server_utils import fresh_ports, stop_pod, wait_http_ready
+from server_utils import Pods, fresh_ports, wait_http_ready
 
 from client.triton_client import PrebleClient
 
@@ -63,41 +60,26 @@ def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model
     """Both roles as the manifests run them (the key from the Secret, parameters from the
     ConfigMap), on loopback: the router reaches the engine by name, with the key."""
     key = "deployment-test-key-0123456789"
-    base = {
-        **os.environ,
-        "PREBLE_MODEL_PATH": tiny_model,
-        "PREBLE_API_KEY": key,
-        "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192, "page_size": 16}),
-    }
+    pods = Pods(
+        tmp_path,
+        {
+            "PREBLE_MODEL_PATH": tiny_model,
+            "PREBLE_API_KEY": key,
+            "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192, "page_size": 16}),
+        },
+    )
     eng, rtr = fresh_ports(), fresh_ports()
-    engine_env = {
-        **base,
-        "PREBLE_REPOSITORY": str(tmp_path / "engine"),
-        "PREBLE_HTTP_PORT": str(eng.http),
-        "PREBLE_GRPC_PORT": str(eng.grpc),
-        "PREBLE_METRICS_PORT": str(eng.metrics),
-    }
-    router_env = {
-        **base,
-        "PREBLE_REPOSITORY": str(tmp_path / "router"),
-        "PREBLE_HTTP_PORT": str(rtr.http),
-        "PREBLE_GRPC_PORT": str(rtr.grpc),
-        "PREBLE_METRICS_PORT": str(rtr.metrics),
-        "PREBLE_OPENAI_PORT": "0",
-        "PREBLE_ROUTER_PARAMETERS": json.dumps({"policy": "round_robin"}),
-        "PREBLE_ENGINES": f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0",
-    }
-    entry = [sys.executable, str(ROOT / "deploy" / "entrypoint.py")]
-    logs = tmp_path / "engine.log", tmp_path / "router.log"
-    with open(logs[0], "wb") as out:
-        engine = subprocess.Popen([*entry, "engine"], env=engine_env, stdout=out, stderr=subprocess.STDOUT)
-    router = None
     try:
+        engine = pods.start("engine", "engine", eng)
         wait_http_ready(f"http://127.0.0.1:{eng.http}/v2/health/ready", 180, engine)
-        with open(logs[1], "wb") as out:
-            router = subprocess.Popen(
-                [*entry, "router"], env=router_env, stdout=out, stderr=subprocess.STDOUT
-            )
+        router = pods.start(
+            "router",
+            "router",
+            rtr,
+            PREBLE_OPENAI_PORT="0",
+            PREBLE_ROUTER_PARAMETERS=json.dumps({"policy": "round_robin"}),
+            PREBLE_ENGINES=f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0",
+        )
         wait_http_ready(f"http://127.0.0.1:{rtr.http}/v2/health/ready", 180, router)
         urls = f"127.0.0.1:{rtr.http}", f"127.0.0.1:{rtr.grpc}"
         answer = PrebleClient(*urls, api_key=key).generate(
@@ -110,9 +92,4 @@ def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0
     finally:
-        for process in (router, engine):
-            if process is not None:
-                stop_pod(process)
-        for log in logs:
-            if log.exists():
-                print(log.read_text()[-3000:])
+        pods.stop()

@@ -12,13 +12,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from server_utils import fresh_ports, stop_pod, wait_http_ready
+from server_utils import Pods, fresh_ports, wait_http_ready
 
 from client.triton_client import PrebleClient
 
@@ -46,9 +45,11 @@ class Host:
         _ip("link", "set", self.inside, "netns", self.ns)
         _ip("addr", "add", f"10.231.{i}.1/24", "dev", self.outside)
         _ip("netns", "exec", self.ns, "ip", "addr", "add", f"{self.address}/24", "dev", self.inside)
-        for args in (("link", "set", self.outside, "up"),
-                     ("netns", "exec", self.ns, "ip", "link", "set", self.inside, "up"),
-                     ("netns", "exec", self.ns, "ip", "link", "set", "lo", "up")):  # fmt: skip
+        for args in (
+            ("link", "set", self.outside, "up"),
+            ("netns", "exec", self.ns, "ip", "link", "set", self.inside, "up"),
+            ("netns", "exec", self.ns, "ip", "link", "set", "lo", "up"),
+        ):
             _ip(*args)
 
     def link(self, up: bool) -> None:
@@ -75,38 +76,36 @@ def hosts():
 
 
 def test_a_host_whose_network_is_cut_is_routed_around_and_rejoins(hosts, tmp_path, tiny_model):
-    entry = [sys.executable, str(ROOT / "deploy" / "entrypoint.py")]
-    base = {**os.environ, "PREBLE_MODEL_PATH": tiny_model, "PREBLE_API_KEY": KEY,
-            "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192})}  # fmt: skip
-    processes: list[subprocess.Popen] = []
-    logs = []
-
-    def start(args, env, name):
-        logs.append(tmp_path / f"{name}.log")
-        with open(logs[-1], "wb") as out:
-            processes.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT))
-        return processes[-1]
-
+    pods = Pods(
+        tmp_path,
+        {
+            "PREBLE_MODEL_PATH": tiny_model,
+            "PREBLE_API_KEY": KEY,
+            "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192}),
+        },
+    )
     try:
-        engines = []
-        for i, host in enumerate(hosts):  # each namespace has its own ports: the defaults
-            env = {**base, "PREBLE_HOST": host.address, "PREBLE_REPOSITORY": str(tmp_path / f"engine{i}")}
-            engines.append(start(["ip", "netns", "exec", host.ns, *entry, "engine"], env, f"engine{i}"))
+        engines = [  # each namespace has its own ports: the defaults
+            pods.start(
+                "engine", f"engine{i}", prefix=("ip", "netns", "exec", host.ns), PREBLE_HOST=host.address
+            )
+            for i, host in enumerate(hosts)
+        ]
         for host, process in zip(hosts, engines):
             wait_http_ready(f"http://{host.address}:8000/v2/health/ready", 180, process)
         ports = fresh_ports()
-        router_env = {
-            **base, "PREBLE_REPOSITORY": str(tmp_path / "router"), "PREBLE_OPENAI_PORT": "0",
-            "PREBLE_HTTP_PORT": str(ports.http), "PREBLE_GRPC_PORT": str(ports.grpc),
-            "PREBLE_METRICS_PORT": str(ports.metrics),
-            "PREBLE_ROUTER_PARAMETERS": json.dumps(
+        router = pods.start(
+            "router",
+            "router",
+            ports,
+            PREBLE_OPENAI_PORT="0",
+            PREBLE_ROUTER_PARAMETERS=json.dumps(
                 {"policy": "round_robin", "health_interval_s": 0.5, "health_timeout_s": 3}
             ),
-            "PREBLE_ENGINES": ",".join(
+            PREBLE_ENGINES=",".join(
                 f"host{i}=grpc://{h.address}:8001/preble_engine_0" for i, h in enumerate(hosts)
             ),
-        }  # fmt: skip
-        router = start([*entry, "router"], router_env, "router")
+        )
         wait_http_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", 180, router)
         client = PrebleClient(f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}", api_key=KEY)
         expected = client.generate(PROMPT, GREEDY, exclude_input_in_output=True)["text_output"]
@@ -135,12 +134,8 @@ def test_a_host_whose_network_is_cut_is_routed_around_and_rejoins(hosts, tmp_pat
             rejoined |= {ask(i)["instance"] for i in range(4)}
             time.sleep(0.5)
         assert "host1" in rejoined
-        for process in reversed(processes):
+        for process, _ in reversed(pods.started):
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0
     finally:
-        for process in reversed(processes):
-            stop_pod(process)
-        for log in logs:
-            if log.exists():
-                print(f"--- {log.name}\n{log.read_text()[-2500:]}")
+        pods.stop()

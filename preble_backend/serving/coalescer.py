@@ -29,7 +29,6 @@ from preble_backend.engine.request import RequestOutput
 @dataclass
 class _Held:
     outs: list[RequestOutput] = field(default_factory=list)
-    tokens: int = 0
     since: float = 0.0  # when the first held output arrived
     last_sent: float | None = None  # None: nothing sent yet, the first token goes at once
     queued: bool = False
@@ -37,7 +36,7 @@ class _Held:
 
 
 class Coalescer:
-    def __init__(self, stream_interval: int = 1, stream_interval_ms: float = 0.0) -> None:
+    def __init__(self, stream_interval: int, stream_interval_ms: float) -> None:
         self.max_tokens = stream_interval
         self.interval_s = stream_interval_ms / 1e3
         self._held: dict[str, _Held] = {}
@@ -52,13 +51,12 @@ class Coalescer:
             if not held.outs:
                 held.since = now
             held.outs.append(out)
-            held.tokens += len(out.token_ids)
             if out.finished:
                 held.report = report
             due = (
                 out.finished
                 or held.last_sent is None
-                or held.tokens >= self.max_tokens
+                or sum(len(o.token_ids) for o in held.outs) >= self.max_tokens
                 or now - held.last_sent >= self.interval_s
             )
             return self._queue(held) if due else False
@@ -86,7 +84,7 @@ class Coalescer:
         with self._lock:
             held = self._held[request_id]
             outs, report = held.outs, held.report
-            held.outs, held.tokens, held.queued, held.last_sent = [], 0, False, time.monotonic()
+            held.outs, held.queued, held.last_sent = [], False, time.monotonic()
             if outs[-1].finished:
                 del self._held[request_id]
         return merge(outs), report
