@@ -41,13 +41,23 @@ class PrefixHash(Policy):
     ) -> None:
         super().__init__(num_instances, clock)
         self.prefix_tokens = prefix_tokens
-        ring = sorted(
-            (_hash(f"instance-{i}-{v}".encode()), i)
-            for i in range(num_instances)
-            for v in range(virtual_nodes)
-        )
-        self._points = [p for p, _ in ring]
-        self._owners = [i for _, i in ring]
+        self.virtual_nodes = virtual_nodes
+        self._points: list[int] = []
+        self._owners: list[int] = []
+        for i in range(num_instances):
+            self._join_ring(i)
+
+    def _join_ring(self, instance: int) -> None:
+        """The instance's points on the ring: a joining one takes over ~1/N of the keys,
+        from every other instance alike, and the rest stay where they were."""
+        for v in range(self.virtual_nodes):
+            point = _hash(f"instance-{instance}-{v}".encode())
+            at = bisect.bisect(self._points, point)
+            self._points.insert(at, point)
+            self._owners.insert(at, instance)
+
+    def _grow(self) -> None:
+        self._join_ring(self.num_instances - 1)
 
     def select(self, request, loads):
         key = _hash(np.asarray(request.input_ids[: self.prefix_tokens], dtype=np.int64).tobytes())
@@ -77,6 +87,9 @@ class CacheAware(Policy):
         self.max_tree_tokens = max_tree_tokens
         self.page_size = page_size
         self.trees = [GlobalPrefixTree(1, float("inf"), page_size) for _ in range(num_instances)]
+
+    def _grow(self) -> None:
+        self.trees.append(GlobalPrefixTree(1, float("inf"), self.page_size))
 
     def select(self, request, loads: list[InstanceLoad]):
         live = sorted(self.live)
@@ -141,12 +154,19 @@ class KVCost(Policy):
         self.active_blocks[instance] += blocks
         self._blocks[request.request_id] = blocks
 
+    def _grow(self) -> None:
+        self.tree.add_instance()
+        self.active_blocks.append(0)
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         self.tree.apply_events(instance, info.events)
         self.active_blocks[instance] -= self._blocks.pop(request.request_id, 0)
 
     def forget(self, instance: int) -> None:
         self.tree.forget(instance)
+
+    def cached_tokens(self, instance: int) -> int | None:
+        return self.tree.cached_tokens[instance]
 
     def resync(self, instance: int) -> None:
         self.forget(instance)  # the snapshot's events rebuild it

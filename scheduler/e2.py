@@ -103,6 +103,8 @@ class E2(Policy):
         self.cost = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
         caps = capacity_tokens if isinstance(capacity_tokens, list) else [capacity_tokens] * num_instances
         self.capacity = list(caps)
+        # a joining engine's, until it reports its own
+        self.default_capacity = min(caps, default=capacity_tokens if isinstance(capacity_tokens, int) else 0)
         self.page_size = page_size  # the engines' KV page size: prompts are hashed per page
         self.tree = GlobalPrefixTree(num_instances, window_s, page_size)
         self.history = [InstanceHistory(window_s) for _ in range(num_instances)]
@@ -277,8 +279,16 @@ class E2(Policy):
 
     # ---- feedback: engine reports, completions, autoscaling ---------------------------------
 
+    def _grow(self) -> None:
+        self.tree.add_instance()
+        self.history.append(InstanceHistory(self.tree.window_s))
+        self.capacity.append(self.default_capacity)
+
     def forget(self, instance: int) -> None:
         self.tree.forget(instance)
+
+    def cached_tokens(self, instance: int) -> int | None:
+        return self.tree.cached_tokens[instance]
 
     def resync(self, instance: int) -> None:
         self.forget(instance)  # the snapshot's events rebuild it

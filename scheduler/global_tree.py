@@ -50,6 +50,14 @@ class GlobalPrefixTree:
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
 
+    def add_instance(self) -> int:
+        """A slot for one more instance (a node's per-instance state is keyed by it)."""
+        self.num_instances += 1
+        self.cached_tokens.append(0)
+        self.held_tokens.append(0)
+        self.lru.append(OrderedDict())
+        return self.num_instances - 1
+
     # ---- matching -------------------------------------------------------------------------
 
     def match(self, chain: array) -> Match:

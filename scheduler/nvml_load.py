@@ -91,6 +91,14 @@ class LoadView:
         if self._thread is not None:
             self._thread.join()
 
+    def add(self, instance: int) -> None:
+        """Slot ``instance`` is a new engine's (appended) or a departed one's (cleared)."""
+        if instance == len(self.gpus):
+            self.gpus.append(None)
+            self.gpu.append(None)
+            self.reports.append({})
+        self.gpus[instance], self.gpu[instance], self.reports[instance] = None, None, {}
+
     def report(self, instance: int, load: dict) -> None:
         self.reports[instance] = load
 

@@ -68,9 +68,9 @@ class Policy(ABC):
     name: str
 
     def __init__(self, num_instances: int, clock: Callable[[], float] = time.monotonic) -> None:
-        if num_instances < 1:
-            raise ValueError("a policy needs at least one instance")
-        self.num_instances = num_instances
+        if num_instances < 0:
+            raise ValueError(f"num_instances={num_instances} is invalid: expected an integer >= 0")
+        self.num_instances = num_instances  # slots: a router's engines that joined, departed ones too
         self.clock = clock  # the simulator passes its own
         self.live = set(range(num_instances))  # instances that take requests now
 
@@ -89,6 +89,25 @@ class Policy(ABC):
     def record(self, request: RoutingRequest, instance: int) -> None:
         """Count a placement in the policy's state. Stateless policies keep none."""
         return None
+
+    def add_instance(self) -> int:
+        """An engine joined: a new slot for it, not live until ``instance_up`` (the router
+        probes it first). A slot is never given to another engine, so nothing a departed
+        engine left behind (a request still settling, a cache belief) can reach a new one."""
+        instance = self.num_instances
+        self.num_instances += 1
+        self._grow()
+        return instance
+
+    def _grow(self) -> None:
+        """Per-instance state for the slot ``add_instance`` made. Stateless policies keep none."""
+        return None
+
+    def withdraw(self, instance: int) -> None:
+        """The engine is leaving: route nothing new to it, but keep believing what it
+        caches while its requests finish (their reports still arrive); ``instance_down``
+        once they have."""
+        self.live.discard(instance)
 
     def instance_down(self, instance: int) -> None:
         """The instance died or cannot be reached: route around it and forget what it
@@ -113,6 +132,12 @@ class Policy(ABC):
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         """The request finished on ``instance``. Policies that keep no state ignore it."""
+        return None
+
+    def cached_tokens(self, instance: int) -> int | None:
+        """What the policy believes ``instance`` caches, in tokens, where it mirrors the
+        engines' cache events (an operator compares it with the engine's own count); None
+        where it does not."""
         return None
 
 

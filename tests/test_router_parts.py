@@ -11,7 +11,8 @@ import pytest
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.detokenizer import IncrementalDetokenizer
-from preble_backend.serving.engine_client import LocalEngine, RemoteEngine, make_engine_clients
+from preble_backend.serving.discovery import Discovery
+from preble_backend.serving.engine_client import LocalEngine, RemoteEngine, make_engine_client
 from preble_backend.serving.loopback import grpc_url_from_args
 from preble_backend.serving.repository import write_repository
 from scheduler.policies import make_policy
@@ -103,16 +104,21 @@ def test_policies_refuse_unknown_options():
 def test_engines_parameter():
     asked = []
     here = lambda: asked.append(1) or "127.0.0.1:9001"  # noqa: E731
-    local, remote = make_engine_clients("preble_engine_0, grpc://10.0.0.2:8001/preble_engine_3", here)
+    local = make_engine_client("preble_engine_0", here)
+    remote = make_engine_client("grpc://10.0.0.2:8001/preble_engine_3", here)
     assert isinstance(local, LocalEngine) and (local.name, local.url) == ("preble_engine_0", "127.0.0.1:9001")
     assert isinstance(remote, RemoteEngine)
     assert (remote.url, remote.model) == ("10.0.0.2:8001", "preble_engine_3")
-    make_engine_clients("grpc://10.0.0.2:8001/preble_engine_3", here)
+    assert make_engine_client("h1=grpc://10.0.0.3:8001/e", here).name == "h1"
     assert len(asked) == 1  # this server's endpoint is looked up only for a local engine
-    for bad, message in (("", "at least one engine"), ("grpc://host/model", "grpc://host:port/model"),
-                         ("http://h:1/m", "only grpc://")):  # fmt: skip
+    for bad, message in (("grpc://host/model", "grpc://host:port/model"), ("http://h:1/m", "only grpc://")):
         with pytest.raises(ValueError, match=message):
-            make_engine_clients(bad, here)
+            make_engine_client(bad, here)
+        with pytest.raises(ValueError, match=message):
+            Discovery(f"preble_engine_0, {bad}")  # refused at load, with the static list
+    with pytest.raises(ValueError, match="expected engine names or grpc:// URLs, engines_dns or engine"):
+        RouterConfig.from_strings({"engines": " , "})
+    assert RouterConfig.from_strings({"engines": "", "engines_dns": "e.svc:8001/preble_engine_0"})
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,18 @@ class RouterConfig:
         "preble_engine_0,preble_engine_1",
         doc="comma-separated engine model names in this server and [name=]grpc://host:port/model remotes",
     )
+    engines_dns: str = setting(
+        "",
+        doc="host:port/model: one engine per address the name resolves to (a Kubernetes headless "
+        "Service), re-resolved every discovery_interval_s",
+    )
+    engines_file: str = setting(
+        "", doc="a file of entries in engines' syntax (a mounted ConfigMap), read every discovery_interval_s"
+    )
+    discovery_interval_s: float = setting(5.0, doc="how often engines_dns and engines_file are read again")
+    leave_timeout_s: float = setting(
+        30.0, doc="how long an engine that left discovery may finish its requests before they move on"
+    )
     server_grpc_url: str = setting(
         "",
         doc="host:port of this server's gRPC endpoint, where the router reaches its local engines; "
@@ -57,7 +69,10 @@ class RouterConfig:
         for key in ("max_queue", "migration_limit"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 0")
-        for key in ("health_interval_s", "health_timeout_s"):
+        if not (self.engines.strip(" ,") or self.engines_dns or self.engines_file):
+            raise ValueError("engines='' is invalid: expected engine names or grpc:// URLs, engines_dns "
+                             "or engines_file")  # fmt: skip
+        for key in ("health_interval_s", "health_timeout_s", "discovery_interval_s", "leave_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected a number > 0")
 

@@ -242,25 +242,23 @@ class LocalEngine(EngineClient):
         super().__init__(server_url, model, model)
 
 
-def make_engine_clients(spec: str, server_url: Callable[[], str]) -> list[EngineClient]:
-    """Parse the router's ``engines`` parameter: comma-separated model names in this
-    server (reached at ``server_url()``, asked only if there is one) and
-    ``grpc://host:port/model`` remotes, each optionally named ``name=grpc://...`` (how
-    responses and metrics call it; ``preble serve`` names its own engine servers so)."""
-    clients: list[EngineClient] = []
-    for entry in (e.strip() for e in spec.split(",")):
-        if not entry:
-            continue
-        name, _, target = entry.rpartition("=") if "=grpc://" in entry else ("", "", entry)
-        if target.startswith("grpc://"):
-            url, _, model = target.removeprefix("grpc://").partition("/")
-            if not model or ":" not in url:
-                raise ValueError(f"engines entry {entry!r} is invalid: expected [name=]grpc://host:port/model")
-            clients.append(RemoteEngine(url, model, name or None))
-        elif "://" in entry:
-            raise ValueError(f"engines entry {entry!r} is invalid: only grpc:// remotes are supported")
-        else:
-            clients.append(LocalEngine(entry, server_url()))
-    if not clients:
-        raise ValueError("engines='' is invalid: expected at least one engine model name or grpc:// URL")
-    return clients
+def parse_engine_entry(entry: str) -> tuple[str | None, str | None, str]:
+    """One ``engines`` entry: a model name in this server, or a ``[name=]grpc://host:port/model``
+    remote (``name`` is how responses and metrics call it; ``preble serve`` names its own
+    engine servers so). Gives (name, host:port or None for a local engine, model)."""
+    name, _, target = entry.rpartition("=") if "=grpc://" in entry else ("", "", entry)
+    if target.startswith("grpc://"):
+        url, _, model = target.removeprefix("grpc://").partition("/")
+        if not model or ":" not in url:
+            raise ValueError(f"engines entry {entry!r} is invalid: expected [name=]grpc://host:port/model")
+        return name or None, url, model
+    if "://" in entry or not entry or "=" in entry:
+        raise ValueError(f"engines entry {entry!r} is invalid: only grpc:// remotes are supported")
+    return None, None, entry
+
+
+def make_engine_client(entry: str, server_url: Callable[[], str]) -> EngineClient:
+    """The client for one entry; ``server_url()`` (this server's gRPC endpoint) is asked
+    only for a local engine."""
+    name, url, model = parse_engine_entry(entry)
+    return LocalEngine(model, server_url()) if url is None else RemoteEngine(url, model, name)

@@ -14,7 +14,8 @@ Two signals, checked every ``interval_s`` on the monitor's own thread:
 An engine is reported down once (``on_down(i, reason)``) and up once when a probe
 succeeds again (``on_up(i)``): a restarted remote server rejoins by itself. A request
 that finds an engine unreachable reports it through ``suspect`` without waiting for the
-next probe.
+next probe. Engines that discovery adds are watched from a first successful probe on
+(``watch``); one that left is no longer watched, and nothing is reported of it.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ class EngineMonitor:
         timeout_s: float = 10.0,
         warn: Callable[[str], None] = print,
     ) -> None:
-        self.engines, self.on_down, self.on_up, self._warn = engines, on_down, on_up, warn
+        self.engines, self.on_down, self.on_up, self._warn = list(engines), on_down, on_up, warn
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.up = [True] * len(engines)
+        self.watched = set(range(len(engines)))
         self._pids: list[int | None] = [None] * len(engines)
         self._probing: dict[int, float] = {}  # engine -> when its outstanding probe started
         self._probes: dict[int, threading.Thread] = {}  # engine -> its latest probe's thread
@@ -68,12 +70,31 @@ class EngineMonitor:
             started = self._started
         if started:
             self._thread.join(timeout=timeout_s)
-        for engine in self.engines:
+        with self._lock:
+            engines = list(self.engines)
+        for engine in engines:
             engine.cancel_all()
         with self._lock:
             probes = list(self._probes.values())
         for probe in probes:
             probe.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def watch(self, instance: int, engine: EngineClient) -> None:
+        """Watch ``engine`` in slot ``instance`` (a new slot, or one whose engine left):
+        down until a probe answers, which reports it up."""
+        with self._lock:
+            if instance == len(self.engines):
+                self.engines.append(engine)
+                self.up.append(False)
+                self._pids.append(None)
+                self._progress.append(0.0)
+            self.engines[instance], self.up[instance], self._pids[instance] = engine, False, None
+            self.watched.add(instance)
+
+    def unwatch(self, instance: int) -> None:
+        """The engine left: probe it no more, report nothing of it."""
+        with self._lock:
+            self.watched.discard(instance)
 
     def learn_pid(self, instance: int, load: dict) -> None:
         """A local engine's report names its stub's pid."""
@@ -94,7 +115,9 @@ class EngineMonitor:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            for i in range(len(self.engines)):
+            with self._lock:
+                watched = sorted(self.watched)
+            for i in watched:
                 pid = self._pids[i]
                 if pid is not None and self.up[i] and not process_alive(pid):
                     self._down(i, f"its stub process {pid} exited")
@@ -132,7 +155,7 @@ class EngineMonitor:
                 )
                 return
             with self._lock:
-                back = not self.up[instance]
+                back = not self.up[instance] and instance in self.watched
                 self.up[instance] = True
             if back:
                 self.on_up(instance)
@@ -142,7 +165,7 @@ class EngineMonitor:
 
     def _down(self, instance: int, reason: str) -> None:
         with self._lock:
-            if not self.up[instance] or self._stop.is_set():
+            if not self.up[instance] or self._stop.is_set() or instance not in self.watched:
                 return
             self.up[instance] = False
         self.on_down(instance, reason)

@@ -30,7 +30,11 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
     MetricSpec("preble_router_prompt_tokens_total", "counter", "prompt tokens of finished requests"),
     MetricSpec("preble_router_cached_prompt_tokens_total", "counter",
                "prompt tokens the engines' prefix caches served"),
-    MetricSpec("preble_router_engine_up", "gauge", "1 while the engine takes requests, 0 once it failed"),
+    MetricSpec("preble_router_engine_up", "gauge",
+               "1 while the engine takes requests, 0 once it failed, left, or before it first answers"),
+    MetricSpec("preble_router_engines", "gauge", "engines discovery names now"),
+    MetricSpec("preble_router_cached_pages", "gauge",
+               "KV pages the policy believes the engine caches (from its cache events; E2 and kv_cost)"),
     MetricSpec("preble_router_migrations_total", "counter",
                "requests that went on elsewhere when their engine failed, by the engine that failed"),
 ]  # fmt: skip
