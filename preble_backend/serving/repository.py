@@ -110,12 +110,12 @@ def write_repository(
         overrides = {**engine_overrides, **({"cpu_cores": cores[i]} if cores else {})}
         _write_model(root, name, engine_config_pbtxt(name, model_path, gpu, **overrides), ENGINE_MODEL_PY)
     if with_router:
-        config = RouterConfig(
-            model_path=model_path,
-            engines=",".join(names + list(remote_engines or [])),
-            page_size=engine_overrides.get("page_size", DEFAULT_PAGE_SIZE),
+        config = RouterConfig(**{
+            "model_path": model_path,
+            "engines": ",".join(names + list(remote_engines or [])),
+            "page_size": engine_overrides.get("page_size", DEFAULT_PAGE_SIZE),
             **(router_overrides or {}),
-        )
+        })  # fmt: skip
         _write_model(root, "preble", router_config_pbtxt(config, router_instances), ROUTER_MODEL_PY)
     return root
 
