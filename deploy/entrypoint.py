@@ -11,7 +11,9 @@ deployment by editing the ConfigMap, as a single host is tuned by editing config
     PREBLE_MODEL_PATH          a model directory or a ``preble model`` name (default tiny)
     PREBLE_ENGINE_PARAMETERS   JSON object of engine parameters (``EngineConfig`` keys)
     PREBLE_ROUTER_PARAMETERS   JSON object of router parameters (``RouterConfig`` keys)
-    PREBLE_ENGINES             router: ``name=grpc://host:port/model``, comma-separated
+    PREBLE_ENGINES             router: ``name=grpc://host:port/model``, comma-separated (or
+                               none, where PREBLE_ROUTER_PARAMETERS names ``engines_dns``:
+                               the engines' headless Service, so engines join and leave)
     PREBLE_HOST                the address to listen on (default 127.0.0.1; pods: 0.0.0.0)
     PREBLE_API_KEY             the key every client, the router included, must send
     PREBLE_REPOSITORY          where the repository is written (default /tmp/preble-repository)
@@ -99,17 +101,18 @@ def router() -> int:
     from preble_backend.serving.repository import write_repository
 
     engines = [e.strip() for e in _env("PREBLE_ENGINES", "").split(",") if e.strip()]
-    if not engines:
-        raise SystemExit("entrypoint: PREBLE_ENGINES names no engine (name=grpc://host:port/model,...)")
     page = {k: v for k, v in _json("PREBLE_ENGINE_PARAMETERS").items() if k == "page_size"}
-    repo = write_repository(  # no engines of its own; the router matches prompts in their page size
-        _repository(),
-        _env("PREBLE_MODEL_PATH", "tiny"),
-        cpu_engines=0,
-        remote_engines=engines,
-        router_overrides=_json("PREBLE_ROUTER_PARAMETERS"),
-        **page,
-    )
+    try:
+        repo = write_repository(  # no engines of its own; the router matches prompts in their page size
+            _repository(),
+            _env("PREBLE_MODEL_PATH", "tiny"),
+            cpu_engines=0,
+            remote_engines=engines,
+            router_overrides=_json("PREBLE_ROUTER_PARAMETERS"),
+            **page,
+        )
+    except (TypeError, ValueError) as err:  # no engines from any source, a bad parameter
+        raise SystemExit(f"entrypoint: the router's parameters: {err}") from None
     # The router sends its engines the clients' key: one Secret for the whole deployment.
     if os.environ.get("PREBLE_API_KEY"):
         os.environ["PREBLE_ENGINE_KEY"] = os.environ["PREBLE_API_KEY"]

@@ -1,22 +1,29 @@
 """Several hosts on one machine: Linux network namespaces stand in for hosts. Each engine
-pod (``deploy/entrypoint.py engine``) runs in a namespace of its own behind a veth pair,
-with its own address; the router pod runs in this one and names the engines by address,
-as the Kubernetes manifests name them by pod DNS name. Under a running load one host's
-network is cut: its requests move to the other host and finish, new ones avoid it, and
-when its link comes back it takes requests again. Skipped where namespaces cannot be
-made (CI runs as root and can)."""
+pod (``deploy/entrypoint.py engine``) runs in a network namespace of its own behind a veth
+pair, with its own address. The router pod runs in this one, with a mount namespace of its
+own whose ``/etc/resolv.conf`` names a DNS server the test runs (dnslib): it finds the
+engines as a Kubernetes router finds them, by one name resolving to an address per engine
+pod (``engines_dns``), while a trace runs. A host is added to the name (new requests reach
+it), one is removed (its requests finish, none hang, then its pod stops) and one's network
+is cut (its requests move on within the health timeout, and it rejoins when the link is
+back); after each change the router's belief of every engine's cache is the engine's own
+count. Skipped where namespaces cannot be made (CI runs as root and can)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import subprocess
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
 from pathlib import Path
 
 import pytest
+from dnslib import QTYPE, RCODE, RR, A
+from dnslib.server import BaseResolver, DNSServer
 from server_utils import Pods, fresh_ports, wait_http_ready
 
 from client.triton_client import PrebleClient
@@ -64,7 +71,7 @@ class Host:
 def hosts():
     made = []
     try:
-        for i in range(2):
+        for i in range(3):
             made.append(Host(i))
     except (subprocess.CalledProcessError, FileNotFoundError) as err:
         for host in made:
@@ -75,15 +82,97 @@ def hosts():
         host.remove()
 
 
-def test_a_host_whose_network_is_cut_is_routed_around_and_rejoins(hosts, tmp_path, tiny_model):
-    pods = Pods(
-        tmp_path,
-        {
-            "PREBLE_MODEL_PATH": tiny_model,
-            "PREBLE_API_KEY": KEY,
-            "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192}),
-        },
-    )
+class Zone(BaseResolver):
+    """A DNS server for one name, on a loopback address of its own: A records for the
+    addresses listed now (none listed: NXDOMAIN), no AAAA records."""
+
+    def __init__(self, address: str) -> None:
+        self.records: dict[str, list[str]] = {}
+        self.server = DNSServer(self, port=53, address=address)
+        self.server.start_thread()
+
+    def resolve(self, request, handler):
+        reply = request.reply()
+        addresses = self.records.get(str(request.q.qname).rstrip("."))
+        if addresses is None:
+            reply.header.rcode = RCODE.NXDOMAIN
+        elif request.q.qtype in (QTYPE.A, QTYPE.ANY):
+            for address in addresses:
+                reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(address), ttl=0))
+        return reply
+
+
+class Trace:
+    """Clients asking without pause, each answer kept with its prompt, until ``stop``."""
+
+    def __init__(self, ask, prompts: list[str], workers: int = 4) -> None:
+        self.answers: list[tuple[str, dict, float]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+
+        def run(k: int) -> None:
+            for i in itertools.count(k):
+                if self._stop.is_set():
+                    return
+                prompt = prompts[i % len(prompts)]
+                try:
+                    self.answers.append((prompt, ask(prompt), time.monotonic()))
+                except Exception as exc:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+
+        self._threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def served_by(self, since: float = 0.0) -> set[str]:
+        return {answer["instance"] for _, answer, at in list(self.answers) if at >= since}
+
+    def stop(self, expected: dict[str, str]) -> None:
+        """Every request answered (none hung), each with its fault-free greedy text."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=90)
+            assert not thread.is_alive(), "a request hung"
+        assert not self.errors, self.errors
+        assert self.answers
+        assert all(answer["text_output"] == expected[prompt] for prompt, answer, _ in self.answers)
+
+
+def _series(url: str, name: str, label: str = "") -> float | None:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") and label in line:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _until(check, what: str, timeout: float = 60) -> float:
+    started = time.monotonic()
+    while not check():
+        assert time.monotonic() - started < timeout, f"not within {timeout}s: {what}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+@pytest.fixture
+def zone():
+    address = f"127.0.{os.getpid() % 200 + 20}.53"
+    try:
+        zone = Zone(address)
+    except OSError as err:
+        pytest.skip(f"no DNS server can listen on {address}:53 here: {err}")
+    yield zone
+    zone.server.stop()
+
+
+def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_path, tiny_model):
+    name = "preble-engines.preble.test"
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(f"nameserver {zone.server.server.server_address[0]}\noptions timeout:1 attempts:2\n")
+    private_resolver = ("unshare", "--mount", "sh", "-c", 'mount --bind "$0" /etc/resolv.conf && exec "$@"',
+                        str(resolv))  # fmt: skip
+    pods = Pods(tmp_path, {"PREBLE_MODEL_PATH": tiny_model, "PREBLE_API_KEY": KEY,
+                           "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192})})  # fmt: skip
     try:
         engines = [  # each namespace has its own ports: the defaults
             pods.start(
@@ -93,49 +182,79 @@ def test_a_host_whose_network_is_cut_is_routed_around_and_rejoins(hosts, tmp_pat
         ]
         for host, process in zip(hosts, engines):
             wait_http_ready(f"http://{host.address}:8000/v2/health/ready", 180, process)
+        engine = {host.address: f"{host.address}:8001" for host in hosts}  # how the router names them
+        zone.records[name] = [hosts[0].address, hosts[1].address]
         ports = fresh_ports()
-        router = pods.start(
-            "router",
-            "router",
-            ports,
-            PREBLE_OPENAI_PORT="0",
-            PREBLE_ROUTER_PARAMETERS=json.dumps(
-                {"policy": "round_robin", "health_interval_s": 0.5, "health_timeout_s": 3}
-            ),
-            PREBLE_ENGINES=",".join(
-                f"host{i}=grpc://{h.address}:8001/preble_engine_0" for i, h in enumerate(hosts)
-            ),
-        )
+        parameters = {"engines_dns": f"{name}:8001/preble_engine_0", "discovery_interval_s": 0.5,
+                      "health_interval_s": 0.5, "health_timeout_s": 3, "leave_timeout_s": 20}  # fmt: skip
+        router = pods.start("router", "router", ports, prefix=private_resolver, PREBLE_OPENAI_PORT="0",
+                            PREBLE_ENGINES="", PREBLE_ROUTER_PARAMETERS=json.dumps(parameters))  # fmt: skip
         wait_http_ready(f"http://127.0.0.1:{ports.http}/v2/health/ready", 180, router)
+        metrics = f"http://127.0.0.1:{ports.metrics}"
         client = PrebleClient(f"127.0.0.1:{ports.http}", f"127.0.0.1:{ports.grpc}", api_key=KEY)
-        expected = client.generate(PROMPT, GREEDY, exclude_input_in_output=True)["text_output"]
 
-        def ask(_):
-            return client.generate(PROMPT, GREEDY, exclude_input_in_output=True)
+        def ask(prompt: str) -> dict:
+            return client.generate(prompt, GREEDY, exclude_input_in_output=True, timeout=90)
 
-        with ThreadPoolExecutor(6) as pool:
-            before = list(pool.map(ask, range(12)))
-        assert {a["instance"] for a in before} == {"host0", "host1"}  # round-robin over both hosts
-        # Cut host 1's network while requests run on it: they move to host 0 and finish.
-        with ThreadPoolExecutor(6) as pool:
-            running = [pool.submit(ask, i) for i in range(12)]
-            time.sleep(0.3)
-            hosts[1].link(up=False)
-            started = time.monotonic()
-            during = [f.result(timeout=120) for f in running]
-        assert time.monotonic() - started < 60  # within the health timeout and a migration, not hung
-        assert all(a["text_output"] == expected for a in before + during)  # greedy: the fault-free text
-        after = [ask(i) for i in range(6)]
-        assert {a["instance"] for a in after} == {"host0"}
-        # The link comes back: the monitor sees host 1 answer again and routes to it.
+        def believed(host: Host) -> float | None:
+            return _series(metrics, "preble_router_cached_pages", f'engine="{engine[host.address]}"')
+
+        def agrees(host: Host) -> bool:
+            return believed(host) == _series(f"http://{host.address}:8002", "preble_engine_kv_pages_cached")
+
+        def exact(*live: Host) -> None:  # after a change, with the trace stopped
+            for host in live:
+                _until(lambda h=host: agrees(h), f"the router's picture of {host.address}'s cache", 20)
+
+        prompts = [f"{PROMPT} Request {i} asks its own question." for i in range(8)]
+        expected = {p: ask(p)["text_output"] for p in prompts}
+        assert _series(metrics, "preble_router_engines") == 2
+
+        # A host is added to the name while the trace runs: new requests reach it.
+        trace = Trace(ask, prompts)
+        time.sleep(1)
+        zone.records[name].append(hosts[2].address)
+        _until(lambda: engine[hosts[2].address] in trace.served_by(), "the new host serves")
+        trace.stop(expected)
+        exact(*hosts)
+
+        # One is removed from the name: its requests finish, then none go there, then its pod stops.
+        trace = Trace(ask, prompts)
+        time.sleep(1)
+        zone.records[name].remove(hosts[0].address)
+        _until(lambda: believed(hosts[0]) == 0, "the departed host drained and forgotten")
+        left = time.monotonic()
+        time.sleep(2)
+        trace.stop(expected)
+        assert engine[hosts[0].address] not in trace.served_by(since=left)
+        assert trace.served_by(since=left) == {engine[hosts[1].address], engine[hosts[2].address]}
+        engines[0].send_signal(signal.SIGTERM)
+        assert engines[0].wait(60) == 0
+        exact(hosts[1], hosts[2])
+
+        # One host's network is cut under the trace: routed around within the health timeout.
+        trace = Trace(ask, prompts)
+        time.sleep(1)
+        hosts[1].link(up=False)
+        up = lambda host: _series(metrics, "preble_router_engine_up", f'engine="{engine[host.address]}"')  # noqa: E731
+        assert _until(lambda: up(hosts[1]) == 0, "the cut host is down", 30) < 3 + 5
+        cut = time.monotonic()
+        time.sleep(2)
+        trace.stop(expected)  # its running requests moved to host 2 and finished there
+        assert trace.served_by(since=cut) == {engine[hosts[2].address]}
+        assert believed(hosts[1]) == 0  # its cache is forgotten
+        exact(hosts[2])
+
+        # The link comes back: the monitor sees it answer and routes to it again.
         hosts[1].link(up=True)
-        deadline, rejoined = time.monotonic() + 60, set()
-        while time.monotonic() < deadline and "host1" not in rejoined:
-            rejoined |= {ask(i)["instance"] for i in range(4)}
-            time.sleep(0.5)
-        assert "host1" in rejoined
+        _until(lambda: up(hosts[1]) == 1, "the host is back")
+        trace = Trace(ask, prompts)
+        _until(lambda: engine[hosts[1].address] in trace.served_by(), "the host that came back serves")
+        trace.stop(expected)
+        exact(hosts[1], hosts[2])
         for process, _ in reversed(pods.started):
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(60) == 0
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                assert process.wait(60) == 0
     finally:
         pods.stop()

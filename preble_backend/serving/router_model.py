@@ -454,6 +454,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
         self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
         self.policy.instance_down(instance)
+        self._gauge_cached(instance)
         self.feeds[instance].reset()
         if not self.config.migration_limit:  # else each task moves its request elsewhere
             for flight in self.flights.on_instance(instance):
