@@ -13,6 +13,8 @@ import yaml
 from server_utils import Pods, fresh_ports, wait_http_ready
 
 from client.triton_client import PrebleClient
+from preble_backend.serving.config import RouterConfig
+from preble_backend.serving.discovery import parse_dns_target
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "k8s" / "preble.yaml"
@@ -33,19 +35,23 @@ def test_manifests_validate_against_the_kubernetes_schemas():
     assert sorted(kinds) == ["ConfigMap", "Deployment", "Service", "Service", "StatefulSet"]
 
 
-def test_the_router_names_every_engine_pod_and_probes_triton():
+def test_the_router_finds_the_engine_pods_by_their_service_and_probes_triton():
     by_kind = {}
     for doc in documents():
         by_kind.setdefault(doc["kind"], []).append(doc)
     [config], [engines] = by_kind["ConfigMap"], by_kind["StatefulSet"]
     headless = next(s for s in by_kind["Service"] if s["spec"].get("clusterIP") == "None")
     assert engines["spec"]["serviceName"] == headless["metadata"]["name"]
-    named = config["data"]["PREBLE_ENGINES"].split(",")
-    name, service = engines["metadata"]["name"], headless["metadata"]["name"]
-    pods = [f"{name}-{i}.{service}" for i in range(engines["spec"]["replicas"])]
-    assert [entry.split("//")[1].split(":")[0] for entry in named] == pods
-    for key in ("PREBLE_ENGINE_PARAMETERS", "PREBLE_ROUTER_PARAMETERS"):
-        assert isinstance(json.loads(config["data"][key]), dict), key
+    assert headless["spec"]["selector"] == engines["spec"]["selector"]["matchLabels"]
+    assert not headless["spec"].get("publishNotReadyAddresses")  # a pod joins once Triton is ready
+    router = RouterConfig.from_strings(
+        {k: str(v) for k, v in json.loads(config["data"]["PREBLE_ROUTER_PARAMETERS"]).items()}
+    )
+    host, port, model = parse_dns_target(router.engines_dns)
+    grpc = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "grpc")
+    assert (host, port, model) == (headless["metadata"]["name"], grpc, "preble_engine_0")
+    assert "PREBLE_ENGINES" not in config["data"]
+    assert isinstance(json.loads(config["data"]["PREBLE_ENGINE_PARAMETERS"]), dict)
     for workload in (engines, *by_kind["Deployment"]):
         pod = workload["spec"]["template"]
         [container] = pod["spec"]["containers"]
