@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from client.bench_transports import TRANSPORTS, GrpcEngine
+from client.bench_transports import TRANSPORTS, GrpcEngine, Spread
 from client.plots import latency_vs_rate
 from client.triton_client import PrebleClient
 from client.workloads import Materializer, generate, poisson_arrivals
@@ -61,7 +61,7 @@ class Outcome:
 
 @dataclass
 class BenchConfig:
-    url: str = "127.0.0.1:8001"  # the server's gRPC endpoint
+    url: str = "127.0.0.1:8001"  # the server's gRPC endpoint; comma-separated: router replicas
     model: str = "preble"
     workload: str = "toolbench"
     trace: str | None = None  # a JSONL trace: its own arrivals, prompts and max_tokens
@@ -78,6 +78,11 @@ class BenchConfig:
     http_url: str = "127.0.0.1:8000"  # the server's HTTP endpoint (sse)
     direct: str = ""  # an engine model: also run the trace straight to it, as policy "direct"
     api_key: str | None = None  # the server's key (requests; switching policies needs its admin key)
+
+    @property
+    def urls(self) -> list[str]:
+        """Each router replica's endpoint (one server: one), requests spread over them in turn."""
+        return [u.strip() for u in self.url.split(",") if u.strip()]
 
 
 def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
@@ -284,6 +289,8 @@ def summarize(outcomes: list[Outcome]) -> dict:
 
 def bench(cfg: BenchConfig, log=print) -> list[dict]:
     """Every policy at every rate, interleaved, ``repeats`` times; one record per run."""
+    if len(cfg.urls) > 1 and cfg.transport != "grpc":
+        raise ValueError("several --url routers take --transport grpc (sse has one --http-url)")
     base, recorded = build_trace(cfg)
     rates = [None] if recorded else cfg.rates
     records = []
@@ -295,11 +302,14 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                     replace(r, arrival=r.arrival / rps, think_s=r.think_s / rps) for r in base
                 ]
                 if policy == "direct":
-                    PrebleClient(grpc_url=cfg.url).engine_control(cfg.direct, "flush_cache")
-                    make = functools.partial(GrpcEngine, replace(cfg, model=cfg.direct))
+                    PrebleClient(grpc_url=cfg.urls[0]).engine_control(cfg.direct, "flush_cache")
+                    make = functools.partial(GrpcEngine, replace(cfg, url=cfg.urls[0], model=cfg.direct))
                 else:
-                    switch_policy(cfg.url, cfg.model, policy, cfg.api_key)
-                    make = functools.partial(TRANSPORTS[cfg.transport], cfg)
+                    for url in cfg.urls:
+                        switch_policy(url, cfg.model, policy, cfg.api_key)
+                    transport = TRANSPORTS[cfg.transport]
+                    make = functools.partial(Spread, [functools.partial(transport, replace(cfg, url=u))
+                                                      for u in cfg.urls])  # fmt: skip
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
                 cpu, stack = HostCPU(), StackCPU()
                 with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:

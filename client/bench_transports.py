@@ -4,6 +4,7 @@ HTTP server-sent events, or one engine directly (``--direct``). Each transport f
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from typing import TYPE_CHECKING
@@ -149,3 +150,19 @@ def _scalar(value):
 
 
 TRANSPORTS = {"grpc": GrpcRouter, "sse": SseRouter}
+
+
+class Spread:
+    """Requests to router replicas in turn, as a Service in front of them spreads them:
+    each request chooses anew, so a conversation's turns may meet different routers."""
+
+    def __init__(self, makers: list) -> None:
+        self.routers = [make() for make in makers]
+        self._turn = itertools.count()
+
+    async def __call__(self, req: BenchRequest, out: Outcome, start: float) -> None:
+        await self.routers[next(self._turn) % len(self.routers)](req, out, start)
+
+    async def close(self) -> None:
+        for router in self.routers:
+            await router.close()

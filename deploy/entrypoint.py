@@ -135,6 +135,7 @@ def router() -> int:
         _env("PREBLE_METRICS_PORT", "8002"),
         "--openai-port",
         _env("PREBLE_OPENAI_PORT", "9000"),
+        "--explicit",  # the repository is written once, at start; the key's holder may reload the router
     ]
     os.chdir(ROOT)
     os.execv(sys.executable, args)  # serve drains on the pod's SIGTERM

@@ -131,7 +131,7 @@ def simulate_cmd(args: argparse.Namespace) -> int:
 def bench_cmd(args: argparse.Namespace) -> int:
     key = _bench_key(args)
     if not args.tokenizer and not args.simulate and not args.trace:
-        args.tokenizer = _served_tokenizer(served_model_path(args.url, args.model, key))
+        args.tokenizer = _served_tokenizer(served_model_path(args.url.split(",")[0], args.model, key))
         print(f"prompts sized in the served model's tokens ({args.tokenizer})" if args.tokenizer else
               "prompts sized in words: the served model's tokenizer is not on this host (--tokenizer)")
     cfg = BenchConfig(
@@ -151,7 +151,9 @@ def bench_cmd(args: argparse.Namespace) -> int:
         records = replay(cfg, SimConfig.of(args.simulate, args.capacity_tokens), cost)
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
     else:
-        cluster = describe_cluster(cfg.url, cfg.model, cfg.api_key)
+        cluster = describe_cluster(cfg.urls[0], cfg.model, cfg.api_key)
+        if len(cfg.urls) > 1:
+            cluster += f", {len(cfg.urls)} routers"
         records = bench(cfg)
     caption = args.caption or (
         f"{cfg.trace or cfg.workload} x{cfg.scale:g}, {cfg.requests} requests; {cluster}; {cfg.transport}"
@@ -178,7 +180,7 @@ def _bench_key(args: argparse.Namespace) -> str | None:
     key = args.api_key or os.environ.get(API_KEY_ENV)
     if key or args.simulate:
         return key or None
-    port = args.url.rpartition(":")[2]
+    port = args.url.split(",")[0].rpartition(":")[2]
     return read_admin_key(int(port)) if port.isdigit() else None
 
 

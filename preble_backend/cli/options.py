@@ -249,7 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", help="replay a workload against a running server, every policy, plots", formatter_class=fmt
     )
-    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC host:port")
+    p.add_argument(
+        "--url", default="127.0.0.1:8001",
+        help="the server's gRPC host:port; comma-separated: router replicas, each request to the next",
+    )  # fmt: skip
     p.add_argument(
         "--api-key", default=None,
         help="the server's key (also: PREBLE_API_KEY; none: the admin key preble serve left for --url)",
