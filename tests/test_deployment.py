@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -61,10 +63,20 @@ def test_the_router_finds_the_engine_pods_by_their_service_and_probes_triton():
     assert engines["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
+def _series(port: int, name: str) -> float | None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 @pytest.mark.server
-def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model):
+def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_model):
     """Both roles as the manifests run them (the key from the Secret, parameters from the
-    ConfigMap), on loopback: the router reaches the engine by name, with the key."""
+    ConfigMap), on loopback: each router reaches the engine by name, with the key, and
+    each keeps an exact picture of the engine's cache from its event log, requests of the
+    other router included."""
     key = "deployment-test-key-0123456789"
     pods = Pods(
         tmp_path,
@@ -74,27 +86,35 @@ def test_the_entrypoint_runs_an_engine_pod_and_a_router_pod(tmp_path, tiny_model
             "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192, "page_size": 16}),
         },
     )
-    eng, rtr = fresh_ports(), fresh_ports()
+    eng, ports = fresh_ports(), [fresh_ports(), fresh_ports()]
     try:
         engine = pods.start("engine", "engine", eng)
         wait_http_ready(f"http://127.0.0.1:{eng.http}/v2/health/ready", 180, engine)
-        router = pods.start(
-            "router",
-            "router",
-            rtr,
-            PREBLE_OPENAI_PORT="0",
-            PREBLE_ROUTER_PARAMETERS=json.dumps({"policy": "round_robin"}),
-            PREBLE_ENGINES=f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0",
-        )
-        wait_http_ready(f"http://127.0.0.1:{rtr.http}/v2/health/ready", 180, router)
-        urls = f"127.0.0.1:{rtr.http}", f"127.0.0.1:{rtr.grpc}"
-        answer = PrebleClient(*urls, api_key=key).generate(
-            "A pod per engine", {"max_tokens": 8, "temperature": 0}
-        )
-        assert answer["instance"] == "engine-0" and answer["text_output"]
+        routers = [
+            pods.start("router", f"router{i}", rtr, PREBLE_OPENAI_PORT="0",
+                       PREBLE_ENGINES=f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0")  # fmt: skip
+            for i, rtr in enumerate(ports)
+        ]
+        for rtr, router in zip(ports, routers):
+            wait_http_ready(f"http://127.0.0.1:{rtr.http}/v2/health/ready", 180, router)
+        clients = [PrebleClient(f"127.0.0.1:{p.http}", f"127.0.0.1:{p.grpc}", api_key=key) for p in ports]
+        greedy = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        for i in range(6):  # alternating: each router's requests change the cache the other mirrors
+            answer = clients[i % 2].generate(f"A pod per engine, request {i} " * 4, greedy)
+            assert answer["instance"] == "engine-0" and answer["text_output"]
+        for client in clients:  # a repeat caches nothing new: its report brings each router up to date
+            client.generate("A pod per engine, request 5 " * 4, greedy)
+        deadline = time.monotonic() + 15  # metrics are published from a thread of their own
+        while True:
+            own = _series(eng.metrics, "preble_engine_kv_pages_cached")
+            pictures = [_series(p.metrics, "preble_router_cached_pages") for p in ports]
+            if (own and pictures == [own, own]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert own and pictures == [own, own]
         with pytest.raises(Exception, match="401|Unauthorized|unauthenticated|key"):
-            PrebleClient(*urls).generate("no key", {"max_tokens": 2})
-        for process in (router, engine):  # Kubernetes stops a pod with SIGTERM
+            PrebleClient(clients[0].http_url, clients[0].grpc_url).generate("no key", greedy)
+        for process in (*routers, engine):  # Kubernetes stops a pod with SIGTERM
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0
     finally:
