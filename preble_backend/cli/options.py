@@ -10,7 +10,7 @@ import os
 
 from client.workloads import WORKLOADS
 from preble_backend.common.cost_model import CostModel
-from preble_backend.common.settings import DEFAULT_REPOSITORY, MAX_BODY_BYTES
+from preble_backend.common.settings import ATTENTION_BACKENDS, DEFAULT_REPOSITORY, MAX_BODY_BYTES
 from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.model.pypi_models import MODELS
 from preble_backend.serving.config import RouterConfig
@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=_positive(int), default=2, help="CPU engines when no --gpus")
+    p.add_argument(
+        "--attention-backend", default=EngineConfig.attention_backend, choices=ATTENTION_BACKENDS,
+        help="the engines' attention: auto is sdpa on CPU and the Triton kernels on GPU",
+    )  # fmt: skip
     p.add_argument(
         "--router-instances", type=_positive(int), default=1,
         help="router processes (instance_group count), each with its own exact tree",
