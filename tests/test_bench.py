@@ -150,3 +150,43 @@ def test_the_plot_leaves_room_above_its_top_marker(tmp_path):
                for p, v in (("e2", 1.0), ("round_robin", 1.5))]  # one rate: the case that clipped
     (_, avg_top), (_, p99_top) = latency_vs_rate(records, tmp_path / "one.png", "one rate")
     assert avg_top >= 1.12 * 1.5 and p99_top >= 1.12 * 3.0
+
+
+def test_requests_spread_over_router_replicas_in_turn():
+    """``--url A,B``: each request goes to the next router, as a Service spreads them."""
+    from client.bench import BenchConfig, Outcome
+    from client.bench_transports import Spread
+
+    class Router:
+        def __init__(self, name: str) -> None:
+            self.name, self.closed = name, False
+
+        async def __call__(self, req, out, start):
+            out.instance = self.name
+
+        async def close(self):
+            self.closed = True
+
+    async def run():
+        spread = Spread([lambda: Router("a"), lambda: Router("b")])
+        outs = [Outcome(sent=0.0) for _ in range(5)]
+        for out in outs:
+            await spread(None, out, 0.0)
+        await spread.close()
+        return [o.instance for o in outs], [r.closed for r in spread.routers]
+
+    assert asyncio.run(run()) == (["a", "b", "a", "b", "a"], [True, True])
+    assert BenchConfig(url="h:1, h:2,").urls == ["h:1", "h:2"]
+    with pytest.raises(ValueError, match="several --url routers take --transport grpc"):
+        from client.bench import bench
+
+        bench(BenchConfig(url="h:1,h:2", transport="sse"))
+
+
+def test_the_relay_floor_script_measures_a_python_backend_relay(capsys, monkeypatch):
+    from client import relay_floor
+
+    monkeypatch.setattr("sys.argv", ["relay_floor", "--rates", "50", "--requests", "20", "--chunks", "2"])
+    relay_floor.main()
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("rate 50/s, 20 requests: tritonserver + stub ") and "client" in line
