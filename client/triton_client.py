@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
@@ -194,13 +194,13 @@ def stream_infer(
     listen). Closing the generator early cancels the request on the server; so does
     ``cancel()`` on the call, which stays in ``open_calls`` while it streams. ``metadata``:
     gRPC headers (a key, ``access.grpc_bearer``)."""
-    request = iter([_infer_request(model, inputs)])
+    request = iter([infer_request(model, inputs)])
     call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=metadata)
     if open_calls is not None:
         open_calls.add(call)
     try:
         for message in call:
-            outputs, final = _stream_response(message)
+            outputs, final = stream_response(message)
             yield outputs, final
             if final:
                 return
@@ -210,35 +210,7 @@ def stream_infer(
             open_calls.discard(call)
 
 
-async def stream_infer_async(
-    stub,
-    model: str,
-    inputs: dict[str, np.ndarray],
-    wait_for_ready=False,
-    open_calls: set | None = None,
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
-    """``stream_infer`` on a ``grpc.aio`` stub, for many streams on one event loop. The
-    request is cancelled on the server when the generator is closed early, the task
-    reading it is cancelled, or ``cancel()`` is called on the call (on its loop), which
-    stays in ``open_calls`` while it streams."""
-    request = iter([_infer_request(model, inputs)])
-    call = stub.ModelStreamInfer(request, wait_for_ready=wait_for_ready, metadata=metadata)
-    if open_calls is not None:
-        open_calls.add(call)
-    try:
-        async for message in call:
-            outputs, final = _stream_response(message)
-            yield outputs, final
-            if final:
-                return
-    finally:
-        call.cancel()
-        if open_calls is not None:
-            open_calls.discard(call)
-
-
-def _stream_response(message) -> tuple[dict[str, np.ndarray], bool]:
+def stream_response(message) -> tuple[dict[str, np.ndarray], bool]:
     """One ``ModelStreamInferResponse``: its outputs and whether it is the final one; an
     error response raises ``StreamError``."""
     from tritonclient.grpc import InferResult
@@ -266,7 +238,7 @@ def infer_inputs(values: dict[str, object]) -> list:
     return inputs
 
 
-def _infer_request(model: str, inputs: dict[str, np.ndarray]):
+def infer_request(model: str, inputs: dict[str, np.ndarray]):
     """A ``ModelInferRequest`` with raw tensor contents, asking for an empty final response."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor

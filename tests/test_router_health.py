@@ -210,7 +210,8 @@ def silent_engine():
 def test_streams_to_an_engine_that_never_answers_are_cancelled_and_end(silent_engine):
     """A request waiting on a dead engine holds its client's request, and with it the
     router model: Triton could never unload it, and tritonserver never exits. Cancelling
-    from another thread (the monitor's) ends the streams on the loop and a probe."""
+    from another thread (the monitor's) ends the engine's stream on the loop, with both
+    requests on it, and a probe."""
     engine = RemoteEngine(silent_engine.url, "preble_engine_0")
     errors: list[str] = []
     loop = asyncio.new_event_loop()
@@ -234,8 +235,8 @@ def test_streams_to_an_engine_that_never_answers_are_cancelled_and_end(silent_en
     prober = threading.Thread(target=probe)
     prober.start()
     try:
-        assert wait_for(lambda: silent_engine.open == 3)
-        assert engine.cancel_all() == 3
+        assert wait_for(lambda: silent_engine.open == 2)  # the requests' stream, the probe's call
+        assert engine.cancel_all() == 3  # two requests and a probe
         for stream in streams:
             stream.result(5)
         prober.join(5)

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from client.triton_client import StreamError, open_grpc, stream_infer, stream_infer_async
+from client.triton_client import StreamError, open_grpc, stream_infer
 from preble_backend.common.keys import grpc_bearer
 from preble_backend.serving.access import engine_key
+from preble_backend.serving.engine_stream import EngineStream, StreamClosed
 from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names, not_loaded
 
 OUTPUTS = names(ENGINE_OUTPUTS)
@@ -70,8 +71,9 @@ def _response(outputs: dict[str, np.ndarray | None]) -> EngineResponse | None:
 
 class EngineClient:
     """An engine model behind a gRPC endpoint: two channels per engine, kept for the
-    router's life. Requests stream on a ``grpc.aio`` channel, all of them on the router's
-    one event loop (made there at first use); control operations (the monitor's health
+    router's life. Requests go on one long-lived stream of a ``grpc.aio`` channel
+    (``engine_stream.py``), all of them on the router's one event loop (made there at
+    first use); control operations (the monitor's health
     probes, tools) are blocking calls on a plain channel. Both reconnect by themselves
     when the server is back. Every call carries the engine key (``PREBLE_ENGINE_KEY``)
     when the router has one: engines serve only the router."""
@@ -84,31 +86,28 @@ class EngineClient:
         self._channel, self._stub = open_grpc(url)  # connects on first use
         self._open_calls: set = set()  # blocking calls in flight (set.add/discard hold the GIL)
         self._aio = None  # (channel, stub, loop), made on the event loop at its first stream
-        self._open_streams: set = set()  # streams in flight, touched on the event loop only
+        self._stream_call: EngineStream | None = None  # every request's, on the event loop only
 
     # ---- streams, on the router's event loop ----------------------------------------------
 
-    async def _stream(self, inputs: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
-        """Send one request; yield each response's outputs; raise EngineError on error."""
+    async def _stream(
+        self, inputs: dict[str, np.ndarray], abort: dict[str, np.ndarray] | None = None
+    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        """Send one request on the engine's stream; yield each response's outputs; raise
+        EngineError on error. ``abort``: what to send if the reader stops early."""
         if self._aio is None:
             self._aio = (*open_grpc(self.url, asynchronous=True), asyncio.get_running_loop())
-        stub = self._aio[1]
+        if self._stream_call is None or self._stream_call.closed:
+            self._stream_call = EngineStream(self._aio[1], self.model, self.wait_for_ready, self.metadata)
         with self._errors():
-            responses = stream_infer_async(
-                stub, self.model, inputs, self.wait_for_ready, self._open_streams, self.metadata
-            )
             try:
-                async with aclosing(responses):
+                async with aclosing(self._stream_call.request(inputs, abort)) as responses:
                     async for outputs, final in responses:
                         yield outputs
                         if final:
                             return
-            except asyncio.CancelledError:
-                if asyncio.current_task().cancelling():
-                    raise  # the task itself is being cancelled
-                # grpc.aio reports a call cancelled by ``cancel_all`` this way
-                raise EngineUnavailable(f"engine {self.name} is unreachable: CANCELLED: its streams "
-                                        "were cancelled") from None  # fmt: skip
+            except StreamClosed as exc:
+                raise EngineUnavailable(f"engine {self.name} is unreachable: {exc}") from None
         raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
 
     async def generate(
@@ -120,7 +119,8 @@ class EngineClient:
             "request_id": np.array([request_id.encode()], dtype=np.object_),
             "events_since": np.array([events_since.encode()], dtype=np.object_),
         }
-        async with aclosing(self._stream(inputs)) as stream:
+        abort = _control_inputs("abort", request_id=request_id)
+        async with aclosing(self._stream(inputs, abort)) as stream:
             async for outputs in stream:
                 resp = _response(outputs)
                 if resp is not None:
@@ -166,13 +166,10 @@ class EngineClient:
             call.cancel()
         streams = 0
         if self._aio is not None and not self._aio[2].is_closed():
-            streams = len(self._open_streams)  # a racy read: a count for the caller's log only
-
-            def cancel_streams() -> None:
-                for stream in list(self._open_streams):
-                    stream.cancel()
-
-            self._aio[2].call_soon_threadsafe(cancel_streams)
+            stream = self._stream_call
+            streams = len(stream) if stream is not None else 0  # a racy read: for the caller's log only
+            if stream is not None:
+                self._aio[2].call_soon_threadsafe(stream.cancel)
         return len(calls) + streams
 
     @contextmanager
@@ -208,7 +205,7 @@ class EngineClient:
         sit out its reconnect backoff and fail a stream at once with UNAVAILABLE — which
         would mark the engine down again just after it came back."""
         if self._aio is not None and not self._aio[2].is_closed():
-            channel, self._aio = self._aio[0], None
+            channel, self._aio, self._stream_call = self._aio[0], None, None
             asyncio.get_running_loop().create_task(channel.close())
 
 
