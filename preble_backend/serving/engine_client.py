@@ -1,7 +1,8 @@
-"""How the router reaches an engine: a gRPC stream per request, over persistent channels
-per engine, to its own tritonserver's endpoint for an engine in the same server and to
-``grpc://host:port/model`` for one on another server. Both stream ``EngineResponse``s
-(asynchronously, on the router's event loop) and take the same control operations."""
+"""How the router reaches an engine: one gRPC stream per engine carrying every request
+(``engine_stream.py``), over persistent channels per engine, to its own tritonserver's
+endpoint for an engine in the same server and to ``grpc://host:port/model`` for one on
+another server. Both stream ``EngineResponse``s (asynchronously, on the router's event
+loop) and take the same control operations."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ As in Triton's vLLM backend, ``execute`` only reads and validates each request a
 it to the router's event loop, which runs on its own thread; a response thread sends.
 On the loop, a task per request is admitted (or refused at once with ``UNAVAILABLE`` when
 ``max_inflight + max_queue`` are admitted), tokenized (on a small thread pool), routed
-with the global scheduler's policy, forwarded to the chosen engine (a gRPC stream, to
-this server's endpoint for a local engine) and its detokenized answer queued for the
-response thread. One loop carries every stream: a thread per request spent the router's
+with the global scheduler's policy, forwarded to the chosen engine (on this router's one
+gRPC stream to it, at this server's endpoint for a local engine) and its detokenized
+answer queued for the response thread. One loop carries every stream: a thread per request spent the router's
 cores on wake-ups and GIL hand-offs at a thousand streams. The policy lives on the loop
 and needs no lock. Engine reports on final responses keep the policy's view of every
 engine's cache and load current. An engine monitor watches the engines: one that dies is
