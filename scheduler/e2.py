@@ -104,7 +104,8 @@ class E2(Policy):
         caps = capacity_tokens if isinstance(capacity_tokens, list) else [capacity_tokens] * num_instances
         self.capacity = list(caps)
         # a joining engine's, until it reports its own
-        self.default_capacity = min(caps, default=capacity_tokens if isinstance(capacity_tokens, int) else 0)
+        fallback = capacity_tokens if isinstance(capacity_tokens, int) else 32768
+        self.default_capacity = min(caps, default=fallback)
         self.page_size = page_size  # the engines' KV page size: prompts are hashed per page
         self.tree = GlobalPrefixTree(num_instances, window_s, page_size)
         self.history = [InstanceHistory(window_s) for _ in range(num_instances)]

@@ -1,13 +1,13 @@
 """One gRPC stream per engine carrying every request the router sends it.
 
 Triton's ``ModelStreamInfer`` takes any number of requests on one call and answers each
-with responses that carry the request's ``id`` (errors included). Opening a call per
-request cost the router and the engine's server ~0.75 ms of CPU per request more than one
-long-lived call (``client/relay_floor.py``'s relay, 40 requests/s), so the router keeps
-one call per engine, writes each request to it and hands each response to the request it
-names. A reader task owns the call; when the call ends (the engine's server went away, or
-``cancel``), every request still open on it fails with ``StreamClosed`` and the next
-request opens a new call.
+with responses that carry the request's ``id`` (errors included). Against the do-nothing
+relay of ``bench_relay_floor.py`` at 40 requests/s, a call per request cost its client and
+the server ~0.75 ms of CPU per request more than one long-lived call (the router: 6-12%,
+docs/BENCHMARKS.md), so the router keeps one call per engine, writes each request to it
+and hands each response to the request it names. A reader task owns the call; when the
+call ends (the engine's server went away, or ``cancel``), every request still open on it
+fails with ``StreamClosed`` and the next request opens a new call.
 
 A request has no gRPC call of its own to cancel: one whose reader stops before its final
 response (the router's task ended early) sends the engine an ``abort`` control request on

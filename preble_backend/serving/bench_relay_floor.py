@@ -7,7 +7,7 @@ responses and a final flag (the router's coalesced answer to a ToolBench request
 client sends ``--requests`` at each rate, one ``ModelStreamInfer`` stream each. Printed
 per request: tritonserver + stub CPU, and this client's CPU.
 
-    python -m client.relay_floor --rates 10,40 --requests 400
+    python -m preble_backend.serving.bench_relay_floor --rates 10,40 --requests 400
 """
 
 from __future__ import annotations
