@@ -153,6 +153,31 @@ def test_monitor_sees_a_killed_stub_a_failed_probe_and_a_return():
         monitor.stop()
 
 
+def test_monitor_probes_a_joining_engine_and_says_once_that_it_does_not_answer():
+    engines = [FakeEngine("e0", os.getpid())]
+    events: list[tuple] = []
+    warnings: list[str] = []
+    monitor = EngineMonitor(engines, lambda i, why: events.append(("down", i, why)),
+                            lambda i: events.append(("up", i)), 0.02, 5.0, warnings.append)  # fmt: skip
+    monitor.start()
+    try:
+        newcomer = FakeEngine("e1", os.getpid())
+        newcomer.fail = "Request for unknown model: 'e1' is not found"
+        monitor.watch(1, newcomer)
+        assert wait_for(lambda: warnings)
+        time.sleep(0.2)  # probes keep failing: said once, and never "down" (it was never up)
+        assert warnings == [f"engine e1 joined but fails its health probe ({newcomer.fail}); it takes "
+                            "requests once it answers"] and events == []  # fmt: skip
+        newcomer.fail = None
+        assert wait_for(lambda: events == [("up", 1)])
+        monitor.unwatch(1)
+        newcomer.fail = "gone"
+        time.sleep(0.2)
+        assert events == [("up", 1)]  # an engine that left is not reported
+    finally:
+        monitor.stop()
+
+
 def test_monitor_waits_for_a_silent_engine_only_while_its_tokens_stop_too():
     engine = FakeEngine("e0", os.getpid())
     downs: list[str] = []

@@ -15,7 +15,8 @@ An engine is reported down once (``on_down(i, reason)``) and up once when a prob
 succeeds again (``on_up(i)``): a restarted remote server rejoins by itself. A request
 that finds an engine unreachable reports it through ``suspect`` without waiting for the
 next probe. Engines that discovery adds are watched from a first successful probe on
-(``watch``); one that left is no longer watched, and nothing is reported of it.
+(``watch``; a first probe that fails is logged once, since such an engine was never up
+to be reported down); one that left is no longer watched, and nothing is reported of it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class EngineMonitor:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.up = [True] * len(engines)
         self.watched = set(range(len(engines)))
+        self._unanswered: set[int] = set()  # watched since they joined, no probe answered yet
         self._pids: list[int | None] = [None] * len(engines)
         self._probing: dict[int, float] = {}  # engine -> when its outstanding probe started
         self._probes: dict[int, threading.Thread] = {}  # engine -> its latest probe's thread
@@ -90,6 +92,7 @@ class EngineMonitor:
                 self._progress.append(0.0)
             self.engines[instance], self.up[instance], self._pids[instance] = engine, False, None
             self.watched.add(instance)
+            self._unanswered.add(instance)
 
     def unwatch(self, instance: int) -> None:
         """The engine left: probe it no more, report nothing of it."""
@@ -136,6 +139,12 @@ class EngineMonitor:
         try:
             load = self.engines[instance].health()
         except EngineError as exc:
+            with self._lock:
+                first = instance in self._unanswered
+                self._unanswered.discard(instance)
+            if first:
+                self._warn(f"engine {self.engines[instance].name} joined but fails its health probe "
+                           f"({exc}); it takes requests once it answers")  # fmt: skip
             self._down(instance, str(exc))
         except Exception as exc:  # not proof of death: silence past the timeout is
             self._warn(
@@ -157,6 +166,7 @@ class EngineMonitor:
             with self._lock:
                 back = not self.up[instance] and instance in self.watched
                 self.up[instance] = True
+                self._unanswered.discard(instance)
             if back:
                 self.on_up(instance)
         finally:
