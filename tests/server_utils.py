@@ -80,6 +80,26 @@ def kill_stub_between_sends(pid: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"stub {pid} was never found between two sends")
 
 
+
+def wait_for(condition, timeout: float, what: str) -> float:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds.
+    Returns how long it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout}s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def metric_value(url: str, name: str, label: str = "") -> float | None:
+    """The value of metric ``name`` on the first line carrying ``label`` (``key="value"``)
+    at ``url``'s ``/metrics``; None where there is none."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") and label in line:
+                return float(line.rsplit(" ", 1)[1])
+    return None
+
 def fresh_ports() -> ServerPorts:
     return ServerPorts(free_port(), free_port(), free_port())
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import signal
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from server_utils import Pods, fresh_ports, wait_http_ready
+from server_utils import Pods, fresh_ports, metric_value, wait_for, wait_http_ready
 
 from client.triton_client import PrebleClient
 from preble_backend.serving.config import RouterConfig
@@ -63,14 +61,6 @@ def test_the_router_finds_the_engine_pods_by_their_service_and_probes_triton():
     assert engines["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
 
 
-def _series(port: int, name: str) -> float | None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 @pytest.mark.server
 def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_model):
     """Both roles as the manifests run them (the key from the Secret, parameters from the
@@ -104,14 +94,15 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
             assert answer["instance"] == "engine-0" and answer["text_output"]
         for client in clients:  # a repeat caches nothing new: its report brings each router up to date
             client.generate("A pod per engine, request 5 " * 4, greedy)
-        deadline = time.monotonic() + 15  # metrics are published from a thread of their own
-        while True:
-            own = _series(eng.metrics, "preble_engine_kv_pages_cached")
-            pictures = [_series(p.metrics, "preble_router_cached_pages") for p in ports]
-            if (own and pictures == [own, own]) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert own and pictures == [own, own]
+        router_metrics = [f"http://127.0.0.1:{p.metrics}" for p in ports]
+
+        def exact() -> bool:
+            own = metric_value(f"http://127.0.0.1:{eng.metrics}", "preble_engine_kv_pages_cached")
+            pictures = [metric_value(url, "preble_router_cached_pages") for url in router_metrics]
+            return bool(own) and pictures == [own, own]
+
+        # metrics are published from a thread of their own
+        wait_for(exact, 15, "each router's picture of the engine's cache equal to its own count")
         with pytest.raises(Exception, match="401|Unauthorized|unauthenticated|key"):
             PrebleClient(clients[0].http_url, clients[0].grpc_url).generate("no key", greedy)
         for process in (*routers, engine):  # Kubernetes stops a pod with SIGTERM

@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+from server_utils import (
+    assert_engine_pages_free,
+    client_for,
+    launch,
+    metric_value,
+    wait_for,
+    write_test_repository,
+)
 from test_e2 import e2, req, stored
 
 from preble_backend.serving.discovery import Discovery, dns_entries, split_entries
@@ -159,22 +164,6 @@ def test_discovery_polls_and_reports_joins_and_leaves(tmp_path):
         found.stop()
 
 
-def _series(server, name: str, label: str) -> float | None:
-    """The value of metric ``name`` on the line carrying ``label`` (``key="value"``)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.ports.metrics}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{") and label in line:
-                return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def _until(check, what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.1)
-
-
 @pytest.mark.server
 def test_a_router_follows_its_engines_file(tmp_path):
     """Engines named in a watched file join (probed, then routed to), and one that leaves
@@ -185,7 +174,7 @@ def test_a_router_follows_its_engines_file(tmp_path):
     router = {"engines": "", "engines_file": str(listed), "discovery_interval_s": 0.2}
     srv = launch(write_test_repository(tmp_path / "repo", router_overrides=router), tmp_path / "server.log")
     try:
-        client = client_for(srv)
+        client, metrics = client_for(srv), f"http://127.0.0.1:{srv.ports.metrics}"
 
         def ask(i: int, max_tokens: int = 8, **where) -> dict:
             params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
@@ -193,29 +182,31 @@ def test_a_router_follows_its_engines_file(tmp_path):
                                    exclude_input_in_output=True, **where)  # fmt: skip
 
         def exact(engine: str) -> bool:  # the router's belief is the engine's own count
-            believed = _series(srv, "preble_router_cached_pages", f'engine="{engine}"')
-            return believed == _series(srv, "preble_engine_kv_pages_cached", f'model="{engine}"')
+            believed = metric_value(metrics, "preble_router_cached_pages", f'engine="{engine}"')
+            return believed == metric_value(metrics, "preble_engine_kv_pages_cached", f'model="{engine}"')
 
         assert {ask(i)["instance"] for i in range(4)} == {"preble_engine_0"}
-        _until(lambda: exact("preble_engine_0"), "the tree is exact for engine 0")
+        wait_for(lambda: exact("preble_engine_0"), 30, "the tree is exact for engine 0")
         listed.write_text("preble_engine_0\npreble_engine_1  # joins\n")
-        up = lambda engine: _series(srv, "preble_router_engine_up", f'engine="{engine}"')  # noqa: E731
-        _until(lambda: up("preble_engine_1") == 1, "engine 1 up")
+        up = lambda engine: metric_value(metrics, "preble_router_engine_up", f'engine="{engine}"')  # noqa: E731
+        wait_for(lambda: up("preble_engine_1") == 1, 30, "engine 1 up")
         assert {ask(i)["instance"] for i in range(4, 10)} == {"preble_engine_0", "preble_engine_1"}
-        _until(lambda: exact("preble_engine_0") and exact("preble_engine_1"), "the tree is exact for both")
+        both = lambda: exact("preble_engine_0") and exact("preble_engine_1")  # noqa: E731
+        wait_for(both, 30, "the tree is exact for both")
         with ThreadPoolExecutor(1) as pool:  # engine 0 leaves while it runs a long request
             running = pool.submit(ask, 99, 600, preble_engine="preble_engine_0")
-            _until(lambda: client.engine_control("preble_engine_0", "stats")["load"]["running"], "running")
+            running_there = lambda: client.engine_control("preble_engine_0", "stats")["load"]["running"]  # noqa: E731
+            wait_for(running_there, 30, "a request running on engine 0")
             listed.write_text("preble_engine_1\n")
-            _until(lambda: _series(srv, "preble_router_engines", "") == 1, "engine 0 left")
+            wait_for(lambda: metric_value(metrics, "preble_router_engines") == 1, 30, "engine 0 left")
             assert {ask(i)["instance"] for i in range(10, 16)} == {"preble_engine_1"}
             answer = running.result(timeout=120)
         assert answer["instance"] == "preble_engine_0"  # drained: it finished where it ran
         assert answer["text_output"] == ask(99, 600)["text_output"]
-        believed = lambda: _series(srv, "preble_router_cached_pages", 'engine="preble_engine_0"')  # noqa: E731
-        _until(lambda: believed() == 0, "engine 0 forgotten")
+        believed = lambda: metric_value(metrics, "preble_router_cached_pages", 'engine="preble_engine_0"')  # noqa: E731
+        wait_for(lambda: believed() == 0, 30, "engine 0 forgotten")
         assert up("preble_engine_0") == 0
-        _until(lambda: exact("preble_engine_1"), "the tree is exact for engine 1")
+        wait_for(lambda: exact("preble_engine_1"), 30, "the tree is exact for engine 1")
         for engine in ("preble_engine_0", "preble_engine_1"):
             assert_engine_pages_free(client, engine)
     finally:

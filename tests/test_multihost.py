@@ -18,13 +18,12 @@ import signal
 import subprocess
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from dnslib import QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSServer
-from server_utils import Pods, fresh_ports, wait_http_ready
+from server_utils import Pods, fresh_ports, metric_value, wait_for, wait_http_ready
 
 from client.triton_client import PrebleClient
 
@@ -138,22 +137,6 @@ class Trace:
         assert all(answer["text_output"] == expected[prompt] for prompt, answer, _ in self.answers)
 
 
-def _series(url: str, name: str, label: str = "") -> float | None:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + "{") and label in line:
-                return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def _until(check, what: str, timeout: float = 60) -> float:
-    started = time.monotonic()
-    while not check():
-        assert time.monotonic() - started < timeout, f"not within {timeout}s: {what}"
-        time.sleep(0.2)
-    return time.monotonic() - started
-
-
 @pytest.fixture
 def zone():
     address = f"127.0.{os.getpid() % 200 + 20}.53"
@@ -197,24 +180,25 @@ def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_
             return client.generate(prompt, GREEDY, exclude_input_in_output=True, timeout=90)
 
         def believed(host: Host) -> float | None:
-            return _series(metrics, "preble_router_cached_pages", f'engine="{engine[host.address]}"')
+            return metric_value(metrics, "preble_router_cached_pages", f'engine="{engine[host.address]}"')
 
         def agrees(host: Host) -> bool:
-            return believed(host) == _series(f"http://{host.address}:8002", "preble_engine_kv_pages_cached")
+            own = metric_value(f"http://{host.address}:8002", "preble_engine_kv_pages_cached")
+            return believed(host) == own
 
         def exact(*live: Host) -> None:  # after a change, with the trace stopped
             for host in live:
-                _until(lambda h=host: agrees(h), f"the router's picture of {host.address}'s cache", 20)
+                wait_for(lambda h=host: agrees(h), 20, f"the router's picture of {host.address}'s cache")
 
         prompts = [f"{PROMPT} Request {i} asks its own question." for i in range(8)]
         expected = {p: ask(p)["text_output"] for p in prompts}
-        assert _series(metrics, "preble_router_engines") == 2
+        assert metric_value(metrics, "preble_router_engines") == 2
 
         # A host is added to the name while the trace runs: new requests reach it.
         trace = Trace(ask, prompts)
         time.sleep(1)
         zone.records[name].append(hosts[2].address)
-        _until(lambda: engine[hosts[2].address] in trace.served_by(), "the new host serves")
+        wait_for(lambda: engine[hosts[2].address] in trace.served_by(), 60, "the new host serves")
         trace.stop(expected)
         exact(*hosts)
 
@@ -222,7 +206,7 @@ def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_
         trace = Trace(ask, prompts)
         time.sleep(1)
         zone.records[name].remove(hosts[0].address)
-        _until(lambda: believed(hosts[0]) == 0, "the departed host drained and forgotten")
+        wait_for(lambda: believed(hosts[0]) == 0, 60, "the departed host drained and forgotten")
         left = time.monotonic()
         time.sleep(2)
         trace.stop(expected)
@@ -236,8 +220,8 @@ def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_
         trace = Trace(ask, prompts)
         time.sleep(1)
         hosts[1].link(up=False)
-        up = lambda host: _series(metrics, "preble_router_engine_up", f'engine="{engine[host.address]}"')  # noqa: E731
-        assert _until(lambda: up(hosts[1]) == 0, "the cut host is down", 30) < 3 + 5
+        up = lambda host: metric_value(metrics, "preble_router_engine_up", f'engine="{engine[host.address]}"')  # noqa: E731
+        assert wait_for(lambda: up(hosts[1]) == 0, 30, "the cut host is down") < 3 + 5
         cut = time.monotonic()
         time.sleep(2)
         trace.stop(expected)  # its running requests moved to host 2 and finished there
@@ -247,9 +231,9 @@ def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_
 
         # The link comes back: the monitor sees it answer and routes to it again.
         hosts[1].link(up=True)
-        _until(lambda: up(hosts[1]) == 1, "the host is back")
+        wait_for(lambda: up(hosts[1]) == 1, 60, "the host is back")
         trace = Trace(ask, prompts)
-        _until(lambda: engine[hosts[1].address] in trace.served_by(), "the host that came back serves")
+        wait_for(lambda: engine[hosts[1].address] in trace.served_by(), 60, "the host that came back serves")
         trace.stop(expected)
         exact(hosts[1], hosts[2])
         for process, _ in reversed(pods.started):

@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from server_utils import Stack, http, serve_stack, write_test_repository
+from server_utils import Stack, http, serve_stack, wait_for, write_test_repository
 
 from client.triton_client import PrebleClient, PrebleError
 from preble_backend.common.procfs import command_name, process_alive, process_tree
@@ -206,14 +206,6 @@ def engine_up(stack: Stack) -> dict[str, float]:
 def migrations(stack: Stack) -> float:
     text = http("GET", f"http://127.0.0.1:{stack.ports.metrics}/metrics")[2].decode()
     return sum(float(v) for v in re.findall(r"preble_router_migrations_total\{[^}]*\} (\S+)", text))
-
-
-def wait_for(condition, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout, f"{what} did not happen within {timeout}s"
-        time.sleep(0.2)
-    return time.monotonic() - start
 
 
 def test_engine_deaths_migrate_requests_and_the_engines_come_back(tmp_path, tiny_model):

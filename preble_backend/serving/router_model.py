@@ -12,10 +12,8 @@ and needs no lock. Engine reports on final responses keep the policy's view of e
 engine's cache and load current. An engine monitor watches the engines: one that dies is
 routed around, its requests end with an error at once, and its cache is forgotten.
 
-The engines may change while the router serves (``discovery.py``): one that joins gets a
-new slot in every per-engine list and the policy, and takes requests once a probe
-answers; one that leaves takes no new requests, has ``leave_timeout_s`` to finish its
-own (then they move on), and is forgotten. Slots are never given to another engine.
+The engines may change while the router serves: ``membership.py`` adds and removes them
+as ``discovery.py`` finds them.
 
 Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 """
@@ -63,6 +61,7 @@ from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.event_feed import EventFeed
 from preble_backend.serving.flights import Flight, Flights
 from preble_backend.serving.loopback import server_grpc_url
+from preble_backend.serving.membership import Membership
 from preble_backend.serving.metrics import Metrics
 from preble_backend.serving.protocol import (
     ROUTER_INPUTS,
@@ -101,11 +100,7 @@ class TritonPythonModel:
         self.engines: list[EngineClient] = [
             make_engine_client(entry, self.server_url) for entry in self.discovery.current
         ]
-        self.slots = {entry: i for i, entry in enumerate(self.discovery.current)}  # discovery entry -> slot
-        self.members = set(range(len(self.engines)))  # slots discovery names now
-        self.leaving: dict[int, asyncio.Task] = {}  # slot -> its drain, while its requests finish
-        self.gone: set[int] = set()  # slots whose engine left and was forgotten
-        self.joining: set[int] = set()  # slots that joined and have not answered a probe yet
+        self.membership = Membership(self, self.discovery.current)
         local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
         check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
         facts = {"cost_model": config.cost_model, "page_size": config.page_size}
@@ -119,7 +114,7 @@ class TritonPythonModel:
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"engine": engine.name})
-        self.metrics.gauge("preble_router_engines", len(self.members))
+        self.metrics.gauge("preble_router_engines", len(self.membership.members))
         # pb_utils.TritonError exists once the stub runs, not when this module is imported
         self.failure_reasons = {getattr(pb_utils.TritonError, code): r for code, r in FAILURES.items()}
         self.metrics.count("preble_router_rejected_total", 0)  # every series exists from the start
@@ -136,7 +131,7 @@ class TritonPythonModel:
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
         )  # fmt: skip
         self.draining = False
-        self.discovery.start(self._on_loop(self._membership))
+        self.discovery.start(self._on_loop(self.membership.change))
         self._stopping = threading.Event()
         watch_for_drain(self._on_loop(lambda deadline_s: self.loop.create_task(self._drain(deadline_s))),
                         self._stopping)  # fmt: skip
@@ -301,7 +296,7 @@ class TritonPythonModel:
                     flight.engine_finished = True
                     info = FinishInfo(self._mirror(instance, batch), load, ttft, answer.num_output)
                     self.policy.on_finish(instance, routing, info)
-                    self._gauge_cached(instance)
+                    self.gauge_cached(instance)
                     self._observe(engine.name, arrival, first_token_at, answer, resp.num_cached_tokens)
                 if cancelled:
                     continue
@@ -374,78 +369,11 @@ class TritonPythonModel:
             self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
             self.load_view.start()
 
-    def _gauge_cached(self, instance: int) -> None:
+    def gauge_cached(self, instance: int) -> None:
         cached = self.policy.cached_tokens(instance)
         if cached is not None:
             labels = {"engine": self.engines[instance].name}
             self.metrics.gauge("preble_router_cached_pages", cached // self.config.page_size, labels)
-
-    # ---- membership (discovery's changes, run on the event loop) ----------------------------
-
-    def _membership(self, joined: list[str], left: list[str]) -> None:
-        for entry in left:
-            self._leave(entry)
-        for entry in joined:
-            try:
-                self._join(entry)
-            except Exception as exc:  # one bad entry must not stop the others
-                pb_utils.Logger.log_error(f"preble router: engine {entry!r} cannot join: {exc}")
-        self.metrics.gauge("preble_router_engines", len(self.members))
-
-    def _join(self, entry: str) -> None:
-        """A new engine gets a slot everywhere; one that left gets its slot back (its drain
-        called off if it is still draining). It takes requests once a probe answers."""
-        slot = self.slots.get(entry)
-        if slot is None:
-            slot = self.slots[entry] = len(self.engines)
-            self.engines.append(make_engine_client(entry, self.server_url))
-            self.loads.append(InstanceLoad())
-            self.feeds.append(EventFeed())
-            self.load_view.add(slot)
-            self.policy.add_instance()  # the policy's slots are the router's: the same next index
-        elif (drain := self.leaving.pop(slot, None)) is not None:
-            drain.cancel()  # it still holds its cache, as the policy still believes
-        elif slot in self.gone:
-            self.gone.discard(slot)
-            self.engines[slot] = make_engine_client(entry, self.server_url)
-            self.loads[slot], self.feeds[slot] = InstanceLoad(), EventFeed()
-            self.load_view.add(slot)
-        self.members.add(slot)
-        self.joining.add(slot)
-        self.metrics.gauge("preble_router_engine_up", 0, {"engine": self.engines[slot].name})
-        self.monitor.watch(slot, self.engines[slot])
-        pb_utils.Logger.log_info(f"preble router: engine {self.engines[slot].name} joined; probing it")
-
-    def _leave(self, entry: str) -> None:
-        slot = self.slots[entry]
-        if slot not in self.members:
-            return
-        name = self.engines[slot].name
-        self.members.discard(slot)
-        self.monitor.unwatch(slot)
-        self.policy.withdraw(slot)
-        self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
-        pb_utils.Logger.log_info(f"preble router: engine {name} left; draining its "
-                                 f"{len(self.flights.on_instance(slot))} requests")  # fmt: skip
-        self.leaving[slot] = self.loop.create_task(self._drain_engine(slot))
-
-    async def _drain_engine(self, slot: int) -> None:
-        """Its requests finish there until ``leave_timeout_s``; those left then move on
-        (their streams are cancelled, so they migrate). Then the engine is forgotten."""
-        engine, deadline = self.engines[slot], time.monotonic() + self.config.leave_timeout_s
-        while self.flights.on_instance(slot) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.flights.on_instance(slot):
-            engine.cancel_all()
-            while self.flights.on_instance(slot) and time.monotonic() < deadline + 5:
-                await asyncio.sleep(0.05)
-        del self.leaving[slot]  # from here on a return makes a fresh client: nothing awaits first
-        self.gone.add(slot)
-        self.policy.instance_down(slot)  # its cache is forgotten: the tree holds nothing of it
-        self._gauge_cached(slot)
-        engine.close()
-        await engine.aclose()
-        pb_utils.Logger.log_info(f"preble router: engine {engine.name} removed")
 
     # ---- engine health (the monitor's verdicts, run on the event loop) ----------------------
 
@@ -454,7 +382,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
         self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
         self.policy.instance_down(instance)
-        self._gauge_cached(instance)
+        self.gauge_cached(instance)
         self.feeds[instance].reset()
         if not self.config.migration_limit:  # else each task moves its request elsewhere
             for flight in self.flights.on_instance(instance):
@@ -465,8 +393,7 @@ class TritonPythonModel:
 
     def _engine_up(self, instance: int) -> None:
         name = self.engines[instance].name
-        if instance in self.joining:
-            self.joining.discard(instance)
+        if self.membership.first_answer(instance):
             pb_utils.Logger.log_info(f"preble router: engine {name} answers; routing to it")
         else:
             pb_utils.Logger.log_info(f"preble router: engine {name} is back; routing to it again")
