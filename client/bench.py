@@ -3,10 +3,9 @@
 A workload trace (one of the paper's five, or a JSONL trace from ``preble workload
 generate``) is replayed over gRPC streaming at each request rate (Poisson arrivals, the
 same requests and arrival times for every policy) or at the trace's own timestamps. The
-router's policy is switched the Triton way: the ``preble`` model is reloaded with a
-configuration override through the model-control API (the server runs with
-``--model-control-mode=explicit``; ``preble serve --explicit`` does that), and every
-local engine's cache is flushed first, so each run starts cold. Policies run interleaved
+router's policy is switched by its admin control request, which also flushes every
+engine's cache, so each run starts cold (the admin key: ``--admin-key``, else the one
+``preble serve`` left for its port). Policies run interleaved
 per rate (their order rotates between repeats). Per run: latency (average, p50, p99),
 time to first token (average, p99), time per output token, throughput, cache hit ratio
 (Σ ``num_cached_tokens`` / Σ prompt tokens), requests per engine, errors; plots like the
@@ -77,7 +76,8 @@ class BenchConfig:
     transport: str = "grpc"  # grpc (streaming) | sse (HTTP generate_stream)
     http_url: str = "127.0.0.1:8000"  # the server's HTTP endpoint (sse)
     direct: str = ""  # an engine model: also run the trace straight to it, as policy "direct"
-    api_key: str | None = None  # the server's key (requests; switching policies needs its admin key)
+    api_key: str | None = None  # the server's API key (requests)
+    admin_key: str | None = None  # the server's admin key (switching policies)
 
     @property
     def urls(self) -> list[str]:
@@ -118,31 +118,15 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
     return out, bool(cfg.trace)
 
 
-# ---- switching the policy, the Triton way ----------------------------------------------------
+# ---- switching the policy -------------------------------------------------------------------
 
 
-def switch_policy(url: str, model: str, policy: str, key: str | None = None) -> None:
-    """Flush every engine's cache, then reload the router with ``policy`` through the
-    model-control API (a configuration override: the repository's files stay as they are).
-    ``key``: the server's admin key, which also opens the engines of ``preble serve``."""
-    import tritonclient.grpc as grpcclient
-
-    client, headers = grpcclient.InferenceServerClient(url), dict(grpc_bearer(key))
-    try:
-        config = client.get_model_config(model, as_json=True, headers=headers)["config"]
-        params = config.setdefault("parameters", {})
-        for engine in (e for e in params.get("engines", {}).get("string_value", "").split(",") if e):
-            where, name = _engine_address(engine)
-            PrebleClient(grpc_url=where or url, api_key=key).engine_control(name, "flush_cache")
-        params["policy"] = {"string_value": policy}
-        client.load_model(model, config=json.dumps(config), headers=headers)
-        deadline = time.monotonic() + 120
-        while not client.is_model_ready(model, headers=headers):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"router {model!r} did not become ready with policy {policy!r}")
-            time.sleep(0.2)
-    finally:
-        client.close()
+def switch_policy(url: str, model: str, policy: str, key: str | None = None,
+                  admin_key: str | None = None) -> None:  # fmt: skip
+    """Switch the router to ``policy`` with every engine's cache flushed, through its admin
+    control request (``serving/admin.py``): no model is reloaded, so the server needs no
+    model control. ``key``: the API key; ``admin_key``: the server's admin key."""
+    PrebleClient(grpc_url=url, model=model, api_key=key).admin("configure", admin_key, policy=policy)
 
 
 def _engine_address(entry: str) -> tuple[str, str]:
@@ -163,14 +147,15 @@ def _parameters(where: str, name: str, key: str | None) -> dict[str, str]:
 
 
 def _cluster(url: str, model: str, key: str | None) -> tuple[list[str], dict[str, str]]:
-    """The router's engines and the first one's configuration ({} where it cannot be read:
-    another operator's server, say)."""
-    engines = [e for e in _parameters(url, model, key).get("engines", "").split(",") if e]
-    first = {}
+    """The router's engines and its parameters, overlaid with the first engine's where
+    that can be read (an engine's key is not a client's: usually it cannot)."""
+    router = _parameters(url, model, key)
+    engines = [e for e in router.get("engines", "").split(",") if e]
+    first = dict(router)
     if engines:
         where, name = _engine_address(engines[0])
         try:
-            first = _parameters(where or url, name, key)
+            first.update(_parameters(where or url, name, key))
         except Exception:
             pass
     return engines, first
@@ -306,7 +291,7 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                     make = functools.partial(GrpcEngine, replace(cfg, url=cfg.urls[0], model=cfg.direct))
                 else:
                     for url in cfg.urls:
-                        switch_policy(url, cfg.model, policy, cfg.api_key)
+                        switch_policy(url, cfg.model, policy, cfg.api_key, cfg.admin_key)
                     transport = TRANSPORTS[cfg.transport]
                     make = functools.partial(Spread, [functools.partial(transport, replace(cfg, url=u))
                                                       for u in cfg.urls])  # fmt: skip

@@ -118,15 +118,18 @@ class PrebleClient:
         cancel_after: int | None = None,
         timeout: float = 300,
         model: str | None = None,
+        parameters: dict[str, str] | None = None,
     ) -> StreamResult:
-        """Send raw tensors to a decoupled model over a gRPC stream; gather its responses."""
+        """Send raw tensors (and request ``parameters``) to a decoupled model over a gRPC
+        stream; gather its responses."""
         import grpc
 
         channel, stub = open_grpc(self.grpc_url)
         out = StreamResult()
         try:
             key = grpc_bearer(self.api_key)
-            calls = stream_infer(stub, model or self.model, inputs, timeout, metadata=key)
+            calls = stream_infer(stub, model or self.model, inputs, timeout, metadata=key,
+                                 parameters=parameters)  # fmt: skip
             with closing(calls) as responses:
                 for outputs, final in responses:
                     if outputs:
@@ -145,7 +148,17 @@ class PrebleClient:
         finally:
             channel.close()
 
-    # ---- engine control -------------------------------------------------------------------
+    # ---- control ------------------------------------------------------------------------
+
+    def admin(self, op: str, admin_key: str | None, policy: str | None = None, timeout: float = 120) -> dict:
+        """The router's admin control request (``serving/admin.py``): ``status``, ``flush``
+        (every engine's cache) or ``configure`` (switch to ``policy``, flushed); returns the
+        router's state. Sent with the API key like any request, the admin key inside."""
+        params = {"preble_admin": op, "preble_admin_key": admin_key or ""}
+        if policy is not None:
+            params["preble_policy"] = policy
+        result = self.infer_grpc({}, timeout=timeout, parameters=params)
+        return json.loads(result.final["text_output"])
 
     def engine_control(self, engine: str, op: str, **fields) -> dict:
         """Run ``stats`` / ``abort`` / ``flush_cache`` on an engine model; return its report."""
@@ -186,6 +199,7 @@ def stream_infer(
     wait_for_ready=False,
     open_calls: set | None = None,
     metadata: tuple[tuple[str, str], ...] = (),
+    parameters: dict[str, str] | None = None,
 ) -> Iterator[tuple[dict[str, np.ndarray], bool]]:
     """One request on its own bidirectional ``ModelStreamInfer`` stream (errors on a shared
     stream would not say which request they belong to): yield each response's outputs and
@@ -194,7 +208,10 @@ def stream_infer(
     listen). Closing the generator early cancels the request on the server; so does
     ``cancel()`` on the call, which stays in ``open_calls`` while it streams. ``metadata``:
     gRPC headers (a key, ``access.grpc_bearer``)."""
-    request = iter([infer_request(model, inputs)])
+    message = infer_request(model, inputs)
+    for name, value in (parameters or {}).items():
+        message.parameters[name].string_param = value
+    request = iter([message])
     call = stub.ModelStreamInfer(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=metadata)
     if open_calls is not None:
         open_calls.add(call)

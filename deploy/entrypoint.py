@@ -15,7 +15,11 @@ deployment by editing the ConfigMap, as a single host is tuned by editing config
                                none, where PREBLE_ROUTER_PARAMETERS names ``engines_dns``:
                                the engines' headless Service, so engines join and leave)
     PREBLE_HOST                the address to listen on (default 127.0.0.1; pods: 0.0.0.0)
-    PREBLE_API_KEY             the key every client, the router included, must send
+    PREBLE_API_KEY             router: the key every client must send
+    PREBLE_ENGINE_KEY          the key the router sends its engines (an engine pod takes
+                               no other): clients never hold it
+    PREBLE_ADMIN_KEY           router: the admin key (policy switches, logging, trace);
+                               random when unset
     PREBLE_REPOSITORY          where the repository is written (default /tmp/preble-repository)
     PREBLE_HTTP_PORT, PREBLE_GRPC_PORT, PREBLE_METRICS_PORT (8000, 8001, 8002),
     PREBLE_OPENAI_PORT         router only (default 9000; 0: none)
@@ -83,7 +87,8 @@ def engine() -> int:
         int(_env("PREBLE_GRPC_PORT", "8001")),
         int(_env("PREBLE_METRICS_PORT", "8002")),
     )
-    access = Access(host=_env("PREBLE_HOST", "127.0.0.1"), api_key=os.environ.get("PREBLE_API_KEY") or None)
+    key = os.environ.get("PREBLE_ENGINE_KEY") or None  # the router's; clients never hold it
+    access = Access(host=_env("PREBLE_HOST", "127.0.0.1"), api_key=key)
     server = start_server(repo, ports, log_path="/dev/stdout", access=access)
     stop: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,9 +118,6 @@ def router() -> int:
         )
     except (TypeError, ValueError) as err:  # no engines from any source, a bad parameter
         raise SystemExit(f"entrypoint: the router's parameters: {err}") from None
-    # The router sends its engines the clients' key: one Secret for the whole deployment.
-    if os.environ.get("PREBLE_API_KEY"):
-        os.environ["PREBLE_ENGINE_KEY"] = os.environ["PREBLE_API_KEY"]
     args = [
         sys.executable,
         "-m",
@@ -135,7 +137,6 @@ def router() -> int:
         _env("PREBLE_METRICS_PORT", "8002"),
         "--openai-port",
         _env("PREBLE_OPENAI_PORT", "9000"),
-        "--explicit",  # the repository is written once, at start; the key's holder may reload the router
     ]
     os.chdir(ROOT)
     os.execv(sys.executable, args)  # serve drains on the pod's SIGTERM

@@ -17,6 +17,7 @@ from pathlib import Path
 from client.triton_client import PrebleClient
 from preble_backend.common.keys import bearer
 from preble_backend.common.procfs import command_name, process_tree
+from preble_backend.serving.access import ADMIN_KEY_ENV, Access
 from preble_backend.serving.launcher import ServerPorts, free_port, start_server
 from preble_backend.serving.repository import write_repository
 
@@ -105,7 +106,11 @@ def fresh_ports() -> ServerPorts:
 
 
 def launch(repo: Path, log: Path, ready: bool = True, extra_args=None):
-    server = start_server(repo, fresh_ports(), log_path=log, extra_args=extra_args)
+    """The repository in one tritonserver; its router takes admin control requests with the
+    server's admin key."""
+    access = Access()
+    server = start_server(repo, fresh_ports(), log_path=log, extra_args=extra_args, access=access,
+                          env={ADMIN_KEY_ENV: access.admin_key})  # fmt: skip
     if ready:
         server.wait_ready(300)
     return server

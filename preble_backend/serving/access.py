@@ -24,9 +24,11 @@ from pathlib import Path
 from preble_backend.common.keys import HEADER
 from preble_backend.model.tiny_model import cache_root
 
-ADMIN_APIS = ("model-repository", "logging", "trace")
-CLIENT_APIS = ("inference", "metadata", "model-config", "statistics", "shared-memory")
+# Shared-memory registration is admin: it makes the server map memory a client names.
+ADMIN_APIS = ("model-repository", "logging", "trace", "shared-memory")
+CLIENT_APIS = ("inference", "metadata", "model-config", "statistics")
 API_KEY_ENV = "PREBLE_API_KEY"
+ADMIN_KEY_ENV = "PREBLE_ADMIN_KEY"
 ENGINE_KEY_ENV = "PREBLE_ENGINE_KEY"
 LOOPBACK = "127.0.0.1"
 
@@ -50,9 +52,11 @@ class Access:
     def server_args(self) -> list[str]:
         args = [f"--http-address={self.http_host or self.host}", f"--grpc-address={self.host}",
                 f"--metrics-address={self.host}"]  # fmt: skip
+        if self.admin_key == self.api_key:
+            raise ValueError("the admin key must differ from the API key: clients hold the API key")
         groups = {self.admin_key: list(ADMIN_APIS)}
         if self.api_key is not None:
-            groups.setdefault(self.api_key, []).extend(CLIENT_APIS)
+            groups[self.api_key] = list(CLIENT_APIS)
         for key, apis in groups.items():
             rule = f"{','.join(apis)}:{HEADER}=Bearer {key}"
             args += [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
