@@ -143,17 +143,44 @@ def test_the_admin_control_request_switches_the_policy_with_the_admin_key_only(s
     assert client.admin("status", admin_key)["engines"] == {"preble_engine_0": True, "preble_engine_1": True}
 
 
-def test_large_form_encoded_bodies_are_refused_and_the_server_lives(stack):
-    form = {"Content-Type": "application/x-www-form-urlencoded"}
+def stack_pids(stack: Stack) -> set[int]:
+    """The stack's servers, stubs and front (not the stub watchers' passing ``sleep``s): a
+    crash anywhere changes the set."""
+    return {p for p in process_tree(stack.process.pid) if command_name(p) not in ("sh", "sleep", "cut")}
+
+
+def test_malformed_bodies_of_every_kind_are_refused_and_every_server_lives(stack):
+    """Classes of hostile body, each refused with a 4xx that names the problem: none
+    reaches tritonserver's HTTP parser as sent, and no process of the stack dies."""
+    before = stack_pids(stack)
+    form, binary = {"Content-Type": "application/x-www-form-urlencoded"}, "Inference-Header-Content-Length"
     big = body("a " * 3_000_000)  # 6 MB: Triton 2.51's own listener died on this
-    status, _, answer = http("POST", stack.url(GEN), big, form)
-    assert status == 400 and b"max_input_bytes" in answer, answer
-    status, _, answer = http("POST", stack.url(GEN), b"x" * (50 << 20), form)
-    assert status == 413 and b"--max-body-bytes" in answer, answer
-    status, _, answer = http("POST", stack.url(GEN), b"x" * (5 << 20), form)
-    assert status == 400 and b"failed to parse" in answer, answer
+    cases = [
+        (big, form, 400, b"max_input_bytes"),
+        (big, {**form, binary: str(len(big))}, 400, b"max_input_bytes"),  # the header that crashed it
+        (b"x" * (5 << 20), {**form, binary: "0"}, 400, b"not valid JSON"),
+        (b"x" * (5 << 20), form, 400, b"not valid JSON"),
+        (body(), {binary: "-1"}, 400, b"is invalid"),
+        (body(), {binary: str(10**9)}, 400, b"is invalid"),
+        (body(), {binary: "12abc"}, 400, b"is invalid"),
+        (b"[" * 100_000 + b"]" * 100_000, {}, 400, b"nested too deeply"),
+        (b'{"text_input": "\xff\xfe"}', {}, 400, b"not valid JSON"),
+        (rb'{"text_input": "\ud800", "sampling_parameters": "{}"}', {}, 400, b""),
+        (b'{"text_input": NaN}', {}, 400, b"not valid JSON"),
+        (b'{"text_input": "hi", "text_input": 1e999999}', {}, 400, b""),
+        (b"\x00" * 1000, {"Content-Type": "application/octet-stream"}, 400, b"not valid JSON"),
+        (b"x" * (50 << 20), form, 413, b"--max-body-bytes"),
+    ]
+    for data, headers, status, words in cases:
+        got, _, answer = http("POST", stack.url(GEN), data, headers)
+        assert got == status and words in answer, (data[:60], headers, got, answer[:300])
+    openai = stack.url("/v1/completions", stack.openai_port)
+    got, _, answer = http("POST", openai, b'{"prompt": "' + b"a" * (40 << 20) + b'"}',
+                          {"Content-Type": "application/json"})  # fmt: skip
+    assert got == 413 and b"--max-body-bytes" in answer, answer[:300]
     assert http("GET", stack.url("/v2/health/ready"))[0] == 200
     assert http("POST", stack.url(GEN), body(), form)[0] == 200  # curl -d's small bodies still work
+    assert stack_pids(stack) == before
 
 
 def test_client_errors_are_4xx_on_both_apis(stack):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from preble_backend.common.keys import HEADER
 from preble_backend.common.settings import MAX_BODY_BYTES
@@ -48,7 +48,7 @@ from preble_backend.frontend.openai_protocol import (
 )
 from preble_backend.frontend.router_stream import Router, collect, merged, open_choices
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
-from preble_backend.frontend.triton_http import EngineView, add_triton_routes
+from preble_backend.frontend.triton_http import EngineView, add_triton_routes, bounded_body
 from preble_backend.serving.access import API_KEY_ENV
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
@@ -83,9 +83,10 @@ class TritonSide:
 
 
 def make_app(router: Router, served: Served, render, triton: TritonSide | None = None, key: str | None = None,
-             card: dict | None = None):  # fmt: skip
+             card: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES):  # fmt: skip
     """``card``: what ``/v1/models`` says of the model (vLLM's ``root``, ``max_model_len``,
-    and its parameters and dtype)."""
+    and its parameters and dtype); a request body over ``max_body_bytes`` is 413 on every
+    route."""
     import aiohttp
 
     session: list[aiohttp.ClientSession] = []
@@ -151,8 +152,11 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
         return cards[name]
 
     async def body_of(request: Request) -> dict:
+        raw = await bounded_body(request, max_body_bytes)
+        if isinstance(raw, Response):
+            raise OpenAIError(413, json.loads(raw.body)["error"])
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
             json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate ("\ud800") fails here
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     served = Served(args.served_model_name or info.name, aliases=(args.router_model,))
     card = {"root": info.path, "max_model_len": info.max_model_len, "parameters": info.parameters,
             "dtype": info.dtype}  # fmt: skip
-    app = drain.wrap(make_app(router, served, chat_renderer(path), triton, key, card))
+    app = drain.wrap(make_app(router, served, chat_renderer(path), triton, key, card, args.max_body_bytes))
     ports = [p for p in (args.port, args.http_port) if p]
     configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning", timeout_graceful_shutdown=5)
                for p in ports]  # fmt: skip

@@ -2,16 +2,18 @@
 
 Why not tritonserver's own listener: Triton 2.51's HTTP server dies with SIGSEGV on a
 request body of 4 MiB or more sent as ``application/x-www-form-urlencoded`` (what
-``curl -d`` sends), so one request could end every client's stream. Here tritonserver's
-HTTP listener is on loopback at a port only the front knows, and the front passes each
-request on with a bounded body and a JSON content type (binary-tensor requests keep
-theirs), streaming the answer back as it comes. On the way it:
+``curl -d`` sends), or with a binary-tensor header and a form body, or on JSON nested
+100,000 deep, so one request could end every client's stream. Here tritonserver's HTTP
+listener is on loopback at a port only the front knows, and the front parses every
+request and writes it anew (``_canonical``: canonical JSON, known headers only, a body
+bounded on every route), streaming the answer back as it comes. On the way it:
 
 - answers readiness honestly: the server and the router model are ready only while the
   router is loaded and at least one engine takes requests (Triton would report ready
   with every engine dead), read from the router's ``preble_router_engine_up`` gauges;
 - answers "retry" as retryable: the router's at-capacity and no-engine refusals, which
-  Triton's HTTP server sends as 400, become 503 with ``Retry-After``.
+  Triton's HTTP server sends as 400, become 503 with ``Retry-After``;
+- ends a stream whose upstream died with an error event, never as a clean finish.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ from preble_backend.serving.protocol import retryable
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
               "content-length", "proxy-authorization", "proxy-connection"}  # fmt: skip
+FORWARDED = {"authorization", "accept"}  # of a client's request headers, the ones tritonserver gets
 BINARY = "inference-header-content-length"  # Triton's binary tensor extension: the body is not JSON
 ENGINE_UP = re.compile(r"^preble_router_engine_up\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 RETRY_AFTER_S = "1"
+CLOSE = {"Connection": "close"}
 MODEL_CONTROL = re.compile(r"^repository/models/[^/]+/(load|unload)$")
 NO_MODEL_CONTROL = ("loading and unloading models is disabled: the servers run with model control 'none' "
                     "(the router's admin control request switches its policy; docs/SECURITY.md)")  # fmt: skip
-MAX_DEPTH = 512  # fewer brackets than this: no nesting to fear
-DRAIN_LIMIT_BYTES = 1 << 30  # an oversized body is read and dropped up to this, then cut
+DRAIN_LIMIT_BYTES = 256 << 20  # an oversized body is read and dropped up to this, then cut
 
 
 class EngineView:
@@ -94,16 +97,13 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
             return answer
         if MODEL_CONTROL.match(path):  # Triton's own answer blames "polling", and is a 503
             return JSONResponse({"error": NO_MODEL_CONTROL}, status_code=403)
-        body = await _bounded_body(request, max_body_bytes)
+        body = await bounded_body(request, max_body_bytes)
         if isinstance(body, Response):
             return body
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        binary = BINARY in {k.lower() for k in headers}
-        if not binary and (refusal := await _too_deep(body)) is not None:
-            return refusal
-        if not binary:
-            headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
-            headers["content-type"] = "application/json"
+        canonical = await _canonical(request, body)
+        if isinstance(canonical, Response):
+            return canonical
+        body, headers = canonical
         session = session_of()
         target = f"{upstream}/v2/{path}" if path else f"{upstream}/v2"
         call = asyncio.ensure_future(session.request(request.method, target, params=request.query_params,
@@ -131,9 +131,11 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         drain.upstreams.add(resp)
         try:
             first = await resp.content.readline()
-        except Exception:
+        except Exception as exc:
             if not drain.cutting:
-                raise
+                drain.upstreams.discard(resp)
+                resp.close()
+                return _unreachable(exc)
             first = b""
         if first.startswith(b"data: {\"error\"") and retryable(first.decode(errors="replace")):
             drain.upstreams.discard(resp)
@@ -145,22 +147,26 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
                 yield first
                 async for chunk in resp.content.iter_any():
                     yield chunk
-            except Exception:
+            except Exception as exc:  # the router's server died: never a clean finish
                 if not drain.cutting:
-                    raise
+                    yield _event({"error": f"{LOST} ({type(exc).__name__}); the answer is incomplete"})
             finally:
                 drain.upstreams.discard(resp)
                 resp.close()  # a client that left: closing tritonserver's stream cancels it
             if drain.cutting:
-                yield b"data: " + json.dumps({"error": MESSAGE}).encode() + b"\n\n"
+                yield _event({"error": MESSAGE})
 
         return StreamingResponse(relay(), status_code=200, headers=kept)
 
 
-async def _bounded_body(request: Request, limit: int) -> bytes | Response:
-    """The body, or 413 once it passes ``limit``. An oversized body is still read (and
-    dropped), up to a bound, so that a client which sends all of it before it reads the
-    answer gets the 413 rather than a reset connection."""
+async def bounded_body(request: Request, limit: int) -> bytes | Response:
+    """The body, or 413 once it passes ``limit``: nothing past the limit is kept or
+    parsed. The rest is read and dropped, up to ``DRAIN_LIMIT_BYTES``, so that a client
+    which sends all of it before it reads the answer gets the 413 rather than a reset
+    connection; a body that says it is larger than that is refused unread."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN_LIMIT_BYTES:
+        return _too_large(int(declared), limit, close=True)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -170,23 +176,44 @@ async def _bounded_body(request: Request, limit: int) -> bytes | Response:
                 break
         else:
             chunks.append(chunk)
-    return _too_large(size, limit) if size > limit else b"".join(chunks)
+    return _too_large(size, limit, close=True) if size > limit else b"".join(chunks)
 
 
-async def _too_deep(body: bytes) -> Response | None:
-    """400 for JSON nested deeper than Python's parser goes (about a thousand levels):
-    tritonserver 2.51's parser recurses without a limit, and a body nested 100,000 deep
-    killed it (SIGSEGV). Bodies with few brackets cannot be deep and are not parsed here."""
-    if body.count(b"[") + body.count(b"{") < MAX_DEPTH:
-        return None
+async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, str]] | Response:
+    """The request as tritonserver gets it: parsed here and written anew, with only the
+    headers it needs. Nothing a client sends reaches tritonserver's HTTP parser as sent
+    (its form-encoded and deep-JSON paths crashed it: docs/SECURITY.md). A JSON body is
+    re-serialized; a binary-tensor body keeps its tensor bytes behind a re-serialized
+    JSON header whose length is ours."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+    if not body:
+        return body, headers
+    declared = request.headers.get(BINARY)
+    if declared is None:
+        header, tensors = body, b""
+    elif not declared.isdigit() or int(declared) > len(body):
+        return _bad(f"header {BINARY}={declared!r} is invalid: expected a byte count within the body's "
+                    f"{len(body)}")  # fmt: skip
+    else:
+        header, tensors = body[: int(declared)], body[int(declared):]
     try:
-        await asyncio.get_running_loop().run_in_executor(None, json.loads, body)
+        parsed = await asyncio.get_running_loop().run_in_executor(None, json.loads, header)
+        encoded = json.dumps(parsed, separators=(",", ":"), allow_nan=False).encode()
     except RecursionError:
-        message = "the request body is not valid JSON: nested too deeply"
-        return JSONResponse({"error": message}, status_code=400)
-    except ValueError:
-        pass  # not JSON at all: tritonserver says so
-    return None
+        return _bad("the request body is not valid JSON: nested too deeply")
+    except ValueError as exc:  # UnicodeDecodeError, a lone surrogate, NaN among them
+        return _bad(f"the request body is not valid JSON: {exc}")
+    if declared is None:
+        return encoded, {**headers, "content-type": "application/json"}
+    binary = {"content-type": "application/octet-stream", BINARY: str(len(encoded))}
+    return encoded + tensors, {**headers, **binary}
+
+
+LOST = "the router's tritonserver failed mid-stream"
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
 def _unreachable(exc: Exception) -> Response:
@@ -194,9 +221,13 @@ def _unreachable(exc: Exception) -> Response:
     return JSONResponse({"error": message}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
 
-def _too_large(size: int, limit: int) -> Response:
+def _bad(message: str) -> Response:
+    return JSONResponse({"error": message}, status_code=400)
+
+
+def _too_large(size: int, limit: int, close: bool = False) -> Response:
     message = f"the request body ({size} bytes or more) is over the limit of {limit} bytes (--max-body-bytes)"
-    return JSONResponse({"error": message}, status_code=413)
+    return JSONResponse({"error": message}, status_code=413, headers=CLOSE if close else None)
 
 
 def _retryable(status: int, content: bytes, headers: dict[str, str]) -> Response:
