@@ -22,6 +22,12 @@ _BOOL_KEYS = ("ignore_eos",)
 SAMPLING_EPS = 1e-5  # as vLLM: a lower temperature is greedy (dividing by it overflows)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's API caps them
+# Sizes past which a request is refused (400) before anyone works on it: a 100,000-entry
+# stop list held its engine's loop for 16-21 s, a million stop_token_ids for 16 s.
+MAX_STOP = 64  # stop strings
+MAX_STOP_BYTES = 1024  # per stop string (UTF-8)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_GUIDED_PREFIX_IDS = 1 << 17  # a migrated guided request's tokens so far
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,15 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit integer, got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        longest = max((len(s.encode()) for s in self.stop), default=0)
+        if len(self.stop) > MAX_STOP or longest > MAX_STOP_BYTES:
+            raise ValueError(f"stop must be at most {MAX_STOP} strings of at most {MAX_STOP_BYTES} bytes "
+                             f"each, got {len(self.stop)} (the longest {longest} bytes)")  # fmt: skip
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")  # fmt: skip
+        if len(self.guided_prefix_ids) > MAX_GUIDED_PREFIX_IDS:
+            raise ValueError(f"guided_prefix_ids must hold at most {MAX_GUIDED_PREFIX_IDS} ids")
         for key in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, key) <= 2:  # NaN fails this too
                 raise ValueError(f"{key} must be in [-2, 2], got {getattr(self, key)}")
@@ -106,10 +121,15 @@ class SamplingParams:
                 value = (value,) if isinstance(value, str) else value
                 if not isinstance(value, list | tuple) or not all(isinstance(s, str) for s in value):
                     raise ValueError("sampling parameter stop must be a string or list of strings")
+                if len(value) > MAX_STOP:
+                    raise ValueError(f"stop must be at most {MAX_STOP} strings, got {len(value)}")
                 value = tuple(value)
             elif key in ("stop_token_ids", "guided_prefix_ids"):
                 if not isinstance(value, list | tuple):
                     raise ValueError(f"sampling parameter {key} must be a list of integers")
+                limit = MAX_STOP_TOKEN_IDS if key == "stop_token_ids" else MAX_GUIDED_PREFIX_IDS
+                if len(value) > limit:
+                    raise ValueError(f"{key} must hold at most {limit} ids, got {len(value)}")
                 value = tuple(_integer(key, t) for t in value)
             kwargs[key] = value
         return cls(**kwargs, guide=guide)

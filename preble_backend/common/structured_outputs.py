@@ -13,6 +13,10 @@ import json
 from dataclasses import dataclass
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# A constraint's text past this is refused before it is compiled: a 1 MB Lark grammar took
+# llguidance 16 s and then a panic; 20,000 chained rules overflowed its stack.
+MAX_GUIDE_BYTES = 64 << 10
+MAX_CHOICES = 1024
 LEGACY_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                "guided_grammar": "grammar"}  # fmt: skip
 
@@ -45,6 +49,14 @@ def parse_guide(key: str, value) -> Guide:
 
 
 def _one(name: str, kind: str, spec) -> Guide:
+    guide = _shape(name, kind, spec)
+    size = len(guide.spec.encode())
+    if size > MAX_GUIDE_BYTES:
+        raise ValueError(f"sampling parameter {name} is {size} bytes: over the limit of {MAX_GUIDE_BYTES}")
+    return guide
+
+
+def _shape(name: str, kind: str, spec) -> Guide:
     if kind == "json_object":
         if spec is not True:
             raise ValueError(f"sampling parameter {name} must be true")
@@ -61,6 +73,9 @@ def _one(name: str, kind: str, spec) -> Guide:
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
             raise ValueError(f"sampling parameter {name} must be a non-empty list of non-empty strings")
+        if len(spec) > MAX_CHOICES:
+            raise ValueError(f"sampling parameter {name} must hold at most {MAX_CHOICES} choices, "
+                             f"got {len(spec)}")  # fmt: skip
         return Guide("choice", json.dumps(spec))
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"sampling parameter {name} must be a non-empty string")

@@ -141,7 +141,7 @@ class Engine:
             if self._guided is None:
                 self._guided = GuidedDecoding(self.config.model_path, self.model_config.vocab_size,
                                               self.stops.eos_token_ids)  # fmt: skip
-        return self._guided.matcher(params.guide, params.guided_prefix_ids)
+        return self._guided.matcher_on_own_stack(params.guide, params.guided_prefix_ids)
 
     def abort(self, request_id: str) -> None:
         with self._wake:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,11 @@ from preble_backend.common.structured_outputs import Guide
 # Whitespace between JSON tokens is fixed (``, `` and ``: ``): free whitespace lets a small
 # model spend its whole budget on newlines inside an unfinished answer.
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Compiling recurses with the grammar's depth. The router's check (``guided_worker.py``)
+# compiles on a stack of CHECK_STACK_BYTES; engines compile on one four times larger, so
+# what passed the check has room to spare here.
+CHECK_STACK_BYTES = 16 << 20
+COMPILE_STACK_BYTES = 64 << 20
 
 
 class GuidedDecoding:
@@ -74,6 +80,28 @@ class GuidedDecoding:
         if prefix_ids and not matcher.consume_tokens(list(prefix_ids)):
             raise ValueError("guided_prefix_ids do not match the structured output's grammar")
         return matcher
+
+    def matcher_on_own_stack(self, guide: Guide, prefix_ids: tuple[int, ...] = ()):
+        """``matcher`` on a thread whose stack is ``COMPILE_STACK_BYTES`` (the caller's may
+        be smaller: a Triton stub's threads are its own)."""
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["matcher"] = self.matcher(guide, prefix_ids)
+            except Exception as exc:  # raised again on the caller's thread
+                result["error"] = exc
+
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="preble-guided-compile")
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+        thread.join()
+        if "error" in result:
+            raise result["error"]
+        return result["matcher"]
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]]) -> tuple[dict, set, dict]:
         """Each ``(row, matcher)``'s logits with the disallowed tokens at -inf; the rows

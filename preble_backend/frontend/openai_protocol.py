@@ -37,6 +37,7 @@ OTHER_KEYS = (  # read by the parsers or checked by _check_unsupported (``user``
 GUIDE_KEYS = ("structured_outputs", *LEGACY_KEYS)  # vLLM's extras: passed on as sampling parameters
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 MAX_N = 32  # choices per request
+MAX_CHOICE_TOKENS = 1 << 17  # n x max_tokens: what one request may make the engines generate
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -132,9 +133,13 @@ def _sampling(body: dict, max_tokens_key: str, logprobs: int | None, guide: dict
     max_tokens = body.get(max_tokens_key, body.get("max_tokens"))
     params["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     try:
-        SamplingParams.from_dict(params)  # the router checks again; a bad value is a 400 here
+        checked = SamplingParams.from_dict(params)  # the router checks again; a bad value is a 400 here
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from None
+    n = body.get("n") or 1
+    if n * checked.max_tokens > MAX_CHOICE_TOKENS:
+        raise bad_request(f"n x max_tokens is {n} x {checked.max_tokens}: more than the limit of "
+                          f"{MAX_CHOICE_TOKENS} tokens per request", "n")  # fmt: skip
     return params
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 OPEN_TAG = "<tool_call>"
+MAX_TOOLS = 128  # as OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ def parse_tools(body: dict, bad_request) -> Tools | None:
         return None
     if not isinstance(tools, list):
         raise bad_request("tools must be a list", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools must hold at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
     functions = []
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None

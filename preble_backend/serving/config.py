@@ -56,7 +56,15 @@ class RouterConfig:
         10.0, doc="an engine that leaves a health probe unanswered this long is down"
     )
     migration_limit: int = setting(
-        3, doc="times a request whose engine dies mid-stream continues on another (0: it fails)"
+        1,
+        doc="times a request whose engine failed continues on another; one more failure fails it, and an "
+        "identical request is refused for poison_ttl_s (0: it fails at once)",
+    )
+    poison_ttl_s: float = setting(
+        600.0, doc="how long a request that was running on each engine that failed is refused when sent again"
+    )
+    guided_compile_timeout_s: float = setting(
+        5.0, doc="a structured output that takes longer to compile (in the router's checker) is refused"
     )
 
     def __post_init__(self) -> None:
@@ -72,7 +80,8 @@ class RouterConfig:
         if not (self.engines.strip(" ,") or self.engines_dns or self.engines_file):
             raise ValueError("engines='' is invalid: expected engine names or grpc:// URLs, engines_dns "
                              "or engines_file")  # fmt: skip
-        for key in ("health_interval_s", "health_timeout_s", "discovery_interval_s", "leave_timeout_s"):
+        for key in ("health_interval_s", "health_timeout_s", "discovery_interval_s", "leave_timeout_s",
+                    "poison_ttl_s", "guided_compile_timeout_s"):  # fmt: skip
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected a number > 0")
 

@@ -113,7 +113,8 @@ def not_loaded(message: str) -> bool:
 # (a gRPC stream's error is text only): fronts answer them 400.
 INVALID = ("is invalid", "must be", "input '", "encodes to no", "over the model's context length",
            "exceeds the KV pool", "outside the vocabulary", "is not valid JSON", "cannot be compiled",
-           "both constrain", "need a tokenizer", "do not match the structured output")  # fmt: skip
+           "both constrain", "need a tokenizer", "do not match the structured output", "over the limit",
+           "took more than", "crashed the grammar compiler", "is refused for")  # fmt: skip
 
 
 def invalid(message: str) -> bool:

@@ -37,4 +37,6 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
                "KV pages the policy believes the engine caches (from its cache events; E2 and kv_cost)"),
     MetricSpec("preble_router_migrations_total", "counter",
                "requests that went on elsewhere when their engine failed, by the engine that failed"),
+    MetricSpec("preble_router_poisoned_total", "counter",
+               "requests failed because every engine that ran them failed (then refused for poison_ttl_s)"),
 ]  # fmt: skip

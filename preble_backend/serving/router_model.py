@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import json
 import threading
 import time
@@ -61,6 +60,7 @@ from preble_backend.serving.engine_client import (
 from preble_backend.serving.engine_monitor import EngineMonitor
 from preble_backend.serving.event_feed import EventFeed
 from preble_backend.serving.flights import Flight, Flights
+from preble_backend.serving.guide_check import GuideCheck
 from preble_backend.serving.loopback import server_grpc_url
 from preble_backend.serving.membership import Membership
 from preble_backend.serving.metrics import Metrics
@@ -72,6 +72,7 @@ from preble_backend.serving.protocol import (
     names,
     parse_generate,
 )
+from preble_backend.serving.quarantine import Quarantine
 from preble_backend.serving.repository import check_local_engines
 from preble_backend.serving.responder import Responder
 from preble_backend.serving.router_metrics import FAILURES, METRICS
@@ -92,9 +93,10 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         require_decoupled(model_config)
         self.config = config = RouterConfig.from_strings(config_parameters(model_config))
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_path(config.model_path, args["model_repository"])
-        )
+        model_dir = resolve_model_path(config.model_path, args["model_repository"])
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.guide_check = GuideCheck(str(model_dir), _vocab_size(model_dir, self.tokenizer),
+                                      config.guided_compile_timeout_s)  # fmt: skip
         self.discovery = Discovery(config.engines, config.engines_dns, config.engines_file,
                                    config.discovery_interval_s, pb_utils.Logger.log_warn)  # fmt: skip
         self.server_url = lambda: config.server_grpc_url or server_grpc_url()
@@ -111,6 +113,7 @@ class TritonPythonModel:
         self.loads = [InstanceLoad() for _ in self.engines]
         self.feeds = [EventFeed() for _ in self.engines]  # this router's cursor in each event log
         self.flights = Flights(config.max_inflight, config.max_queue)
+        self.quarantine = Quarantine(config.poison_ttl_s)
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         for engine in self.engines:
@@ -226,6 +229,10 @@ class TritonPythonModel:
         if self.draining:
             self.responder.refuse(sender, SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
             return
+        if (refusal := self.quarantine.refusal(req.prompt, req.params_json)) is not None:
+            self.responder.refuse(sender, refusal, pb_utils.TritonError.INVALID_ARG)
+            self._count_failure(pb_utils.TritonError.INVALID_ARG)
+            return
         flight = self.flights.admit(sender)
         if flight is None:
             self.metrics.count("preble_router_rejected_total", 1)
@@ -236,18 +243,26 @@ class TritonPythonModel:
         try:
             if not await flight.wait_for_slot():
                 return
+            if req.params.guide is not None:  # compiled in a checker process first: no engine crashes
+                await self.guide_check.check(req.params.guide)
             routing = await self.loop.run_in_executor(self.tokenize_pool, self._routing_request, req)
             if flight.closed:  # ended while it was tokenized (the server is shutting down)
                 return
             answer, params_json = Answer(req, self.tokenizer, len(routing.input_ids)), req.params_json
-            for migrations in itertools.count():
+            failures = 0  # engines that failed while this request ran on them
+            while not flight.closed:
                 engine = self._place(flight, routing, arrival, req.engine)
+                if failures and not await self._answers(flight, engine):
+                    continue  # it was down before the request reached it: that is no failure of its
                 try:
                     await self._forward(flight, req, routing, engine, arrival, answer, params_json)
                     return
                 except EngineUnavailable as exc:
                     self.monitor.suspect(flight.instance, str(exc))
-                    if not self._may_migrate(flight, req, answer, migrations):
+                    failures += 1
+                    if 2 <= failures > self.config.migration_limit and not flight.client_gone:
+                        raise self._poisoned(req, failures, str(exc)) from None
+                    if not self._may_migrate(flight, req, answer, failures - 1):
                         raise
                     routing, params_json = self._migrate(flight, req, routing, answer, str(exc))
                     await asyncio.sleep(0)  # the monitor's verdict first: the policy routes around it
@@ -285,6 +300,33 @@ class TritonPythonModel:
         self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
                              {"policy": self.policy.name})  # fmt: skip
         return engine
+
+    async def _answers(self, flight: Flight, engine: EngineClient) -> bool:
+        """Whether the engine a migrating request was placed on answers a health probe now,
+        so that its failure under the request is one the request saw it through (two
+        engines dead at once are not the request's doing); if not, the placement is undone
+        and the monitor judges the engine before the request is placed again."""
+        try:
+            await asyncio.wait_for(self.loop.run_in_executor(self.tokenize_pool, engine.health),
+                                   self.config.health_timeout_s)  # fmt: skip
+            return True
+        except Exception as exc:
+            self.monitor.suspect(flight.instance, f"{type(exc).__name__}: {exc}")
+            self._settle(flight)
+            flight.instance, flight.settled, flight.engine_finished = None, False, False
+            await asyncio.sleep(self.config.health_interval_s)
+            return False
+
+    def _poisoned(self, req: GenerateRequest, failures: int, reason: str) -> BadRequest:
+        """The request's last engine failed too: remember it (``quarantine.py``) and fail it
+        with an error its client does not retry."""
+        self.quarantine.add(req.prompt, req.params_json)
+        self.metrics.count("preble_router_poisoned_total", 1, {"policy": self.policy.name})
+        ttl = self.config.poison_ttl_s
+        pb_utils.Logger.log_error(f"preble router: a request ran on each of {failures} engines that failed "
+                                  f"(last: {reason}); refused for {ttl:g} s")  # fmt: skip
+        return BadRequest(f"this request failed: each of the {failures} engines that ran it failed under it; "
+                          f"it is refused for {self.config.poison_ttl_s:g} s (poison_ttl_s)")  # fmt: skip
 
     def _may_migrate(self, flight: Flight, req: GenerateRequest, answer: Answer, migrations: int) -> bool:
         return (migrations < self.config.migration_limit and not flight.closed and not flight.client_gone
@@ -486,6 +528,7 @@ class TritonPythonModel:
         if not self.loop_thread.is_alive():
             self.loop.close()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.guide_check.close()
         self.responder.stop()
         self.load_view.stop()
         for engine in self.engines:
@@ -506,6 +549,14 @@ class TritonPythonModel:
             await asyncio.gather(*pending, return_exceptions=True)
         for engine in self.engines:
             await engine.aclose()
+
+
+def _vocab_size(model_dir, tokenizer) -> int:
+    """The model's vocabulary (its logits' width), else the tokenizer's."""
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        return len(tokenizer)
 
 
 def _response(outputs: dict[str, np.ndarray]):
