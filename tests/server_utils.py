@@ -179,9 +179,10 @@ class Stack:
         return "".join(self.lines) + out, err
 
 
-def serve_stack(repo: Path, *args: str, env: dict | None = None, timeout: float = 300) -> Stack:
-    """``preble serve`` on fresh ports, read until it says ready."""
-    ports, openai_port = fresh_ports(), free_port()
+def serve_stack(repo: Path, *args: str, env: dict | None = None, timeout: float = 300,
+                ports: ServerPorts | None = None, openai_port: int | None = None) -> Stack:  # fmt: skip
+    """``preble serve`` on fresh ports (or these), read until it says ready."""
+    ports, openai_port = ports or fresh_ports(), openai_port or free_port()
     cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo),
            "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port",
            str(ports.metrics), "--openai-port", str(openai_port), *args]  # fmt: skip

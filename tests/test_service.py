@@ -402,7 +402,7 @@ def test_start_up_names_an_unreachable_remote_engine(tmp_path, tiny_model):
         stack.stop()
 
 
-def test_the_router_server_is_restarted_and_deep_json_cannot_kill_it(tmp_path, tiny_model):
+def test_the_router_server_is_restarted_and_its_streams_end_with_an_error(tmp_path, tiny_model):
     repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
     stack = serve_stack(repo)
     try:
@@ -410,7 +410,27 @@ def test_the_router_server_is_restarted_and_deep_json_cannot_kill_it(tmp_path, t
         status, _, answer = http("POST", stack.url(GEN), deep)
         assert status == 400 and b"nested too deeply" in answer, answer
         assert http("POST", stack.url(GEN), body())[0] == 200
+        streams: list[tuple[int, list[dict]]] = []
+
+        def sse(i: int) -> None:
+            params = json.dumps({"max_tokens": 2000, "ignore_eos": True})
+            request = json.dumps({"text_input": f"stream {i}", "stream": True, "sampling_parameters": params})
+            status, _, answer = http("POST", stack.url("/v2/models/preble/generate_stream"), request.encode(),
+                                     timeout=120)  # fmt: skip
+            streams.append((status, [json.loads(line[5:]) for line in answer.decode().splitlines()
+                                     if line.startswith("data:")]))  # fmt: skip
+
+        threads = [threading.Thread(target=sse, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(3)  # the streams are under way
         os.kill(router_pid(stack), signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=120)
+        assert len(streams) == 4
+        for status, events in streams:  # an answer cut short is never a clean finish
+            assert (status == 503 and not events) or "mid-stream" in events[-1].get("error", ""), events[-1:]
+        assert sum(status == 200 for status, _ in streams) >= 2  # most were cut mid-stream
         status, headers, _ = http("GET", stack.url("/v2/health/ready"))
         assert status == 503 and headers.get("retry-after") == "1"
         wait_for(lambda: http("POST", stack.url(GEN), body())[0] == 200, 60, "the router's server restarting")

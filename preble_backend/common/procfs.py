@@ -1,10 +1,11 @@
 """What ``/proc`` says about processes: whether one runs, a server's process tree and
 process group (the launcher, the router's engine monitor and the burst tool ask), a
-process's role in the stack and CPU time (the bench tools), and pinning this process to
-cores (a CPU engine)."""
+process's role in the stack and CPU time (the bench tools), pinning this process to
+cores (a CPU engine), a child's death with its parent, and who holds a port."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -104,3 +105,41 @@ def pin_process(cores: list[int]) -> None:
             os.sched_setaffinity(int(task.name), cores)
         except (ProcessLookupError, PermissionError):
             pass  # a thread that ended meanwhile
+
+
+def die_with_parent() -> None:
+    """In a child between fork and exec (``Popen(preexec_fn=...)``): SIGKILL this process
+    when the process that started it dies, however it dies (SIGKILL, an OOM kill), so no
+    server of the stack outlives its supervisor. Linux ties this to the forking thread:
+    start children from a thread that lives as long as they should."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
+
+
+def port_holder(port: int) -> str | None:
+    """Which process listens on TCP ``port`` ("tritonserver (pid 123)"), where this user
+    can see it; None if none is seen."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    for pid in _all():
+        try:
+            if any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return f"{command_name(pid)} (pid {pid})"
+        except OSError:
+            continue
+    return None

@@ -13,6 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from preble_backend.common.procfs import die_with_parent
 from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.serving.access import API_KEY_ENV, Access
 from preble_backend.serving.launcher import LaunchError, TritonServer
@@ -102,5 +103,6 @@ def start_openai_front(
     if access.api_key:
         env[API_KEY_ENV] = access.api_key
     with open(log_path, "ab") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=die_with_parent)  # fmt: skip
     return OpenAIFront(process, port, http_port if server is not None else 0, log_path, access.client_host)

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from preble_backend.common.procfs import group_running
+from preble_backend.common.procfs import die_with_parent, group_running, port_holder
 from preble_backend.serving.access import Access
 
 LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
@@ -161,7 +161,9 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
         try:
             s.bind((host, port))
         except OSError:
-            raise LaunchError(f"port {port} is already in use") from None
+            holder = port_holder(port)
+            by = f" by {holder}" if holder else ""
+            raise LaunchError(f"port {port} is already in use{by}: stop it or pick another port") from None
 
 
 def free_port() -> int:
@@ -224,7 +226,6 @@ def start_server(
     ]
     environment = {**server_environment(wheel), **(env or {})}
     with open(log, "ab") as out:
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment,
+                                   start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
     return TritonServer(process, ports, log, workdir, access)

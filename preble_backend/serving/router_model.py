@@ -287,6 +287,10 @@ class TritonPythonModel:
         one is up, and record the placement."""
         if not self.policy.live:
             raise EngineUnavailable("no engine is available: every engine has failed")
+        if pin and all(e.name != pin for e in self.engines):
+            names = ", ".join(e.name for e in self.engines)
+            raise BadRequest(f"request parameter preble_engine={pin!r} is invalid: this router's engines are "
+                             f"{names}")  # fmt: skip
         pinned = next((i for i in self.policy.live if self.engines[i].name == pin), None) if pin else None
         if pinned is not None:
             decision = self.policy.place(routing, pinned)
