@@ -87,6 +87,18 @@ def test_oversized_lists_and_constraints_fail_their_own_request_and_every_engine
     assert {model: stack.engine_stub(model) for model in ENGINES} == stubs  # no engine restarted
 
 
+def test_wrongly_typed_generate_inputs_are_400_naming_the_input(stack):
+    cases = [({"text_input": 5}, "generate", b"'text_input' must be a string"),
+             ({"text_input": "Hi", "stream": "yes"}, "generate_stream", b"'stream' must be a boolean"),
+             ({"text_input": "Hi", "stream": True}, "generate", b"needs generate_stream"),
+             ({"text_input": "Hi", "sampling_parameters": {"max_tokens": 2}}, "generate", b"a string"),
+             ({"text_input": "Hi", "exclude_input_in_output": 1}, "generate", b"must be a boolean"),
+             ([1, 2], "generate", b"must be a JSON object")]  # fmt: skip
+    for request, kind, words in cases:
+        status, _, answer = http("POST", stack.url(f"/v2/models/preble/{kind}"), json.dumps(request).encode())
+        assert status == 400 and words in answer, (request, status, answer)
+
+
 def test_a_pin_to_an_engine_the_router_does_not_have_is_refused(stack):
     def pinned(engine: str) -> tuple[int, bytes]:
         data = json.dumps({"text_input": "Hi", "parameters": {"preble_engine": engine, "max_tokens": 2}})

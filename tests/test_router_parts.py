@@ -207,32 +207,39 @@ def test_a_server_listens_on_loopback_and_restricts_admin_apis_unless_told(tmp_p
 
     args = Access(admin_key="adm").server_args()
     assert args[:3] == ["--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]
-    rule = "model-repository,logging,trace:authorization=Bearer adm"
-    assert args[3:] == [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
-    keyed = Access(host="0.0.0.0", api_key="k", admin_key="k", http_host="127.0.0.1").server_args()
+    admin = "model-repository,logging,trace,shared-memory:authorization=Bearer adm"
+    assert args[3:] == [f"--http-restricted-api={admin}", f"--grpc-restricted-protocol={admin}"]
+    keyed = Access(host="0.0.0.0", api_key="k", admin_key="adm", http_host="127.0.0.1").server_args()
     assert keyed[:2] == ["--http-address=127.0.0.1", "--grpc-address=0.0.0.0"]
-    rule = "model-repository,logging,trace,inference,metadata,model-config,statistics,shared-memory:" \
-           "authorization=Bearer k"
-    assert keyed[3:] == [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+    client = "inference,metadata,model-config,statistics:authorization=Bearer k"
+    rules = [f"--{kind}={rule}" for rule in (admin, client) for kind in ("http-restricted-api",
+                                                                         "grpc-restricted-protocol")]
+    assert keyed[3:] == rules
+    with pytest.raises(ValueError, match="must differ from the API key"):
+        Access(api_key="same", admin_key="same").server_args()
 
 
 def test_bench_finds_the_admin_key_serve_left_for_its_port(tmp_path, monkeypatch):
-    from preble_backend.cli.commands import _bench_key
+    from preble_backend.cli.commands import _admin_key, _bench_key
     from preble_backend.cli.options import build_parser
     from preble_backend.serving.access import write_admin_key
 
     monkeypatch.setenv("PREBLE_CACHE", str(tmp_path))
     monkeypatch.delenv("PREBLE_API_KEY", raising=False)
+    monkeypatch.delenv("PREBLE_ADMIN_KEY", raising=False)
     assert write_admin_key(8123, "k1").stat().st_mode & 0o777 == 0o600
 
-    def key(*argv: str):
-        return _bench_key(build_parser().parse_args(["bench", *argv]))
+    def keys(*argv: str):
+        args = build_parser().parse_args(["bench", *argv])
+        return _bench_key(args), _admin_key(args)
 
-    assert key("--url", "127.0.0.1:8123") == "k1"
-    assert key("--url", "127.0.0.1:8124") is None
-    assert key("--url", "127.0.0.1:8123", "--api-key", "given") == "given"
+    assert keys("--url", "127.0.0.1:8123") == (None, "k1")  # the admin key never goes on requests
+    assert keys("--url", "127.0.0.1:8124") == (None, None)
+    assert keys("--url", "127.0.0.1:8123", "--api-key", "given") == ("given", "k1")
+    assert keys("--url", "127.0.0.1:8123", "--admin-key", "adm") == (None, "adm")
     monkeypatch.setenv("PREBLE_API_KEY", "env")
-    assert key("--url", "127.0.0.1:8123") == "env"
+    monkeypatch.setenv("PREBLE_ADMIN_KEY", "env-admin")
+    assert keys("--url", "127.0.0.1:8123") == ("env", "env-admin")
 
 
 def _output(tokens, finished=False, logprobs=None):

@@ -254,6 +254,19 @@ def test_at_capacity_the_answer_is_503_with_retry_after(tmp_path, tiny_model):
         assert refused and len(refused) < 4, [a[0] for a in answers]
         for status, headers, answer in refused:
             assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
+        holder = threading.Thread(target=send, args=(9,))  # holds the one slot while each API asks
+        holder.start()
+        wait_for(lambda: http("POST", stack.url(GEN), body())[0] == 503, 30, "the slot taken")
+        streamed = json.dumps({"text_input": "Hi", "stream": True, "sampling_parameters": "{}"}).encode()
+        status, headers, answer = http("POST", stack.url("/v2/models/preble/generate_stream"), streamed)
+        assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
+        chat = json.dumps({"model": "preble", "messages": [{"role": "user", "content": "Hi"}]}).encode()
+        status, headers, answer = http("POST", stack.url("/v1/chat/completions", stack.openai_port), chat,
+                                       {"Content-Type": "application/json"})  # fmt: skip
+        assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
+        with pytest.raises(PrebleError, match="at capacity"):
+            PrebleClient(grpc_url=f"127.0.0.1:{stack.ports.grpc}").stream_grpc("Hi", {"max_tokens": 2})
+        holder.join()
     finally:
         stack.stop()
 
@@ -425,6 +438,10 @@ def test_the_router_server_is_restarted_and_its_streams_end_with_an_error(tmp_pa
             t.start()
         time.sleep(3)  # the streams are under way
         os.kill(router_pid(stack), signal.SIGKILL)
+        chat = json.dumps({"model": "preble", "messages": [{"role": "user", "content": "Hi"}]}).encode()
+        status, headers, answer = http("POST", stack.url("/v1/chat/completions", stack.openai_port), chat,
+                                       {"Content-Type": "application/json"})  # fmt: skip
+        assert status == 503 and headers.get("retry-after") == "1", (status, answer)  # not 500: retry
         for t in threads:
             t.join(timeout=120)
         assert len(streams) == 4

@@ -38,6 +38,9 @@ BINARY = "inference-header-content-length"  # Triton's binary tensor extension: 
 ENGINE_UP = re.compile(r"^preble_router_engine_up\{[^}]*\}\s+([0-9.eE+-]+)", re.MULTILINE)
 RETRY_AFTER_S = "1"
 CLOSE = {"Connection": "close"}
+GENERATE = re.compile(r"^models/(?P<model>[^/]+)(?:/versions/[^/]+)?/(?P<kind>generate|generate_stream)$")
+ROUTER_FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
+                "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")  # fmt: skip
 MODEL_CONTROL = re.compile(r"^repository/models/[^/]+/(load|unload)$")
 NO_MODEL_CONTROL = ("loading and unloading models is disabled: the servers run with model control 'none' "
                     "(the router's admin control request switches its policy; docs/SECURITY.md)")  # fmt: skip
@@ -103,7 +106,10 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         canonical = await _canonical(request, body)
         if isinstance(canonical, Response):
             return canonical
-        body, headers = canonical
+        body, headers, parsed = canonical
+        if (generate := GENERATE.match(path)) and generate["model"] == router_model and body:
+            if (problem := _generate_problem(parsed, generate["kind"])) is not None:
+                return _bad(problem)
         session = session_of()
         target = f"{upstream}/v2/{path}" if path else f"{upstream}/v2"
         call = asyncio.ensure_future(session.request(request.method, target, params=request.query_params,
@@ -179,15 +185,15 @@ async def bounded_body(request: Request, limit: int) -> bytes | Response:
     return _too_large(size, limit, close=True) if size > limit else b"".join(chunks)
 
 
-async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, str]] | Response:
+async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, str], object] | Response:
     """The request as tritonserver gets it: parsed here and written anew, with only the
     headers it needs. Nothing a client sends reaches tritonserver's HTTP parser as sent
     (its form-encoded and deep-JSON paths crashed it: docs/SECURITY.md). A JSON body is
     re-serialized; a binary-tensor body keeps its tensor bytes behind a re-serialized
-    JSON header whose length is ours."""
+    JSON header whose length is ours. Also returns the parsed JSON (None: no body)."""
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
     if not body:
-        return body, headers
+        return body, headers, None
     declared = request.headers.get(BINARY)
     if declared is None:
         header, tensors = body, b""
@@ -204,9 +210,9 @@ async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, st
     except ValueError as exc:  # UnicodeDecodeError, a lone surrogate, NaN among them
         return _bad(f"the request body is not valid JSON: {exc}")
     if declared is None:
-        return encoded, {**headers, "content-type": "application/json"}
+        return encoded, {**headers, "content-type": "application/json"}, parsed
     binary = {"content-type": "application/octet-stream", BINARY: str(len(encoded))}
-    return encoded + tensors, {**headers, **binary}
+    return encoded + tensors, {**headers, **binary}, parsed
 
 
 LOST = "the router's tritonserver failed mid-stream"
@@ -219,6 +225,25 @@ def _event(data: dict) -> bytes:
 def _unreachable(exc: Exception) -> Response:
     message = f"the router's tritonserver is unreachable ({type(exc).__name__}); retry later"
     return JSONResponse({"error": message}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
+
+
+def _generate_problem(body, kind: str) -> str | None:
+    """What is wrong with a generate request to the router, checked here because
+    tritonserver answers a wrongly typed input with a 500 of its own."""
+    if not isinstance(body, dict):
+        return "the request body must be a JSON object"
+    if "text_input" in body and not isinstance(body["text_input"], str):
+        return "input 'text_input' must be a string"
+    for flag in ROUTER_FLAGS:
+        if flag in body and not isinstance(body[flag], bool):
+            return f"input '{flag}' must be a boolean (true or false)"
+    if "sampling_parameters" in body and not isinstance(body["sampling_parameters"], str):
+        return "input 'sampling_parameters' must be a string holding a JSON object"
+    if "parameters" in body and not isinstance(body["parameters"], dict):
+        return "'parameters' must be a JSON object"
+    if kind == "generate" and body.get("stream") is True:
+        return "input 'stream' must be false on generate: a streamed answer needs generate_stream"
+    return None
 
 
 def _bad(message: str) -> Response:

@@ -93,16 +93,16 @@ REFUSED = "refused: "
 # The router's error messages that mean "try again": at capacity, no engine up, the engine
 # failed mid-request, shutting down. Fronts answer them 503 with Retry-After.
 RETRYABLE = ("at capacity", "no engine is available", "failed while serving", "unreachable",
-             "shutting down")  # fmt: skip
+             "shutting down", "is unavailable")  # fmt: skip
+
+# Triton's answers for a model that is not loaded, or whose stub died: a restarted server
+# gives them until its model is up. They are not the model refusing a request: the router
+# moves a request on, and a front answers its client 503 (retry).
+NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready", "is not healthy")
 
 
 def retryable(message: str) -> bool:
-    return any(words in message for words in RETRYABLE)
-
-
-# Triton's answers for a model that is not loaded: a restarted engine server gives them
-# until its model is up. They are not the engine failing a request.
-NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready")
+    return any(words in message for words in RETRYABLE) or not_loaded(message)
 
 
 def not_loaded(message: str) -> bool:
