@@ -71,9 +71,20 @@ def test_oversized_lists_and_constraints_fail_their_own_request_and_every_engine
         ({"guided_prefix_ids": [1] * 200_000}, b"at most 131072 ids"),
         ({"guided_regex": "("}, b"cannot be compiled"),
     ]
-    for params, words in cases:
-        status, answer = generate(stack, **params)
+    def neighbour() -> float:
+        began = time.monotonic()
+        assert generate(stack, "A neighbour's question", max_tokens=32, ignore_eos=True)[0] == 200
+        return time.monotonic() - began
+
+    alone = min(neighbour() for _ in range(2))
+    outcomes: list = []
+    attack = threading.Thread(target=lambda: outcomes.extend(generate(stack, **p) for p, _ in cases))
+    attack.start()
+    beside = neighbour()
+    attack.join(120)
+    for (params, words), (status, answer) in zip(cases, outcomes, strict=True):
         assert status == 400 and words in answer, (str(params)[:80], status, answer[:300])
+    assert beside < 3 * alone + 2.0, (alone, beside)  # not held behind a compile (it was 8 s)
     tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)]
     openai_cases = [({"tools": tools}, "at most 128 tools"),
                     ({"n": 32, "max_tokens": 10_000}, "n x max_tokens"),

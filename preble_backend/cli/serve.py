@@ -79,7 +79,10 @@ def serve(args: argparse.Namespace) -> int:
             supervisor.start()
         else:  # engines share the router's server: one crash domain (docs/SECURITY.md)
             router_repo, supervisor = repository, Supervisor([], public, {})
-            env = {ENGINE_KEY_ENV: api_key or "", ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
+            # local engines are models of the public server (they take the API key); remote
+            # ones, as a Kubernetes router pod's, their own key where one is given
+            local_key = os.environ.get(ENGINE_KEY_ENV) or api_key or ""
+            env = {ENGINE_KEY_ENV: local_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if stop:
             return 0
         ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)

@@ -137,7 +137,7 @@ def _sampling(body: dict, max_tokens_key: str, logprobs: int | None, guide: dict
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc)) from None
     n = body.get("n") or 1
-    if n * checked.max_tokens > MAX_CHOICE_TOKENS:
+    if n > 1 and n * checked.max_tokens > MAX_CHOICE_TOKENS:  # one choice: the context bounds it
         raise bad_request(f"n x max_tokens is {n} x {checked.max_tokens}: more than the limit of "
                           f"{MAX_CHOICE_TOKENS} tokens per request", "n")  # fmt: skip
     return params
