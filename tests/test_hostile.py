@@ -139,7 +139,7 @@ def test_the_grammar_checker_survives_a_crash_and_a_slow_compile(tiny_model):
                 outcomes.append("ok")
             except BadRequest as exc:
                 outcomes.append(str(exc))
-        check.close()
+        await check.close()
         return outcomes
 
     outcomes = asyncio.run(run())

@@ -84,8 +84,10 @@ class GuideCheck:
             raise RuntimeError("the grammar checker did not start")
         return worker
 
-    def close(self) -> None:
-        for worker in self.idle:
+    async def close(self) -> None:
+        """End the idle workers (on the loop that started them)."""
+        workers, self.idle = self.idle, []
+        for worker in workers:
             if worker.returncode is None:
                 worker.kill()
-        self.idle.clear()
+            await worker.wait()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import socket
 import threading
 import time
 import traceback
@@ -137,12 +138,28 @@ class TritonPythonModel:
         self.draining = False
         self.discovery.start(self._on_loop(self.membership.change))
         self._stopping = threading.Event()
+        threading.Thread(target=self._watch_once_serving, name="preble-watch", daemon=True).start()
         watch_for_drain(self._on_loop(lambda deadline_s: self.loop.create_task(self._drain(deadline_s))),
                         self._stopping)  # fmt: skip
         pb_utils.Logger.log_info(
             f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}, "
             f"max_inflight {config.max_inflight}, max_queue {config.max_queue}"
         )
+
+    def _watch_once_serving(self) -> None:
+        """Start the engine monitor once this server's gRPC endpoint listens (local engines
+        are reached there), not at the first request: an engine that dies before any
+        traffic must be seen too, and readiness must say so."""
+        while not self._stopping.is_set():
+            try:
+                host, _, port = self.server_url().rpartition(":")
+                with socket.create_connection((host, int(port)), timeout=1):
+                    pass
+            except (OSError, ValueError):
+                self._stopping.wait(0.5)
+                continue
+            self.monitor.start()
+            return
 
     def execute(self, requests):
         self.monitor.start()  # once the server serves: its gRPC endpoint reaches the local engines
@@ -532,7 +549,6 @@ class TritonPythonModel:
         if not self.loop_thread.is_alive():
             self.loop.close()
         self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
-        self.guide_check.close()
         self.responder.stop()
         self.load_view.stop()
         for engine in self.engines:
@@ -553,6 +569,7 @@ class TritonPythonModel:
             await asyncio.gather(*pending, return_exceptions=True)
         for engine in self.engines:
             await engine.aclose()
+        await self.guide_check.close()
 
 
 def _vocab_size(model_dir, tokenizer) -> int:
