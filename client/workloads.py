@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 # Table 1: (mean, std) of prompt length, output length, shared prefix %, key portion %,
 # requests sharing the key portion.
 _WORDS = (
@@ -342,6 +340,8 @@ class Materializer:
 
     def segment_ids(self, seg: Segment) -> list[int]:
         if seg.id not in self._ids:
+            import numpy as np  # here, not at the top: ``preble --help`` lists the workloads
+
             gen = np.random.default_rng(_stable_seed(seg.id))
             self._ids[seg.id] = gen.integers(10, self.vocab_size, seg.length).tolist()
         return self._ids[seg.id]

@@ -16,9 +16,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import time
+from array import array
 from collections.abc import Callable
-
-import numpy as np
 
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.global_tree import GlobalPrefixTree
@@ -60,7 +59,7 @@ class PrefixHash(Policy):
         self._join_ring(self.num_instances - 1)
 
     def select(self, request, loads):
-        key = _hash(np.asarray(request.input_ids[: self.prefix_tokens], dtype=np.int64).tobytes())
+        key = _hash(array("q", request.input_ids[: self.prefix_tokens]).tobytes())  # int64s, as numpy's
         at = bisect.bisect(self._points, key) % len(self._points)
         while self._owners[at] not in self.live:  # the next live owner on the ring
             at = (at + 1) % len(self._points)

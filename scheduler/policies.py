@@ -7,21 +7,34 @@ cost model, the KV capacity) are offered to every policy and taken by those that
 
 from __future__ import annotations
 
+import importlib
 import inspect
+from typing import TYPE_CHECKING
 
-from scheduler.baselines import CacheAware, KVCost, PrefixHash
-from scheduler.e2 import E2
-from scheduler.policy import LeastLoad, Policy, RoundRobin
+if TYPE_CHECKING:
+    from scheduler.policy import Policy
 
-POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (E2, RoundRobin, LeastLoad, PrefixHash, CacheAware, KVCost)
+# Each policy's name and where its class is, imported when one is built: listing the names
+# (the CLI's help, a configuration's check) imports no policy, nor numpy under them.
+POLICIES: dict[str, str] = {
+    "e2": "scheduler.e2:E2",
+    "round_robin": "scheduler.policy:RoundRobin",
+    "least_load": "scheduler.policy:LeastLoad",
+    "prefix_hash": "scheduler.baselines:PrefixHash",
+    "cache_aware": "scheduler.baselines:CacheAware",
+    "kv_cost": "scheduler.baselines:KVCost",
 }
 ALL_POLICIES = tuple(POLICIES)  # E2 first, then the baselines
 CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens")
 
 
+def policy_class(name: str) -> type[Policy]:
+    module, _, cls = POLICIES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
 def _keywords(name: str) -> list[str]:
-    return [p for p in inspect.signature(POLICIES[name]).parameters if p != "num_instances"]
+    return [p for p in inspect.signature(policy_class(name)).parameters if p != "num_instances"]
 
 
 def policy_options(name: str) -> list[str]:
@@ -46,4 +59,4 @@ def make_policy(name: str, num_instances: int, facts: dict | None = None, **opti
     if strange:
         raise ValueError(f"unknown cluster fact(s): {', '.join(strange)}")
     given = {k: v for k, v in facts.items() if k in _keywords(name)}
-    return POLICIES[name](num_instances, **given, **options)
+    return policy_class(name)(num_instances, **given, **options)

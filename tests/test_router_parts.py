@@ -295,3 +295,9 @@ def test_a_response_per_interval_and_held_tokens_are_swept_when_overdue():
     assert held.take("r")[0].token_ids == [2]
     time.sleep(0.035)
     assert held.add(_output([3]))  # a slow engine: every token arrives due
+
+
+def test_each_policy_name_leads_to_the_class_of_that_name():
+    from scheduler.policies import POLICIES, policy_class
+
+    assert {name: policy_class(name).name for name in POLICIES} == {name: name for name in POLICIES}

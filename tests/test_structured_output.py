@@ -145,3 +145,41 @@ def test_tool_calls_from_smollm2_validate(smollm2, tool_choice):
         name = tool_call["function"]["name"]
         jsonschema.validate(json.loads(tool_call["function"]["arguments"]), schemas[name])
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+DIGIT = {"type": "integer", "maximum": 9, "minimum": 0}
+ORDERED = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 30},
+                                      "answer": {"enum": ["yes", "no"]}},
+     "required": ["reasoning", "answer"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "zeta": {"type": "object", "properties": {"y": DIGIT, "b": {"type": "boolean"}},
+                 "required": ["y", "b"], "additionalProperties": False},
+        "alpha": {"$ref": "#/$defs/point"}},
+     "required": ["zeta", "alpha"], "additionalProperties": False,
+     "$defs": {"point": {"type": "object", "properties": {"x": DIGIT, "c": DIGIT},
+                         "required": ["x", "c"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def _keys_in_order(value, schema, defs) -> None:
+    """Every object in ``value`` (parsed as lists of pairs) has its schema's properties in
+    the schema's order."""
+    schema = defs[schema["$ref"].rsplit("/", 1)[1]] if "$ref" in schema else schema
+    if isinstance(value, list) and schema.get("type") == "object":
+        assert [k for k, _ in value] == list(schema["properties"]), (value, list(schema["properties"]))
+        for key, item in value:
+            _keys_in_order(item, schema["properties"][key], defs)
+
+
+@pytest.mark.parametrize("schema", ORDERED, ids=["name-age", "reasoning-answer", "nested-defs"])
+def test_an_answer_keeps_the_schemas_property_order(smollm2, schema):
+    _, tokenizer, engine = smollm2
+    params = {"temperature": 0, "max_tokens": 120, "structured_outputs": {"json": schema}}
+    [out] = engine.generate([chat_ids(tokenizer, "Answer as JSON.")], params)
+    text = tokenizer.decode(out, skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+    _keys_in_order(json.loads(text, object_pairs_hook=list), schema, schema.get("$defs", {}))

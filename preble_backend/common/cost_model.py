@@ -18,8 +18,6 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
 SHIPPED = Path(__file__).parent / "cost_models"
 
 
@@ -81,6 +79,8 @@ def fit(samples: list[Sample], decode_step_ms: float, source: str) -> CostModel:
     them whose coefficients all come out non-negative. Clipping an unconstrained fit at
     zero, as this did before, is not that optimum: on noisy CPU timings it set the base
     time to 0 and left the other coefficients where the negative base had put them."""
+    import numpy as np  # here: the CLI's help reads this module, and numpy costs it ~1.7 s
+
     x = np.array([[1.0, p, d, c] for p, d, c, _ in samples])
     y = np.array([ms for *_, ms in samples])
     best, best_error = np.zeros(4), float(np.sum(y**2))
@@ -117,6 +117,8 @@ class FitQuality:
 
 
 def fit_quality(samples: list[Sample], model: CostModel) -> FitQuality:
+    import numpy as np
+
     measured = np.array([ms for *_, ms in samples])
     predicted = np.array([model.iteration_time(p, d, c) for p, d, c, _ in samples])
     spread = float(np.sum((measured - measured.mean()) ** 2))

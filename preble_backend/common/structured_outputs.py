@@ -69,7 +69,7 @@ def _shape(name: str, kind: str, spec) -> Guide:
                 raise ValueError(f"sampling parameter {name} must be a JSON schema (an object)") from None
         if not isinstance(spec, dict | bool):
             raise ValueError(f"sampling parameter {name} must be a JSON schema (an object)")
-        return Guide("json", json.dumps(spec, sort_keys=True))
+        return Guide("json", json.dumps(spec))  # the schema's property order is the answer's
     if kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
             raise ValueError(f"sampling parameter {name} must be a non-empty list of non-empty strings")
