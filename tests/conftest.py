@@ -193,3 +193,14 @@ def assert_cached_kids_counted(tree) -> None:
                 counts[i] = counts.get(i, 0) + 1
             stack.append(child)
         assert node.cached_kids == counts
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_model):
+    """``preble serve`` on a repository of two CPU engines, shared by a module's tests (a
+    module may define its own)."""
+    from server_utils import serve_stack, write_test_repository
+
+    stack = serve_stack(write_test_repository(tmp_path_factory.mktemp("served") / "repo", cpu_engines=2))
+    yield stack
+    stack.stop()

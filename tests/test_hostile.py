@@ -48,14 +48,6 @@ def rules(n: int) -> str:
     return "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1}' for i in range(n)) + f'\nr{n}: "y"'
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model):
-    repo = write_test_repository(tmp_path_factory.mktemp("hostile") / "repo", cpu_engines=2)
-    s = serve_stack(repo)
-    yield s
-    s.stop()
-
-
 def test_oversized_lists_and_constraints_fail_their_own_request_and_every_engine_lives(stack):
     stubs = {model: stack.engine_stub(model) for model in ENGINES}
     huge_alternation = "|".join(f"w{i}" for i in range(100_000))

@@ -68,14 +68,6 @@ def engine_grpc_port(stack: Stack, model: str) -> int:
     return int(next(a for a in args if a.startswith(b"--grpc-port=")).split(b"=")[1])
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, tiny_model):
-    repo = write_test_repository(tmp_path_factory.mktemp("service") / "repo", cpu_engines=2)
-    s = serve_stack(repo)
-    yield s
-    s.stop()
-
-
 def test_everything_listens_on_loopback_only(stack):
     addresses = listening_addresses(stack.process.pid)
     assert len(addresses) >= 2 + 3 * 3, addresses  # the front's two, three per tritonserver
