@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from client.bench_transports import TRANSPORTS, GrpcEngine, Spread
 from client.plots import latency_vs_rate
@@ -34,6 +33,7 @@ from client.triton_client import PrebleClient
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.keys import grpc_bearer
 from preble_backend.common.procfs import cpu_seconds, process_role
+from preble_backend.common.progress import progress
 
 
 @dataclass
@@ -297,7 +297,7 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                                                       for u in cfg.urls])  # fmt: skip
                 desc = f"{policy} @ {'trace' if rps is None else f'{rps:g} rps'}"
                 cpu, stack = HostCPU(), StackCPU()
-                with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as bar:
+                with progress(total=len(requests), desc=desc, unit="req") as bar:
                     outcomes = asyncio.run(_replay(make, requests, cfg.timeout_s, cfg.stall_s, bar))
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
                        "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import sys
 
 from client.workloads import azure_trace, generate, mix, poisson_arrivals
@@ -98,3 +99,18 @@ def test_bench_shows_its_progress(tmp_path, monkeypatch, tiny_model):
                  "--output", str(tmp_path / "b")]) == 0  # fmt: skip
     bars = terminal.getvalue()
     assert "tokenizing: 100%" in bars and "simulating @ 4.0 rps: 100%" in bars
+
+
+def test_simulate_reports_progress_in_lines_off_a_terminal(tmp_path, monkeypatch):
+    """Off a terminal (a log file, CI, a pipe) tqdm's bars draw nothing: long work says up
+    front how much there is, then a line as it goes and one at the end."""
+    monkeypatch.setattr(sys, "stderr", log := io.StringIO())
+    assert main(["simulate", "--workload", "toolbench", "--instances", "2", "--requests", "40",
+                 "--policies", "e2,round_robin", "--output", str(tmp_path / "sim")]) == 0  # fmt: skip
+    lines = log.getvalue().splitlines()
+    assert any(re.fullmatch(r"finding the stress rate: \d+ runs to do", ln) for ln in lines), lines
+    assert any(re.fullmatch(r"toolbench x2: \d+ runs to do", ln) for ln in lines), lines
+    done = [ln for ln in lines if ln.startswith("toolbench x2: ") and " runs done after " in ln]
+    total = re.search(r"(\d+) runs to do", next(ln for ln in lines if ln.startswith("toolbench x2"))).group(1)
+    assert done and done[-1].startswith(f"toolbench x2: {total}/{total} runs done after "), lines
+    assert "\r" not in log.getvalue()  # no bar was drawn

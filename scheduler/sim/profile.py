@@ -14,9 +14,9 @@ import statistics
 import time
 
 import torch
-from tqdm import tqdm
 
 from preble_backend.common.cost_model import CostModel, FitQuality, fit, fit_quality
+from preble_backend.common.progress import progress
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 
@@ -50,8 +50,8 @@ def profile(
         return torch.randint(3, vocab, (n,), generator=gen).tolist()
 
     engine.generate([prompt(64)], {"max_tokens": 2})  # warm-up
-    bar = tqdm(total=len(PREFILL_LENGTHS) + len(DECODE_BATCHES) * len(DECODE_CONTEXTS), unit="config",
-               desc="profiling", disable=None)  # fmt: skip
+    bar = progress(total=len(PREFILL_LENGTHS) + len(DECODE_BATCHES) * len(DECODE_CONTEXTS), unit="config",
+                   desc="profiling")  # fmt: skip
     for n in PREFILL_LENGTHS:
         times = []
         for _ in range(repeats):

@@ -10,10 +10,9 @@ host, not the modelled GPUs, is the bottleneck.
 
 from __future__ import annotations
 
-from tqdm import tqdm
-
 from client.bench import BenchConfig, build_trace, summary_line
 from preble_backend.common.cost_model import CostModel
+from preble_backend.common.progress import progress
 from scheduler.sim.simulator import SimConfig, SimRequest
 from scheduler.sim.sweep import at_rate, run
 
@@ -26,7 +25,7 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list
         raise ValueError("--simulate needs --tokenizer: the model whose tokenizer the router uses")
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     base, recorded = build_trace(cfg)
-    ids = [tokenizer(r.prompt).input_ids for r in tqdm(base, desc="tokenizing", unit="req", disable=None)]
+    ids = [tokenizer(r.prompt).input_ids for r in progress(base, desc="tokenizing", unit="req")]
     timeline = [
         SimRequest(f"r{i}", r.arrival, ids[i], r.max_tokens, think_s=r.think_s,
                    after=None if r.after is None else f"r{r.after}")
@@ -35,7 +34,7 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list
     records = []
     for rps in [None] if recorded else cfg.rates:
         requests = at_rate(timeline, 1.0, rps or 1.0)  # a recorded trace plays at its own times
-        for policy in tqdm(cfg.policies, desc=f"simulating @ {rps or 'trace'} rps", disable=None):
+        for policy in progress(cfg.policies, desc=f"simulating @ {rps or 'trace'} rps", unit="policy"):
             metrics = run(requests, policy, sim, cost)
             rec = {
                 "policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps, "repeat": 0,

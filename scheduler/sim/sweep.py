@@ -17,11 +17,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from tqdm import tqdm
-
 from client.plots import latency_vs_rate
 from client.workloads import Materializer, WorkloadRequest, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
+from preble_backend.common.progress import progress
 from scheduler.policies import ALL_POLICIES, make_policy
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
@@ -85,7 +84,7 @@ def find_stress_rps(
 ):
     """(light rps, light RR p99, stress rps, stress RR p99): round robin's p99 at
     ``start_rps``, then at rates 1.5x apart until it is ``factor`` times that."""
-    with tqdm(total=max_steps + 1, desc="finding the stress rate", unit="run", disable=None) as bar:
+    with progress(total=max_steps + 1, desc="finding the stress rate", unit="run") as bar:
         light = run(at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]
         bar.update(1)
         rps = start_rps
@@ -160,8 +159,8 @@ def sweep(
     work = [(workload, n, seed + k, rps, policy, cfg, cost) for k in range(seeds) for rps, policy in grid]
     # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        runs = list(tqdm(pool.map(_run_job, work), total=len(work), desc=f"{workload} x{instances}",
-                         unit="run", disable=None))  # fmt: skip
+        runs = list(progress(pool.map(_run_job, work), total=len(work), desc=f"{workload} x{instances}",
+                             unit="run"))  # fmt: skip
     records = []
     for i, (rps, policy) in enumerate(grid):
         mean = _mean_record(runs[i :: len(grid)])  # this point's run on each trace
