@@ -9,7 +9,7 @@ import json
 import time
 
 import pytest
-from server_utils import assert_engine_pages_free, client_for, launch, write_test_repository
+from server_utils import assert_engine_pages_free, client_for, launch, serve_stack, write_test_repository
 from tqdm import tqdm
 
 from preble_backend.cli import main
@@ -73,6 +73,25 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
             assert_engine_pages_free(client, engine)
     finally:
         server.stop()
+
+
+def test_bench_runs_against_the_server_preble_serve_starts(tmp_path, tiny_model):
+    """The default ``preble serve`` (no option for bench's sake): bench switches policies
+    with the admin key serve left for its port, and every request is answered."""
+    repo = write_test_repository(tmp_path / "repo", compute="emulated", cost_model="mistral7b_a6000",
+                                 max_num_tokens=65536)  # fmt: skip
+    stack = serve_stack(repo)
+    try:
+        code = main(["bench", "--url", f"127.0.0.1:{stack.ports.grpc}", "--workload", "toolbench",
+                     "--requests", "12", "--rates", "8", "--policies", "round_robin,e2", "--scale", "0.1",
+                     "--output", str(tmp_path / "out")])  # fmt: skip
+        assert code == 0
+        runs = json.loads((tmp_path / "out" / "bench_toolbench.json").read_text())["runs"]
+        assert [r["policy"] for r in runs] == ["round_robin", "e2"]
+        assert all(r["completed"] == 12 and not r["errors"] for r in runs)
+        assert set(runs[0]["per_engine"].values()) == {6}  # round robin: the switch took
+    finally:
+        stack.stop()
 
 
 class _Silent:
