@@ -301,3 +301,38 @@ def test_each_policy_name_leads_to_the_class_of_that_name():
     from scheduler.policies import POLICIES, policy_class
 
     assert {name: policy_class(name).name for name in POLICIES} == {name: name for name in POLICIES}
+
+
+def test_quarantine_refuses_the_same_request_until_its_time_is_up():
+    from preble_backend.serving.quarantine import Quarantine
+
+    now = [100.0]
+    q = Quarantine(ttl_s=60.0, clock=lambda: now[0])
+    assert q.refusal("prompt", '{"max_tokens": 4}') is None
+    q.add("prompt", '{"max_tokens": 4}')
+    assert "refused for 60 s more" in q.refusal("prompt", '{"max_tokens": 4}')
+    assert q.refusal("prompt", '{"max_tokens": 5}') is None  # other parameters: another request
+    assert q.refusal("prompt!", '{"max_tokens": 4}') is None
+    now[0] += 45
+    assert "refused for 15 s more" in q.refusal("prompt", '{"max_tokens": 4}')
+    now[0] += 15
+    assert q.refusal("prompt", '{"max_tokens": 4}') is None
+    q.add("a", "{}")  # an expired entry is dropped when another is added
+    assert list(q.until) == [Quarantine.fingerprint("a", "{}")]
+
+
+def test_an_admin_request_needs_the_admin_key_before_anything_else():
+    from preble_backend.serving.admin import AdminRefused, parse_admin
+    from preble_backend.serving.protocol import BadRequest
+
+    good = {"preble_admin": "configure", "preble_policy": "round_robin", "preble_admin_key": "adm"}
+    assert parse_admin(good, "adm").policy == "round_robin"
+    for params, key in (({**good, "preble_admin_key": "guess"}, "adm"), ({**good, "preble_admin": "nope",
+                         "preble_admin_key": "x"}, "adm"), (good, None)):  # fmt: skip
+        with pytest.raises(AdminRefused, match="admin control needs the admin key"):
+            parse_admin(params, key)  # a wrong op is not even named to a caller without the key
+    with pytest.raises(BadRequest, match="preble_admin='nope' is invalid"):
+        parse_admin({**good, "preble_admin": "nope"}, "adm")
+    with pytest.raises(BadRequest, match="preble_policy='e3' is invalid"):
+        parse_admin({**good, "preble_policy": "e3"}, "adm")
+    assert parse_admin({"preble_admin": "status", "preble_admin_key": "adm"}, "adm").policy is None
