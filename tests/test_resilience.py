@@ -245,7 +245,9 @@ def test_remote_engine_server_killed_then_restarted_rejoins(tmp_path, tiny_model
 
         def stream(i: int) -> None:
             try:
-                r = client.stream_grpc(f"long {i}", {"max_tokens": 300, "ignore_eos": True}, timeout=60)
+                # ~4 s of tokens here: the kill at 1 s finds every stream mid-way (300 tokens took
+                # about 1 s, and a stream that finished first on the doomed engine failed the test)
+                r = client.stream_grpc(f"long {i}", {"max_tokens": 1200, "ignore_eos": True}, timeout=60)
                 results.append(("ok", r.final["instance"]))
             except PrebleError as exc:
                 results.append(("error", str(exc), time.monotonic()))

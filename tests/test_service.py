@@ -15,10 +15,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 from server_utils import Stack, http, serve_stack, wait_for, write_test_repository
 
-from client.triton_client import PrebleClient, PrebleError
+from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
 from preble_backend.common.procfs import command_name, process_alive, process_tree
 from preble_backend.serving.access import admin_key_file
 
@@ -246,9 +247,12 @@ def test_at_capacity_the_answer_is_503_with_retry_after(tmp_path, tiny_model):
         assert refused and len(refused) < 4, [a[0] for a in answers]
         for status, headers, answer in refused:
             assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
-        holder = threading.Thread(target=send, args=(9,))  # holds the one slot while each API asks
-        holder.start()
-        wait_for(lambda: http("POST", stack.url(GEN), body())[0] == 503, 30, "the slot taken")
+        # A stream holds the one slot (its first tokens came) while each API asks.
+        channel, stub = open_grpc(f"127.0.0.1:{stack.ports.grpc}")
+        inputs = {"text_input": np.array([b"Hold the slot"], dtype=object), "stream": np.array([True]),
+                  "sampling_parameters": np.array([b'{"max_tokens": 400, "ignore_eos": true}'], dtype=object)}
+        holder = stream_infer(stub, "preble", inputs, timeout=120)
+        next(holder)
         streamed = json.dumps({"text_input": "Hi", "stream": True, "sampling_parameters": "{}"}).encode()
         status, headers, answer = http("POST", stack.url("/v2/models/preble/generate_stream"), streamed)
         assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
@@ -258,7 +262,8 @@ def test_at_capacity_the_answer_is_503_with_retry_after(tmp_path, tiny_model):
         assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
         with pytest.raises(PrebleError, match="at capacity"):
             PrebleClient(grpc_url=f"127.0.0.1:{stack.ports.grpc}").stream_grpc("Hi", {"max_tokens": 2})
-        holder.join()
+        holder.close()  # cancels the stream
+        channel.close()
     finally:
         stack.stop()
 

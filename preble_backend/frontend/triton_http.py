@@ -258,8 +258,8 @@ def _too_large(size: int, limit: int, close: bool = False) -> Response:
 def _retryable(status: int, content: bytes, headers: dict[str, str]) -> Response:
     """Triton's error answer, as 503 with ``Retry-After`` when the router said "retry", and
     as 400 when Triton calls a body it cannot parse a 500 of its own."""
-    try:
-        message = str(json.loads(content).get("error", ""))
+    try:  # generate_stream's refusals come as one server-sent event: data: {"error": ...}
+        message = str(json.loads(content.strip().removeprefix(b"data:")).get("error", ""))
     except (ValueError, AttributeError):
         message = ""
     if status == 400 and retryable(message):
