@@ -336,3 +336,25 @@ def test_an_admin_request_needs_the_admin_key_before_anything_else():
     with pytest.raises(BadRequest, match="preble_policy='e3' is invalid"):
         parse_admin({**good, "preble_policy": "e3"}, "adm")
     assert parse_admin({"preble_admin": "status", "preble_admin_key": "adm"}, "adm").policy is None
+
+
+def test_metrics_federation_merges_families_and_labels_each_engine():
+    from preble_backend.frontend.metrics_federation import merge
+
+    router = ('# HELP nv_cpu_utilization CPU\n# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.5\n'
+              '# HELP preble_router_engines engines\n# TYPE preble_router_engines gauge\n'
+              'preble_router_engines{model="preble"} 2\n')  # fmt: skip
+    engine = ('# HELP nv_cpu_utilization CPU\n# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.25\n'
+              '# HELP lat seconds\n# TYPE lat histogram\nlat_bucket{le="1"} 3\nlat_sum 1.5\nlat_count 3\n')
+    text = merge([(None, router), ("preble_engine_0", engine), ("preble_engine_1", engine)])
+    lines = text.splitlines()
+    assert lines.count("# TYPE nv_cpu_utilization gauge") == 1 and lines.count("# TYPE lat histogram") == 1
+    at = lines.index("# TYPE nv_cpu_utilization gauge")
+    assert lines[at + 1 : at + 4] == ["nv_cpu_utilization 0.5",
+                                      'nv_cpu_utilization{engine="preble_engine_0"} 0.25',
+                                      'nv_cpu_utilization{engine="preble_engine_1"} 0.25']  # fmt: skip
+    at = lines.index("# TYPE lat histogram")
+    assert lines[at + 1 : at + 4] == ['lat_bucket{engine="preble_engine_0",le="1"} 3',
+                                      'lat_sum{engine="preble_engine_0"} 1.5',
+                                      'lat_count{engine="preble_engine_0"} 3']  # fmt: skip
+    assert 'preble_router_engines{model="preble"} 2' in lines  # the router's own, unlabelled

@@ -176,6 +176,21 @@ def test_malformed_bodies_of_every_kind_are_refused_and_every_server_lives(stack
     assert stack_pids(stack) == before
 
 
+def test_the_metrics_port_carries_the_router_and_every_engine(stack):
+    """One scrape target per ``preble serve``: the router's series and each engine
+    server's, labelled by engine, every family declared once."""
+    assert http("POST", stack.url(GEN), body())[0] == 200
+    status, _, answer = http("GET", f"http://127.0.0.1:{stack.ports.metrics}/metrics")
+    lines = answer.decode().splitlines()
+    assert status == 200 and any(ln.startswith("preble_router_engine_up{") for ln in lines)
+    for engine in ("preble_engine_0", "preble_engine_1"):
+        assert any(ln.startswith(f'preble_engine_kv_pages_free{{engine="{engine}",') for ln in lines), engine
+        assert any(ln.startswith(f'nv_inference_count{{engine="{engine}",') for ln in lines), engine
+    types = [ln.split()[2] for ln in lines if ln.startswith("# TYPE ")]
+    assert len(types) == len(set(types))
+    assert listening_addresses(stack.process.pid)  # (the port is the front's, on loopback like the rest)
+
+
 def test_client_errors_are_4xx_on_both_apis(stack):
     status, _, answer = http("POST", stack.url(GEN), body(max_tokens=100_000))
     assert status == 400 and b"over the model's context length" in answer, answer

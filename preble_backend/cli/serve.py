@@ -51,7 +51,8 @@ def serve(args: argparse.Namespace) -> int:
     repository = Path(args.model_repository)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_key = os.environ.get(ADMIN_KEY_ENV) or new_key()
-    public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK)
+    public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK,
+                    metrics_host=LOOPBACK)  # the front serves both: HTTP re-encoded, metrics federated
     run_dir = Path(tempfile.mkdtemp(prefix="preble-serve-"))
     log = Path(args.log_file) if args.log_file else run_dir / "tritonserver.log"
     supervisor, front, router = None, None, None
@@ -85,7 +86,7 @@ def serve(args: argparse.Namespace) -> int:
             env = {ENGINE_KEY_ENV: local_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if stop:
             return 0
-        ports = ServerPorts(free_port(), args.grpc_port, args.metrics_port)
+        ports = ServerPorts(free_port(), args.grpc_port, free_port())
         print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
         router = Supervised(
             "preble", router_repo, ports, log, access=public, env=env, watch_stub=False, role="router",
@@ -97,7 +98,9 @@ def serve(args: argparse.Namespace) -> int:
             f"{LOOPBACK}:{ports.grpc}", args.openai_port, model.path, log.with_suffix(".front.log"),
             args.served_model_name or "", server=router.server, http_port=args.http_port, access=public,
             max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout, model_name=model.name,
-            dtype=model.dtype,
+            dtype=model.dtype, metrics_port=args.metrics_port,
+            engine_metrics={u.model: f"{LOOPBACK}:{u.ports.metrics}" for u in supervisor.units
+                            if u.role == "engine"},
         )  # fmt: skip
         front.wait_answering()
         print(f"  model    {model.line()}")

@@ -31,6 +31,7 @@ from preble_backend.common.keys import HEADER
 from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.frontend import responses
 from preble_backend.frontend.drain import Drain
+from preble_backend.frontend.metrics_federation import federate
 from preble_backend.frontend.openai_protocol import (
     OpenAIError,
     Piece,
@@ -200,6 +201,30 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
     return app
 
 
+def metrics_app(router_metrics: str, engines: dict[str, str]) -> FastAPI:
+    """``/metrics``: the router's server's series and every engine server's, federated
+    (``metrics_federation.py``); open to whoever reaches the port, as Triton's own is."""
+    import aiohttp
+    from fastapi.responses import PlainTextResponse
+
+    session: list[aiohttp.ClientSession] = []
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        session.append(aiohttp.ClientSession())
+        yield
+        await session[0].close()
+
+    app = FastAPI(title="preble metrics", lifespan=lifespan)
+
+    @app.get("/metrics")
+    async def metrics():
+        text = await federate(session[0], router_metrics, engines)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    return app
+
+
 def _warn_ignored(call: RouterCall) -> None:
     if call.ignored:
         log.warning("fields present in the request but ignored: %s", ", ".join(call.ignored))
@@ -263,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--http-port", type=int, default=0, help="Triton's HTTP API's port (0: none)")
     parser.add_argument("--triton-http", default="", help="tritonserver's own HTTP endpoint, host:port")
     parser.add_argument("--triton-metrics", default="", help="tritonserver's metrics endpoint, host:port")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="the federated metrics' port: the router server's and every engine's (0: none)")
+    parser.add_argument("--engine-metrics", default="", help="name=host:port,...: each engine's metrics")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger requests: 413")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: time open requests get")
     args = parser.parse_args(argv)
@@ -282,6 +310,12 @@ def main(argv: list[str] | None = None) -> None:
     ports = [p for p in (args.port, args.http_port) if p]
     configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning", timeout_graceful_shutdown=5)
                for p in ports]  # fmt: skip
+    if args.metrics_port and triton is not None:
+        engines = dict(entry.split("=", 1) for entry in args.engine_metrics.split(",") if entry)
+        urls = {name: f"http://{where}/metrics" for name, where in engines.items()}
+        metrics = metrics_app(triton.metrics, urls)
+        configs.append(uvicorn.Config(metrics, host=args.host, port=args.metrics_port, log_level="warning",
+                                      timeout_graceful_shutdown=5))  # fmt: skip
     servers = [uvicorn.Server(config) for config in configs]
     for server in servers:  # one handler stops both (each server's own would replace the other's)
         server.capture_signals = contextlib.nullcontext

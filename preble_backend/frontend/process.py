@@ -84,10 +84,13 @@ def start_openai_front(
     router_grpc: str, port: int, model_path: str, log_path: Path, served_model_name: str = "preble",
     server: TritonServer | None = None, http_port: int = 0, access: Access | None = None,
     max_body_bytes: int = MAX_BODY_BYTES, drain_s: float = 30.0, model_name: str = "", dtype: str = "auto",
+    metrics_port: int = 0, engine_metrics: dict[str, str] | None = None,
 ) -> OpenAIFront:  # fmt: skip
     """Launch the front (not yet waiting for it): the OpenAI API on ``port``, and with a
     ``server`` Triton's HTTP API on ``http_port``, forwarded to that server's own HTTP
-    endpoint; listening and keyed as ``access`` says (the key goes in the environment)."""
+    endpoint, and its metrics with every engine's (``engine_metrics``: name -> host:port)
+    federated on ``metrics_port``; listening and keyed as ``access`` says (the key goes
+    in the environment)."""
     access = access or Access()
     cmd = [
         sys.executable, "-m", "preble_backend.frontend.openai_server", "--router", router_grpc,
@@ -99,6 +102,9 @@ def start_openai_front(
         local = server.access.client_host
         cmd += ["--http-port", str(http_port), "--triton-http", f"{local}:{server.ports.http}",
                 "--triton-metrics", f"{local}:{server.ports.metrics}"]  # fmt: skip
+        if metrics_port:  # the public metrics port: the router's server's series and every engine's
+            engines = ",".join(f"{name}={where}" for name, where in (engine_metrics or {}).items())
+            cmd += ["--metrics-port", str(metrics_port), "--engine-metrics", engines]
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
     if access.api_key:
         env[API_KEY_ENV] = access.api_key
