@@ -20,6 +20,7 @@ from preble_backend.common.procfs import command_name, process_tree
 from preble_backend.serving.access import ADMIN_KEY_ENV, Access
 from preble_backend.serving.launcher import ServerPorts, free_port, start_server
 from preble_backend.serving.repository import write_repository
+from preble_backend.serving.supervisor import engine_stub
 
 # x86-64 system calls a thread may sleep in while it holds no lock: a futex wait
 # (FUTEX_WAIT, FUTEX_WAIT_BITSET once the flags are masked off), poll, select, sleeps, and
@@ -161,13 +162,12 @@ class Stack:
 
     def engine_stub(self, model: str) -> int:
         """The pid of the stub of ``model``'s engine server (split layout)."""
-        for pid in process_tree(self.process.pid):
-            if command_name(pid).startswith("triton_python_"):
-                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                cmdline = Path(f"/proc/{parent}/cmdline").read_bytes()
-                if f"/engines/{model}".encode() in cmdline:
-                    return pid
-        raise LookupError(f"no stub of {model} under preble serve {self.process.pid}")
+        return engine_stub(self.process.pid, model)
+
+    def pids(self) -> set[int]:
+        """The stack's processes: ``preble serve``, the front, the servers and their stubs
+        (not the stub watchers' passing ``sleep``s); a crash anywhere changes the set."""
+        return {p for p in process_tree(self.process.pid) if command_name(p) not in ("sh", "sleep", "cut")}
 
     def url(self, path: str, port: int | None = None) -> str:
         return f"http://127.0.0.1:{port or self.ports.http}{path}"

@@ -18,7 +18,7 @@ import pytest
 from server_utils import http, serve_stack, wait_for, write_test_repository
 
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
-from preble_backend.common.procfs import command_name, process_alive, process_tree
+from preble_backend.common.procfs import process_alive
 from preble_backend.common.structured_outputs import Guide
 from preble_backend.serving.guide_check import GuideCheck
 from preble_backend.serving.protocol import BadRequest
@@ -191,7 +191,7 @@ def test_a_request_on_each_of_two_engines_that_fail_is_failed_and_refused_for_a_
 def test_killing_preble_serve_takes_every_process_of_the_stack_with_it(tmp_path, tiny_model):
     repo = write_test_repository(tmp_path / "repo", cpu_engines=2)
     stack = serve_stack(repo)
-    ours = [p for p in process_tree(stack.process.pid) if command_name(p) not in ("sh", "sleep", "cut")]
+    ours = stack.pids()
     assert len(ours) >= 1 + 1 + 3 * 2, ours  # serve, the front, three servers and their stubs
     os.kill(stack.process.pid, signal.SIGKILL)
     stack.process.wait(10)

@@ -136,16 +136,10 @@ def test_the_admin_control_request_switches_the_policy_with_the_admin_key_only(s
     assert client.admin("status", admin_key)["engines"] == {"preble_engine_0": True, "preble_engine_1": True}
 
 
-def stack_pids(stack: Stack) -> set[int]:
-    """The stack's servers, stubs and front (not the stub watchers' passing ``sleep``s): a
-    crash anywhere changes the set."""
-    return {p for p in process_tree(stack.process.pid) if command_name(p) not in ("sh", "sleep", "cut")}
-
-
 def test_malformed_bodies_of_every_kind_are_refused_and_every_server_lives(stack):
     """Classes of hostile body, each refused with a 4xx that names the problem: none
     reaches tritonserver's HTTP parser as sent, and no process of the stack dies."""
-    before = stack_pids(stack)
+    before = stack.pids()
     form, binary = {"Content-Type": "application/x-www-form-urlencoded"}, "Inference-Header-Content-Length"
     big = body("a " * 3_000_000)  # 6 MB: Triton 2.51's own listener died on this
     cases = [
@@ -173,7 +167,7 @@ def test_malformed_bodies_of_every_kind_are_refused_and_every_server_lives(stack
     assert got == 413 and b"--max-body-bytes" in answer, answer[:300]
     assert http("GET", stack.url("/v2/health/ready"))[0] == 200
     assert http("POST", stack.url(GEN), body(), form)[0] == 200  # curl -d's small bodies still work
-    assert stack_pids(stack) == before
+    assert stack.pids() == before
 
 
 def test_the_metrics_port_carries_the_router_and_every_engine(stack):

@@ -28,9 +28,9 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from preble_backend.common.procfs import command_name, process_tree
 from preble_backend.serving.launcher import free_port
 from preble_backend.serving.repository import write_repository
+from preble_backend.serving.supervisor import engine_stub
 
 LOG_TIME = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+)")
 
@@ -45,14 +45,6 @@ def engine_up(metrics_port: int, engine: str) -> float | None:
 
 def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def stub_of(serve_pid: int, engine: str) -> int:
-    for pid in process_tree(serve_pid):
-        if command_name(pid).startswith("triton_python_"):
-            if f"/engines/{engine}".encode() in Path(f"/proc/{parent_of(pid)}/cmdline").read_bytes():
-                return pid
-    raise LookupError(f"no stub of {engine}")
 
 
 def model_load_s(log: Path) -> float | None:
@@ -111,7 +103,7 @@ def main() -> None:
         for k in range(args.rounds):
             engine = f"preble_engine_{k % args.engines}"
             kill_at = time.monotonic()
-            stub = stub_of(serve.pid, engine)
+            stub = engine_stub(serve.pid, engine)
             os.kill(stub if args.kill == "stub" else parent_of(stub), signal.SIGKILL)
             down = None
             while time.monotonic() - kill_at < 300:

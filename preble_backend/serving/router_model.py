@@ -36,7 +36,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
-from preble_backend.serving.admin import AdminRequest, parse_admin, router_admin_key
+from preble_backend.serving.admin_control import AdminControl, admin_request
 from preble_backend.serving.answer import Answer
 from preble_backend.serving.backend_utils import (
     config_parameters,
@@ -105,10 +105,10 @@ class TritonPythonModel:
             make_engine_client(entry, self.server_url) for entry in self.discovery.current
         ]
         self.membership = Membership(self, self.discovery.current)
+        self.admin = AdminControl(self)
         local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
         check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
-        facts = {"cost_model": config.cost_model, "page_size": config.page_size}
-        self.policy = make_policy(config.policy, len(self.engines), facts)
+        self.policy = make_policy(config.policy, len(self.engines), self.policy_facts())
         self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]
@@ -166,8 +166,8 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                if (admin := self._admin_request(request.parameters())) is not None:
-                    asyncio.run_coroutine_threadsafe(self._admin(sender, admin), self.loop)
+                if (admin := admin_request(request.parameters())) is not None:
+                    asyncio.run_coroutine_threadsafe(self.admin.run(sender, admin), self.loop)
                     continue
                 req = parse_generate(
                     read_inputs(request, INPUTS), request.parameters(), self.config.max_input_bytes
@@ -179,57 +179,9 @@ class TritonPythonModel:
             asyncio.run_coroutine_threadsafe(self._serve(sender, req, time.monotonic()), self.loop)
         return None
 
-    def _admin_request(self, parameters: str | None) -> AdminRequest | None:
-        """The admin control request these parameters make (``admin.py``), if any."""
-        if not parameters or "preble_admin" not in parameters:
-            return None
-        try:
-            params = json.loads(parameters)
-        except (ValueError, RecursionError):
-            return None  # parse_generate names the problem
-        if not isinstance(params, dict) or "preble_admin" not in params:
-            return None
-        return parse_admin(params, router_admin_key())
-
-    async def _admin(self, sender, admin: AdminRequest) -> None:
-        """Run an admin operation on the loop. ``flush`` and ``configure`` need an idle
-        router: a policy swapped under open requests would settle them in a policy that
-        never placed them."""
-        open_now = len(self.flights.all())
-        if admin.op != "status" and open_now:
-            message = f"the router is busy ({open_now} requests open): retry when it is idle"
-            self.responder.refuse(sender, message, pb_utils.TritonError.UNAVAILABLE)
-            return
-        flushed = []
-        if admin.op in ("flush", "configure"):
-            for slot in sorted(self.policy.live):
-                engine = self.engines[slot]
-                try:
-                    await self.loop.run_in_executor(self.tokenize_pool, engine.control, "flush_cache")
-                    flushed.append(engine.name)
-                except EngineError as exc:
-                    pb_utils.Logger.log_warn(f"preble router: flushing {engine.name} failed: {exc}")
-            self._fresh_policy(admin.policy or self.policy.name)
-        members = sorted(self.membership.members)
-        state = {"policy": self.policy.name, "open": open_now, "flushed": flushed,
-                 "engines": {self.engines[s].name: s in self.policy.live for s in members}}  # fmt: skip
-        outputs = {"text_output": np.array([json.dumps(state).encode()], dtype=np.object_)}
-        try:
-            sender.send(_response(outputs), flags=FINAL)
-        except Exception:
-            pass  # the caller left
-
-    def _fresh_policy(self, name: str) -> None:
-        """A new policy of ``name`` over the same slots, live as the old one's, knowing no
-        cache: every engine's next report starts from a snapshot."""
-        live = set(self.policy.live)
-        facts = {"cost_model": self.config.cost_model, "page_size": self.config.page_size}
-        self.policy = make_policy(name, len(self.engines), facts)
-        self.policy.live = live
-        for slot, feed in enumerate(self.feeds):
-            feed.reset()
-            self.gauge_cached(slot)
-        pb_utils.Logger.log_info(f"preble router: policy {name}, every engine's cache flushed")
+    def policy_facts(self) -> dict:
+        """What every policy is offered about the engines (``scheduler.policies``)."""
+        return {"cost_model": self.config.cost_model, "page_size": self.config.page_size}
 
     def _on_loop(self, fn):
         """``fn`` called on the event loop, from any thread."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from preble_backend.common.procfs import children
+from preble_backend.common.procfs import children, command_name, process_tree
 from preble_backend.serving.access import LOOPBACK, Access
 from preble_backend.serving.launcher import (
     LaunchError,
@@ -236,3 +236,14 @@ def _link_model(repository: Path, model: str, into: Path, **parameters: str) -> 
     for version in source.iterdir():
         if version.is_dir() and re.fullmatch(r"\d+", version.name):
             (target / version.name).symlink_to(version.resolve(), target_is_directory=True)
+
+
+def engine_stub(serve_pid: int, engine: str) -> int:
+    """The pid of ``engine``'s stub under the ``preble serve`` process ``serve_pid`` (its
+    server's repository is ``.../engines/<engine>``, as ``split_repository`` lays it out)."""
+    for pid in process_tree(serve_pid):
+        if command_name(pid).startswith(STUB):
+            server = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            if f"/engines/{engine}".encode() in Path(f"/proc/{server}/cmdline").read_bytes():
+                return pid
+    raise LookupError(f"no stub of {engine} under preble serve {serve_pid}")
