@@ -57,9 +57,13 @@ LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "0000000000000000000
 
 
 def router_pid(stack: Stack) -> int:
-    """The router's tritonserver: the one listening on the public gRPC port."""
-    flag = f"--grpc-port={stack.ports.grpc}".encode()
-    return next(p for p in process_tree(stack.process.pid) if flag in Path(f"/proc/{p}/cmdline").read_bytes())
+    """The router's tritonserver: the one serving the run directory's router repository."""
+
+    def serves_router(pid: int) -> bool:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return any(a.startswith(b"--model-repository=") and a.endswith(b"/router") for a in args)
+
+    return next(p for p in process_tree(stack.process.pid) if serves_router(p))
 
 
 def engine_grpc_port(stack: Stack, model: str) -> int:
@@ -79,17 +83,22 @@ def _load_with_code(marker: Path) -> tuple[str, str, bytes]:
     """A model-load request whose ``file:`` override would write ``marker`` if it ran."""
     code = f"open({str(marker)!r}, 'w').write('x')\nclass TritonPythonModel:\n    pass\n"
     config = json.dumps({"backend": "python"})
-    load = json.dumps({"parameters": {"config": config,
-                                      "file:1/model.py": base64.b64encode(code.encode()).decode()}}).encode()
+    load = json.dumps(
+        {"parameters": {"config": config, "file:1/model.py": base64.b64encode(code.encode()).decode()}}
+    ).encode()
     return code, config, load
 
 
 def test_no_key_makes_the_server_run_uploaded_code_or_unload_the_router(stack, tmp_path):
     marker = tmp_path / "pwned"
     code, config, load = _load_with_code(marker)
-    changes = [("/v2/repository/models/pwn/load", load), ("/v2/repository/models/preble/unload", b"{}"),
-               ("/v2/logging", b'{"log_verbose_level": 1}'), ("/v2/trace/setting", b"{}"),
-               ("/v2/systemsharedmemory/region/r/register", b'{"key": "/r", "offset": 0, "byte_size": 64}')]
+    changes = [
+        ("/v2/repository/models/pwn/load", load),
+        ("/v2/repository/models/preble/unload", b"{}"),
+        ("/v2/logging", b'{"log_verbose_level": 1}'),
+        ("/v2/trace/setting", b"{}"),
+        ("/v2/systemsharedmemory/region/r/register", b'{"key": "/r", "offset": 0, "byte_size": 64}'),
+    ]
     for path, data in changes:
         status, _, answer = http("POST", stack.url(path), data)
         assert status == 403 and (b"restricted" in answer or b"disabled" in answer), (path, status, answer)
@@ -97,10 +106,12 @@ def test_no_key_makes_the_server_run_uploaded_code_or_unload_the_router(stack, t
     from tritonclient.utils import InferenceServerException
 
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{stack.ports.grpc}")
-    with pytest.raises(InferenceServerException, match="restricted"):
-        client.load_model("pwn", config=config, files={"file:1/model.py": code.encode()})
-    with pytest.raises(InferenceServerException, match="restricted"):
-        client.unload_model("preble")
+    upload = {"file:1/model.py": code.encode()}
+    for change in (lambda: client.load_model("pwn", config=config, files=upload),
+                   lambda: client.unload_model("preble")):  # fmt: skip
+        with pytest.raises(InferenceServerException, match="model control 'none'") as refused:
+            change()
+        assert refused.value.status() == "StatusCode.PERMISSION_DENIED"
     key = admin_key_file(stack.ports.grpc)
     assert key.stat().st_mode & 0o777 == 0o600
     admin = {"authorization": f"Bearer {key.read_text()}"}
@@ -108,9 +119,13 @@ def test_no_key_makes_the_server_run_uploaded_code_or_unload_the_router(stack, t
     for path, data in changes[:2]:
         status, _, answer = http("POST", stack.url(path), data, admin)
         assert status == 403 and b"model control 'none'" in answer, (path, status, answer)
-    with pytest.raises(InferenceServerException, match="not allowed"):
+    with pytest.raises(InferenceServerException, match="model control 'none'"):
         client.load_model("pwn", config=config, files={"file:1/model.py": code.encode()},
                           headers={"triton-grpc-protocol-authorization": admin["authorization"]})  # fmt: skip
+    with pytest.raises(InferenceServerException, match="admin API") as refused:
+        client.update_log_settings({"log_verbose_level": 1})
+    assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
+    assert client.get_log_settings(headers=admin)  # the admin key, as gRPC clients send it plainly
     assert not marker.exists()
     assert http("POST", stack.url(GEN), body())[0] == 200  # the router still serves
     status, _, index = http("POST", stack.url("/v2/repository/index"), b"{}", admin)
@@ -215,7 +230,7 @@ def test_an_api_key_guards_every_api_but_health(tmp_path, tiny_model):
         assert http("GET", stack.url("/health", stack.openai_port))[0] == 200
         assert http("GET", stack.url("/v2/health/ready"))[0] == 200
         grpc = f"127.0.0.1:{stack.ports.grpc}"
-        with pytest.raises(PrebleError, match="restricted"):
+        with pytest.raises(PrebleError, match="needs a valid API key"):
             PrebleClient(grpc_url=grpc).stream_grpc("Hello", {"max_tokens": 2})
         assert PrebleClient(grpc_url=grpc, api_key="s3cret").stream_grpc("Hello", {"max_tokens": 2}).text
         marker = tmp_path / "pwned"
@@ -227,9 +242,23 @@ def test_an_api_key_guards_every_api_but_health(tmp_path, tiny_model):
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException
 
-        with pytest.raises(InferenceServerException, match="restricted"):
-            grpcclient.InferenceServerClient(grpc).unload_model(
-                "preble", headers={"triton-grpc-protocol-authorization": "Bearer s3cret"})
+        # gRPC: the status a client acts on (Triton's own is UNAVAILABLE, which clients retry)
+        client, admin = grpcclient.InferenceServerClient(grpc), admin_key_file(stack.ports.grpc).read_text()
+        as_admin = {"authorization": f"Bearer {admin}"}
+        calls = {
+            "no key": (lambda: client.get_model_metadata("preble"), "UNAUTHENTICATED"),
+            "a wrong key": (lambda: client.get_model_metadata("preble", headers=bad), "UNAUTHENTICATED"),
+            "API key, admin API": (lambda: client.get_log_settings(headers=good), "PERMISSION_DENIED"),
+            "admin key, inference": (lambda: client.get_model_metadata("preble", headers=as_admin),
+                                     "PERMISSION_DENIED"),
+            "unload, API key": (lambda: client.unload_model("preble", headers=good), "PERMISSION_DENIED"),
+        }  # fmt: skip
+        for what, (call, code) in calls.items():
+            with pytest.raises(InferenceServerException) as refused:
+                call()
+            assert refused.value.status() == f"StatusCode.{code}", (what, refused.value)
+        assert client.is_server_live() and client.is_model_ready("preble")  # probes need no key
+        assert client.get_model_metadata("preble", headers=good).name == "preble"
         assert not marker.exists()
         assert admin_key_file(stack.ports.grpc).read_text() != "s3cret"
     finally:
@@ -258,8 +287,11 @@ def test_at_capacity_the_answer_is_503_with_retry_after(tmp_path, tiny_model):
             assert status == 503 and headers.get("retry-after") == "1" and b"at capacity" in answer, answer
         # A stream holds the one slot (its first tokens came) while each API asks.
         channel, stub = open_grpc(f"127.0.0.1:{stack.ports.grpc}")
-        inputs = {"text_input": np.array([b"Hold the slot"], dtype=object), "stream": np.array([True]),
-                  "sampling_parameters": np.array([b'{"max_tokens": 400, "ignore_eos": true}'], dtype=object)}
+        inputs = {
+            "text_input": np.array([b"Hold the slot"], dtype=object),
+            "stream": np.array([True]),
+            "sampling_parameters": np.array([b'{"max_tokens": 400, "ignore_eos": true}'], dtype=object),
+        }
         holder = stream_infer(stub, "preble", inputs, timeout=120)
         next(holder)
         streamed = json.dumps({"text_input": "Hi", "stream": True, "sampling_parameters": "{}"}).encode()
@@ -336,7 +368,12 @@ def test_engine_deaths_migrate_requests_and_the_engines_come_back(tmp_path, tiny
         with pytest.raises(PrebleError, match="no engine is available|failed|unreachable"):
             client.stream_grpc(prompts[0], params, timeout=60)
         assert http("GET", stack.url("/v2/health/ready"))[0] == 503
+        import tritonclient.grpc as grpcclient
+
+        probe = grpcclient.InferenceServerClient(f"127.0.0.1:{stack.ports.grpc}")
+        assert not probe.is_server_ready() and not probe.is_model_ready("preble")  # gRPC is as honest
         wait_for(lambda: http("GET", stack.url("/v2/health/ready"))[0] == 200, 60, "readiness")
+        assert probe.is_server_ready() and probe.is_model_ready("preble")
         assert client.stream_grpc(prompts[0], params).text == reference[prompts[0]]
     finally:
         out, err = stack.stop()
@@ -382,7 +419,8 @@ def test_sigterm_drains_fifty_streams_and_exits_zero(tmp_path, tiny_model):
     def grpc(i: int) -> None:
         try:
             PrebleClient(grpc_url=f"127.0.0.1:{stack.ports.grpc}").stream_grpc(
-                f"grpc {i}", {"max_tokens": 600, "ignore_eos": True}, timeout=120)
+                f"grpc {i}", {"max_tokens": 600, "ignore_eos": True}, timeout=120
+            )
             outcomes.append("done")
         except PrebleError as exc:
             outcomes.append(f"error: {exc}")
@@ -439,7 +477,26 @@ def test_the_router_server_is_restarted_and_its_streams_end_with_an_error(tmp_pa
             streams.append((status, [json.loads(line[5:]) for line in answer.decode().splitlines()
                                      if line.startswith("data:")]))  # fmt: skip
 
+        grpc_ends: list[str] = []
+
+        def grpc(i: int) -> None:
+            channel, stub = open_grpc(f"127.0.0.1:{stack.ports.grpc}")
+            inputs = {
+                "text_input": np.array([f"grpc {i}".encode()], dtype=object),
+                "stream": np.array([True]),
+                "sampling_parameters": np.array([b'{"max_tokens": 2000, "ignore_eos": true}'], dtype=object),
+            }
+            try:
+                for _outputs, final in stream_infer(stub, "preble", inputs, timeout=120):
+                    if final:
+                        grpc_ends.append("finished")
+            except Exception as exc:  # what a cut gRPC stream raises
+                grpc_ends.append(f"{getattr(exc, 'code', lambda: '')()} {exc}")
+            finally:
+                channel.close()
+
         threads = [threading.Thread(target=sse, args=(i,)) for i in range(4)]
+        threads += [threading.Thread(target=grpc, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         time.sleep(3)  # the streams are under way
@@ -454,6 +511,9 @@ def test_the_router_server_is_restarted_and_its_streams_end_with_an_error(tmp_pa
         for status, events in streams:  # an answer cut short is never a clean finish
             assert (status == 503 and not events) or "mid-stream" in events[-1].get("error", ""), events[-1:]
         assert sum(status == 200 for status, _ in streams) >= 2  # most were cut mid-stream
+        assert len(grpc_ends) == 2 and all(
+            "UNAVAILABLE" in end and "mid-stream" in end for end in grpc_ends
+        ), grpc_ends
         status, headers, _ = http("GET", stack.url("/v2/health/ready"))
         assert status == 503 and headers.get("retry-after") == "1"
         wait_for(lambda: http("POST", stack.url(GEN), body())[0] == 200, 60, "the router's server restarting")

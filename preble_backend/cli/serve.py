@@ -51,8 +51,14 @@ def serve(args: argparse.Namespace) -> int:
     repository = Path(args.model_repository)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_key = os.environ.get(ADMIN_KEY_ENV) or new_key()
-    public = Access(host=args.host, api_key=api_key, admin_key=admin_key, http_host=LOOPBACK,
-                    metrics_host=LOOPBACK)  # the front serves both: HTTP re-encoded, metrics federated
+    public = Access(
+        host=args.host,
+        api_key=api_key,
+        admin_key=admin_key,
+        http_host=LOOPBACK,
+        grpc_host=LOOPBACK,
+        metrics_host=LOOPBACK,
+    )  # the front serves all three: HTTP re-encoded, gRPC gated, metrics federated
     run_dir = Path(tempfile.mkdtemp(prefix="preble-serve-"))
     log = Path(args.log_file) if args.log_file else run_dir / "tritonserver.log"
     supervisor, front, router = None, None, None
@@ -86,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
             env = {ENGINE_KEY_ENV: local_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if stop:
             return 0
-        ports = ServerPorts(free_port(), args.grpc_port, free_port())
+        ports = ServerPorts(free_port(), free_port(), free_port())  # the public ones are the front's
         print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
         router = Supervised(
             "preble", router_repo, ports, log, access=public, env=env, watch_stub=False, role="router",
@@ -97,6 +103,7 @@ def serve(args: argparse.Namespace) -> int:
         front = start_openai_front(
             f"{LOOPBACK}:{ports.grpc}", args.openai_port, model.path, log.with_suffix(".front.log"),
             args.served_model_name or "", server=router.server, http_port=args.http_port, access=public,
+            grpc_port=args.grpc_port,
             max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout, model_name=model.name,
             dtype=model.dtype, metrics_port=args.metrics_port,
             engine_metrics={u.model: f"{LOOPBACK}:{u.ports.metrics}" for u in supervisor.units
@@ -166,7 +173,7 @@ def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> N
     auth = " -H 'Authorization: Bearer $PREBLE_API_KEY'" if access.api_key else ""
     print(
         f"  generate: curl {endpoints['http']}/v2/models/preble/generate -H 'Content-Type: application/json'"
-        f"{auth} -d '{{\"text_input\": \"Hello\", \"sampling_parameters\": \"{{\\\"max_tokens\\\": 16}}\"}}'"
+        f'{auth} -d \'{{"text_input": "Hello", "sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''
     )
     if access.host not in (LOOPBACK, "localhost", "::1") and not access.api_key:
         print(f"preble serve: warning: listening on {access.host} with no API key: anyone who reaches "

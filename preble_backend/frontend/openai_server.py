@@ -49,8 +49,9 @@ from preble_backend.frontend.openai_protocol import (
 )
 from preble_backend.frontend.router_stream import Router, collect, merged, open_choices
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
+from preble_backend.frontend.triton_grpc import Gate, GrpcFront, start_grpc_front
 from preble_backend.frontend.triton_http import EngineView, add_triton_routes, bounded_body
-from preble_backend.serving.access import API_KEY_ENV
+from preble_backend.serving.access import ADMIN_KEY_ENV, API_KEY_ENV
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
 log = logging.getLogger("preble.frontend")
@@ -281,15 +282,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", default="tiny", help="the engines' model (its chat template)")
     parser.add_argument("--model-name", default="", help="the model as the repository names it")
     parser.add_argument("--dtype", default="auto", help="the engines' dtype, as /v1/models reports it")
-    parser.add_argument("--served-model-name", default="",
-                        help="the name answers carry (none: the model's); 'preble' is always accepted too")
+    parser.add_argument(
+        "--served-model-name",
+        default="",
+        help="the name answers carry (none: the model's); 'preble' is always accepted too",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--port", type=int, default=9000, help="the OpenAI API's port (0: none)")
     parser.add_argument("--http-port", type=int, default=0, help="Triton's HTTP API's port (0: none)")
+    parser.add_argument(
+        "--grpc-port",
+        type=int,
+        default=0,
+        help="Triton's gRPC API's port, relayed to --router (0: none; needs --triton-metrics)",
+    )
     parser.add_argument("--triton-http", default="", help="tritonserver's own HTTP endpoint, host:port")
     parser.add_argument("--triton-metrics", default="", help="tritonserver's metrics endpoint, host:port")
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="the federated metrics' port: the router server's and every engine's (0: none)")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="the federated metrics' port: the router server's and every engine's (0: none)",
+    )
     parser.add_argument("--engine-metrics", default="", help="name=host:port,...: each engine's metrics")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger requests: 413")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: time open requests get")
@@ -319,10 +333,20 @@ def main(argv: list[str] | None = None) -> None:
     servers = [uvicorn.Server(config) for config in configs]
     for server in servers:  # one handler stops both (each server's own would replace the other's)
         server.capture_signals = contextlib.nullcontext
+    grpc_front = None
+    if args.grpc_port and triton is not None:
+        gate = Gate(key, os.environ.get(ADMIN_KEY_ENV) or None)
+        grpc_front = GrpcFront(args.router, gate, EngineView(triton.metrics), args.router_model, drain)
 
     async def serve_all() -> None:
+        grpc_server = None
+        if grpc_front is not None:
+            grpc_server = await start_grpc_front(grpc_front, args.host, args.grpc_port, args.max_body_bytes)
+
         async def drain_then_exit() -> None:
             await drain.drain()
+            if grpc_server is not None:
+                await grpc_server.stop(1)
             for server in servers:
                 server.should_exit = True
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from preble_backend.common.procfs import die_with_parent
 from preble_backend.common.settings import MAX_BODY_BYTES
-from preble_backend.serving.access import API_KEY_ENV, Access
+from preble_backend.serving.access import ADMIN_KEY_ENV, API_KEY_ENV, Access
 from preble_backend.serving.launcher import LaunchError, TritonServer
 
 
@@ -84,13 +84,14 @@ def start_openai_front(
     router_grpc: str, port: int, model_path: str, log_path: Path, served_model_name: str = "preble",
     server: TritonServer | None = None, http_port: int = 0, access: Access | None = None,
     max_body_bytes: int = MAX_BODY_BYTES, drain_s: float = 30.0, model_name: str = "", dtype: str = "auto",
-    metrics_port: int = 0, engine_metrics: dict[str, str] | None = None,
+    metrics_port: int = 0, engine_metrics: dict[str, str] | None = None, grpc_port: int = 0,
 ) -> OpenAIFront:  # fmt: skip
     """Launch the front (not yet waiting for it): the OpenAI API on ``port``, and with a
     ``server`` Triton's HTTP API on ``http_port``, forwarded to that server's own HTTP
-    endpoint, and its metrics with every engine's (``engine_metrics``: name -> host:port)
-    federated on ``metrics_port``; listening and keyed as ``access`` says (the key goes
-    in the environment)."""
+    endpoint, Triton's gRPC API on ``grpc_port``, relayed to ``router_grpc``, and its
+    metrics with every engine's (``engine_metrics``: name -> host:port) federated on
+    ``metrics_port``; listening and keyed as ``access`` says (the keys go in the
+    environment)."""
     access = access or Access()
     cmd = [
         sys.executable, "-m", "preble_backend.frontend.openai_server", "--router", router_grpc,
@@ -102,12 +103,16 @@ def start_openai_front(
         local = server.access.client_host
         cmd += ["--http-port", str(http_port), "--triton-http", f"{local}:{server.ports.http}",
                 "--triton-metrics", f"{local}:{server.ports.metrics}"]  # fmt: skip
+        if grpc_port:
+            cmd += ["--grpc-port", str(grpc_port)]
         if metrics_port:  # the public metrics port: the router's server's series and every engine's
             engines = ",".join(f"{name}={where}" for name, where in (engine_metrics or {}).items())
             cmd += ["--metrics-port", str(metrics_port), "--engine-metrics", engines]
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
     if access.api_key:
         env[API_KEY_ENV] = access.api_key
+    if server is not None and grpc_port:  # the gRPC gate tells the admin key from the API key
+        env[ADMIN_KEY_ENV] = access.admin_key
     with open(log_path, "ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                    preexec_fn=die_with_parent)  # fmt: skip

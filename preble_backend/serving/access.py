@@ -48,10 +48,12 @@ class Access:
     api_key: str | None = None
     admin_key: str = field(default_factory=new_key)
     http_host: str | None = None  # HTTP's own address (loopback: only the front reaches it)
+    grpc_host: str | None = None  # gRPC's own address (loopback: only the front reaches it)
     metrics_host: str | None = None  # the metrics' own address (loopback: the front federates them)
 
     def server_args(self) -> list[str]:
-        args = [f"--http-address={self.http_host or self.host}", f"--grpc-address={self.host}",
+        args = [f"--http-address={self.http_host or self.host}",
+                f"--grpc-address={self.grpc_host or self.host}",
                 f"--metrics-address={self.metrics_host or self.host}"]  # fmt: skip
         if self.admin_key == self.api_key:
             raise ValueError("the admin key must differ from the API key: clients hold the API key")
