@@ -2,15 +2,22 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
-# The CPU torch build first: an unpinned torch would pull several GB of CUDA packages.
+# The CPU torch build first: PyPI's torch is the CUDA build (several GB of CUDA packages).
+# PyTorch's CPU index has the CPU build; where it cannot be reached (a machine with its own
+# wheel directory, as ours), pip takes torch from where it is configured to look.
+# A GPU host: make setup TORCH_INDEX= (PyPI's CUDA build).
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup genai-perf serve demo test lint bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PIP) "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true
+	if [ -n "$(TORCH_INDEX)" ] && $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=5)" 2>/dev/null; \
+	then echo "torch: the CPU build from $(TORCH_INDEX)"; $(PIP) "$(TORCH)" --index-url "$(TORCH_INDEX)" 2>&1 | grep -v "^WARNING: Location" || true; \
+	else echo "torch: $(TORCH_INDEX) unreachable or not asked for: $(TORCH) from pip's own index"; $(PIP) "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true; fi
+	$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA' if torch.version.cuda else 'CPU', 'build')"
 	$(PIP) -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, tritonclient, preble_backend"
 	$(PY) -m client.perf_analyzer --link-libraries
@@ -39,4 +46,4 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 bench: setup
-	$(PY) -m preble_backend.engine.bench_prefix_cache
+	$(PY) -m preble_backend.benchmarks.prefix_cache
