@@ -7,15 +7,12 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from client.bench_config import BenchConfig, BenchRequest, Outcome
 from client.triton_client import infer_inputs
 from preble_backend.common.keys import bearer, grpc_bearer
-
-if TYPE_CHECKING:
-    from client.bench import BenchConfig, BenchRequest, Outcome
 
 
 def _sampling(req: BenchRequest) -> str:

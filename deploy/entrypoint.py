@@ -69,9 +69,9 @@ def _repository() -> Path:
 def engine() -> int:
     import torch
 
-    from preble_backend.serving.access import Access
-    from preble_backend.serving.launcher import ServerPorts, start_server
-    from preble_backend.serving.repository import write_repository
+    from preble_backend.runtime.access import Access
+    from preble_backend.runtime.launcher import ServerPorts, start_server
+    from preble_backend.runtime.repository import write_repository
 
     gpus = [0] if torch.cuda.is_available() else None
     repo = write_repository(
@@ -103,7 +103,7 @@ def engine() -> int:
 
 
 def router() -> int:
-    from preble_backend.serving.repository import write_repository
+    from preble_backend.runtime.repository import write_repository
 
     engines = [e.strip() for e in _env("PREBLE_ENGINES", "").split(",") if e.strip()]
     page = {k: v for k, v in _json("PREBLE_ENGINE_PARAMETERS").items() if k == "page_size"}

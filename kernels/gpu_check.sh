@@ -48,7 +48,7 @@ for s in "${@:-tests bench backends parity}"; do
                 tests/test_triton_backend.py tests/test_attention_sdpa.py ;;
             bench) cp docs/KERNELS.md "$OUT/KERNELS.md"
                 step bench 300 python3 -m kernels.benchmark --out "$OUT/KERNELS.md" ;;
-            backends) step backends 400 python3 -m preble_backend.engine.bench_backends ;;
+            backends) step backends 400 python3 -m preble_backend.benchmarks.attention_backends ;;
             parity) PREBLE_TEST_DEVICE=cuda step parity 400 python3 -m pytest -q -p no:cacheprovider $XDIST \
                 tests/test_parity.py ;;
             *) echo "unknown step $name (tests bench backends parity)" >&2; exit 2 ;;

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from client.triton_client import PrebleClient
-from preble_backend.common.keys import bearer
+from preble_backend.common.keys import ADMIN_KEY_ENV, bearer
 from preble_backend.common.procfs import command_name, process_tree
-from preble_backend.serving.access import ADMIN_KEY_ENV, Access
-from preble_backend.serving.launcher import ServerPorts, free_port, start_server
-from preble_backend.serving.repository import write_repository
-from preble_backend.serving.supervisor import engine_stub
+from preble_backend.runtime.access import Access
+from preble_backend.runtime.launcher import ServerPorts, free_port, start_server
+from preble_backend.runtime.repository import write_repository
+from preble_backend.runtime.supervisor import engine_stub
 
 # x86-64 system calls a thread may sleep in while it holds no lock: a futex wait
 # (FUTEX_WAIT, FUTEX_WAIT_BITSET once the flags are masked off), poll, select, sleeps, and

@@ -202,10 +202,10 @@ def test_requests_spread_over_router_replicas_in_turn():
 
 
 def test_the_relay_floor_script_measures_a_python_backend_relay(capsys, monkeypatch):
-    from preble_backend.serving import bench_relay_floor
+    from preble_backend.benchmarks import relay_floor
 
-    argv = ["bench_relay_floor", "--rates", "50", "--requests", "20", "--chunks", "2"]
+    argv = ["relay_floor", "--rates", "50", "--requests", "20", "--chunks", "2"]
     monkeypatch.setattr("sys.argv", argv)
-    bench_relay_floor.main()
+    relay_floor.main()
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("rate 50/s, 20 requests: tritonserver + stub ") and "client" in line

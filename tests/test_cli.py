@@ -166,6 +166,7 @@ def test_every_option_is_explained_with_its_default():
             assert action.help, f"preble {name} {action.option_strings or action.dest} has no help"
         text = sub.format_help()
         assert "(default:" in text or name == "model", name
+        assert "(default: None)" not in text, name  # an option without a default says what then
         for action in sub._actions:  # the formatter adds the default once: no help says it again
             assert "(default:" not in (action.help or ""), (name, action.help)
 
@@ -183,6 +184,7 @@ def test_help_answers_without_importing_heavy_modules(command):
                       f"print(sorted(m for m in {heavy} if m in sys.modules))"])  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+    assert "``" not in done.stdout and "(default: None)" not in done.stdout  # no markup, no empty defaults
 
 
 def test_a_bad_config_value_is_one_line_naming_it(tmp_path):

@@ -20,7 +20,7 @@ from server_utils import http, serve_stack, wait_for, write_test_repository
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
 from preble_backend.common.procfs import process_alive
 from preble_backend.common.structured_outputs import Guide
-from preble_backend.serving.guide_check import GuideCheck
+from preble_backend.router.guide_check import GuideCheck
 from preble_backend.serving.protocol import BadRequest
 
 pytestmark = pytest.mark.server

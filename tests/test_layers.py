@@ -1,6 +1,7 @@
 """The import order of the layers (docs/ARCHITECTURE.md): each package imports only the
 layers below it, so no two import each other; the scheduler's policies know nothing of
-the engine or the serving layer; ``kernels/`` and ``client/`` stand alone."""
+the engine or the serving layer; ``kernels/`` and ``client/`` stand alone. Within and
+across layers no two modules import each other, and no module passes 400 lines."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kernels", "client", "preble_backend", "scheduler")
+MAX_LINES = 400
 
-# Each layer and the layers it may import, bottom to top.
+# Each layer and the layers it may import, bottom to top; the rooms of preble_backend are
+# the processes of ARCHITECTURE.md: the engine's Triton model (engine_server), the router's
+# (router), the processes that run them (runtime), the front, the CLI, and the benchmarks.
+BELOW_CLI = {"common", "client", "model", "engine", "scheduler", "scheduler.sim", "serving", "engine_server",
+             "router", "runtime", "frontend"}  # fmt: skip
 ALLOWED = {
     "kernels": set(),
     "common": set(),
@@ -20,9 +26,13 @@ ALLOWED = {
     "engine": {"common", "model"},
     "scheduler": {"common"},
     "scheduler.sim": {"common", "client", "model", "engine", "scheduler"},
-    "serving": {"common", "client", "model", "engine", "scheduler"},
+    "serving": {"common", "model"},
+    "engine_server": {"common", "model", "engine", "serving"},
+    "router": {"common", "client", "model", "scheduler", "serving"},
+    "runtime": {"common", "model", "engine", "serving", "router"},
     "frontend": {"common", "client", "model", "serving"},
-    "cli": {"common", "client", "model", "engine", "scheduler", "scheduler.sim", "serving", "frontend"},
+    "benchmarks": {"kernels", *BELOW_CLI},
+    "cli": {*BELOW_CLI, "benchmarks"},
 }
 
 
@@ -93,8 +103,40 @@ def test_no_two_layers_import_each_other():
         raise AssertionError(f"import cycle between layers: {exc.args[1]}") from None
 
 
+def module_imports() -> dict[str, set[str]]:
+    """module -> the project's modules it imports (``from package import module`` too)."""
+    files = {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {module for module in found if module in files and module != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    """Not even for type checking: a circle says two modules are one concept or a third is missing."""
+    graph = module_imports()
+    try:
+        list(TopologicalSorter(graph).static_order())
+    except CycleError as exc:
+        raise AssertionError(f"import cycle between modules: {exc.args[1]}") from None
+
+
+def test_no_module_passes_the_size_of_one_concept():
+    long = {str(path.relative_to(ROOT)): n for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}  # fmt: skip
+    assert not long, long
+
+
 def test_the_allowed_order_is_itself_a_layering():
     order = list(TopologicalSorter(ALLOWED).static_order())
     assert order.index("common") < order.index("scheduler") < order.index("serving") < order.index("cli")
+    assert order.index("serving") < order.index("router") < order.index("runtime") < order.index("cli")
     assert not ALLOWED["kernels"] and ALLOWED["client"] == {"common"}
     assert ALLOWED["scheduler"] == {"common"}  # policies: no engine, no serving

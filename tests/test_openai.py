@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from server_utils import assert_engine_pages_free, client_for, launch, wait_idle, write_test_repository
 
-from preble_backend.frontend.process import start_openai_front
-from preble_backend.serving.launcher import free_port
+from preble_backend.runtime.front_process import start_openai_front
+from preble_backend.runtime.launcher import free_port
 
 pytestmark = pytest.mark.server
 openai = pytest.importorskip("openai")

@@ -24,7 +24,7 @@ from server_utils import (
 from client.stress import BurstConfig, run_burst
 from client.triton_client import PrebleError
 from preble_backend.common.procfs import group_running, process_alive, process_tree
-from preble_backend.serving.launcher import ServerPorts, start_server
+from preble_backend.runtime.launcher import ServerPorts, start_server
 
 pytestmark = pytest.mark.server
 ENGINES = ("preble_engine_0", "preble_engine_1")

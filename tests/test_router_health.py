@@ -17,10 +17,10 @@ from test_e2 import e2, route, stored
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.procfs import process_alive
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.serving.engine_client import EngineError, LocalEngine, RemoteEngine
-from preble_backend.serving.engine_monitor import EngineMonitor
-from preble_backend.serving.flights import Flights
-from preble_backend.serving.responder import Responder
+from preble_backend.router.engine_client import EngineError, LocalEngine, RemoteEngine
+from preble_backend.router.engine_monitor import EngineMonitor
+from preble_backend.router.flights import Flights
+from preble_backend.router.responder import Responder
 from scheduler.policies import make_policy
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
 
@@ -350,7 +350,7 @@ def test_kv_cost_forgets_what_a_dead_instance_cached():
 
 
 def test_remote_engine_refuses_fast_when_nothing_listens():
-    from preble_backend.serving.launcher import free_port
+    from preble_backend.runtime.launcher import free_port
 
     engine = RemoteEngine(f"127.0.0.1:{free_port()}", "preble_engine_0")
     started = time.monotonic()
@@ -361,7 +361,8 @@ def test_remote_engine_refuses_fast_when_nothing_listens():
 
 
 def test_router_load_checks_its_local_engines(tmp_path):
-    from preble_backend.serving.repository import check_local_engines, write_repository
+    from preble_backend.router.loopback import check_local_engines
+    from preble_backend.runtime.repository import write_repository
 
     repo = write_repository(tmp_path / "repo", cpu_engines=2, page_size=32)
     check_local_engines(repo, ["preble_engine_0", "preble_engine_1"], 32)
@@ -378,7 +379,7 @@ def test_router_load_checks_its_local_engines(tmp_path):
 
 
 def test_server_failure_names_each_model_and_skips_cpu_warnings(tmp_path):
-    from preble_backend.serving.launcher import ServerPorts, TritonServer
+    from preble_backend.runtime.launcher import ServerPorts, TritonServer
 
     log = tmp_path / "server.log"
     log.write_text(

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.serving.config import RouterConfig
-from preble_backend.serving.detokenizer import IncrementalDetokenizer
-from preble_backend.serving.discovery import Discovery
-from preble_backend.serving.engine_client import LocalEngine, RemoteEngine, make_engine_client
-from preble_backend.serving.loopback import grpc_url_from_args
-from preble_backend.serving.repository import write_repository
+from preble_backend.router.config import RouterConfig
+from preble_backend.router.detokenizer import IncrementalDetokenizer
+from preble_backend.router.discovery import Discovery
+from preble_backend.router.engine_client import LocalEngine, RemoteEngine, make_engine_client
+from preble_backend.router.loopback import grpc_url_from_args
+from preble_backend.runtime.repository import write_repository
 from scheduler.policies import make_policy
 from scheduler.policy import InstanceLoad, RoutingRequest
 
@@ -203,7 +203,7 @@ def test_cpu_engines_get_disjoint_cores_and_oversubscription_is_refused(tmp_path
 
 
 def test_a_server_listens_on_loopback_and_restricts_admin_apis_unless_told(tmp_path, monkeypatch):
-    from preble_backend.serving.access import Access
+    from preble_backend.runtime.access import Access
 
     args = Access(admin_key="adm").server_args()
     assert args[:3] == ["--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"]
@@ -222,7 +222,7 @@ def test_a_server_listens_on_loopback_and_restricts_admin_apis_unless_told(tmp_p
 def test_bench_finds_the_admin_key_serve_left_for_its_port(tmp_path, monkeypatch):
     from preble_backend.cli.commands import _admin_key, _bench_key
     from preble_backend.cli.options import build_parser
-    from preble_backend.serving.access import write_admin_key
+    from preble_backend.runtime.access import write_admin_key
 
     monkeypatch.setenv("PREBLE_CACHE", str(tmp_path))
     monkeypatch.delenv("PREBLE_API_KEY", raising=False)
@@ -251,7 +251,7 @@ def _output(tokens, finished=False, logprobs=None):
 def test_outputs_waiting_for_the_response_thread_go_as_one():
     """Every token due (interval 0 ms): an idle request is queued per token; tokens that
     arrive while it waits for the response thread join its response, logprobs in order."""
-    from preble_backend.serving.coalescer import Coalescer
+    from preble_backend.engine_server.coalescer import Coalescer
 
     held = Coalescer(stream_interval=16, stream_interval_ms=0)
     assert held.add(_output([5], logprobs=[{5: (-0.1, 1)}]))
@@ -266,7 +266,7 @@ def test_outputs_waiting_for_the_response_thread_go_as_one():
 
 
 def test_stream_interval_holds_tokens_after_the_first_until_due():
-    from preble_backend.serving.coalescer import Coalescer
+    from preble_backend.engine_server.coalescer import Coalescer
 
     held = Coalescer(stream_interval=3, stream_interval_ms=60_000)
     assert held.add(_output([1]))  # the first token goes at once
@@ -282,7 +282,7 @@ def test_stream_interval_holds_tokens_after_the_first_until_due():
 def test_a_response_per_interval_and_held_tokens_are_swept_when_overdue():
     import time
 
-    from preble_backend.serving.coalescer import Coalescer
+    from preble_backend.engine_server.coalescer import Coalescer
 
     held = Coalescer(stream_interval=16, stream_interval_ms=30)
     assert held.add(_output([1]))
@@ -304,7 +304,7 @@ def test_each_policy_name_leads_to_the_class_of_that_name():
 
 
 def test_quarantine_refuses_the_same_request_until_its_time_is_up():
-    from preble_backend.serving.quarantine import Quarantine
+    from preble_backend.router.quarantine import Quarantine
 
     now = [100.0]
     q = Quarantine(ttl_s=60.0, clock=lambda: now[0])
@@ -322,7 +322,7 @@ def test_quarantine_refuses_the_same_request_until_its_time_is_up():
 
 
 def test_an_admin_request_needs_the_admin_key_before_anything_else():
-    from preble_backend.serving.admin import AdminRefused, parse_admin
+    from preble_backend.router.admin import AdminRefused, parse_admin
     from preble_backend.serving.protocol import BadRequest
 
     good = {"preble_admin": "configure", "preble_policy": "round_robin", "preble_admin_key": "adm"}

@@ -21,7 +21,7 @@ from server_utils import Stack, http, serve_stack, wait_for, write_test_reposito
 
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
 from preble_backend.common.procfs import command_name, process_alive, process_tree
-from preble_backend.serving.access import admin_key_file
+from preble_backend.runtime.access import admin_key_file
 
 pytestmark = pytest.mark.server
 
@@ -446,10 +446,17 @@ def test_sigterm_drains_fifty_streams_and_exits_zero(tmp_path, tiny_model):
 
 
 def test_start_up_names_an_unreachable_remote_engine(tmp_path, tiny_model):
-    from preble_backend.serving.launcher import free_port
+    """Also: a repository written by the layout before the rooms (its model.py files import
+    the entry points from preble_backend.serving) still serves."""
+    from preble_backend.runtime.launcher import free_port
 
     remote = f"grpc://127.0.0.1:{free_port()}/preble_engine_0"  # nothing listens there
     repo = write_test_repository(tmp_path / "repo", cpu_engines=1, remote_engines=[remote])
+    for model_py in repo.glob("*/1/model.py"):
+        old = re.sub(r"preble_backend\.(router|engine_server)\.", "preble_backend.serving.",
+                     model_py.read_text())
+        assert "preble_backend.serving." in old
+        model_py.write_text(old)
     stack = serve_stack(repo)
     try:
         warnings = [line for line in stack.lines if "warning" in line]

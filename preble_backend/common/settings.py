@@ -10,6 +10,7 @@ from pathlib import Path
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page: the engines' paging and the routers' matching unit
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton", "flashinfer")
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"  # what preble serve serves
+MAX_INPUT_BYTES = 4 << 20  # the router's largest text_input (its max_input_bytes by default)
 MAX_BODY_BYTES = 32 << 20  # the front's largest HTTP request: 8x the router's largest text_input
 _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false"}
 

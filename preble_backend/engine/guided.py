@@ -1,6 +1,6 @@
 """Grammar-constrained decoding: each guided request's next-token mask, from llguidance.
 
-llguidance was chosen by measurement (``python -m preble_backend.engine.bench_guided``,
+llguidance was chosen by measurement (``python -m preble_backend.benchmarks.guided``,
 docs/BENCHMARKS.md): on a tool-arguments JSON schema at batch 32 over SmolLM2's 49k
 vocabulary it fills masks in about half xgrammar's time, and it needs no other package.
 Each request gets its own matcher, which follows the tokens it samples; masks are filled

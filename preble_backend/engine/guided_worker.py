@@ -1,5 +1,5 @@
 """A grammar compiler in a process of its own: the router's check of a structured output
-before any engine compiles it (``serving/guide_check.py``).
+before any engine compiles it (``router/guide_check.py``).
 
 It compiles exactly as an engine does (``GuidedDecoding.matcher``), one constraint per
 line of JSON on stdin (``[kind, spec]``), and answers a line per constraint (``{}`` or

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from preble_backend.engine.local_scheduler import ScheduledBatch
-from preble_backend.model.attention import AttentionBatch, make_attention_backend, shared_prefix_groups
+from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
+from preble_backend.model.attention_backends import make_attention_backend
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.llama import LlamaForCausalLM
 

@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from preble_backend.common.keys import HEADER
+from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV, HEADER
 from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.frontend import responses
 from preble_backend.frontend.drain import Drain
@@ -51,7 +51,6 @@ from preble_backend.frontend.router_stream import Router, collect, merged, open_
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
 from preble_backend.frontend.triton_grpc import Gate, GrpcFront, start_grpc_front
 from preble_backend.frontend.triton_http import EngineView, add_triton_routes, bounded_body
-from preble_backend.serving.access import ADMIN_KEY_ENV, API_KEY_ENV
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
 log = logging.getLogger("preble.frontend")

@@ -28,8 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from preble_backend.frontend.drain import MESSAGE, Drain
-from preble_backend.serving.admin import FORBIDDEN
-from preble_backend.serving.protocol import retryable
+from preble_backend.serving.protocol import FORBIDDEN, retryable
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
               "content-length", "proxy-authorization", "proxy-connection"}  # fmt: skip

@@ -17,7 +17,6 @@ import torch
 
 from kernels.reference import extend_attention_ref, kv_write_ref
 from preble_backend.common.prefix import longest_match
-from preble_backend.common.settings import ATTENTION_BACKENDS
 from preble_backend.model.kv_pool import KVPool
 
 
@@ -99,27 +98,3 @@ def shared_prefix_groups(
         if common * page_size >= min_shared_tokens:
             groups.append((members, common * page_size))
     return groups
-
-
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` is the batched SDPA path on the CPU and the Triton kernels on CUDA; ``torch``
-    is the kernels' reference, request by request."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "sdpa"
-    if name == "torch":
-        return TorchAttention()
-    if name == "sdpa":
-        from preble_backend.model.attention_sdpa import SdpaAttention
-
-        return SdpaAttention()
-    if name == "triton":
-        from preble_backend.model.attention_triton import TritonAttention
-
-        return TritonAttention(device)
-    if name == "flashinfer":
-        from preble_backend.model.attention_flashinfer import FlashInferAttention
-
-        return FlashInferAttention(device)
-    raise ValueError(
-        f"attention_backend {name!r} is not available; accepted: {', '.join(ATTENTION_BACKENDS)}"
-    )

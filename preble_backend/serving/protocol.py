@@ -21,7 +21,7 @@ import numpy as np
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.serving.config import RouterConfig
+from preble_backend.common.settings import MAX_INPUT_BYTES
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ class BadRequest(ValueError):
 # this: gRPC stream errors carry no status code, and the router must answer the client
 # "invalid" (HTTP 400), not "internal" (500), and not count the engine as failing.
 REFUSED = "refused: "
+FORBIDDEN = "admin control needs the admin key"  # the router's refusal; fronts answer it 403
 
 # The router's error messages that mean "try again": at capacity, no engine up, the engine
 # failed mid-request, shutting down. Fronts answer them 503 with Retry-After.
@@ -167,7 +168,7 @@ class GenerateRequest:
 def parse_generate(
     inputs: dict[str, np.ndarray | None],
     request_parameters: str | None,
-    max_text_bytes: int = RouterConfig.max_input_bytes,
+    max_text_bytes: int = MAX_INPUT_BYTES,
 ) -> GenerateRequest:
     """Validate a router request the way the vLLM backend reads it; a prompt over
     ``max_text_bytes`` is refused before anyone tokenizes it.

@@ -1,1 +1,1 @@
-from preble_backend.serving.router_model import TritonPythonModel  # noqa: F401
+from preble_backend.router.router_model import TritonPythonModel  # noqa: F401

@@ -1,1 +1,1 @@
-from preble_backend.serving.engine_model import TritonPythonModel  # noqa: F401
+from preble_backend.engine_server.engine_model import TritonPythonModel  # noqa: F401

@@ -5,7 +5,7 @@ one run, with emulated engines (so the engines' time is small and
 the same for both). Reports latency (median, p99) and requests/s per path and concurrency,
 and the front process's CPU seconds per request.
 
-    python -m preble_backend.frontend.bench_front --requests 400 --concurrency 1,16
+    python -m preble_backend.benchmarks.front --requests 400 --concurrency 1,16
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from preble_backend.frontend.process import start_openai_front
-from preble_backend.serving.launcher import ServerPorts, free_port, start_server
-from preble_backend.serving.repository import write_repository
+from preble_backend.runtime.front_process import start_openai_front
+from preble_backend.runtime.launcher import ServerPorts, free_port, start_server
+from preble_backend.runtime.repository import write_repository
 
 
 def _body(i: int, tokens: int) -> bytes:

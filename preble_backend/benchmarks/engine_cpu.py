@@ -1,7 +1,7 @@
 """The CPU engine against transformers on the same model, dtype and threads: prefill
 throughput, decode at batch 1 and at batch 8, and whether greedy output is identical.
 
-    python -m preble_backend.engine.bench_cpu --model smollm2 --backends torch,sdpa
+    python -m preble_backend.benchmarks.engine_cpu --model smollm2 --backends torch,sdpa
 
 Each measurement alternates the two sides ``--rounds`` times and keeps each side's best
 (the host is shared: the best is the least disturbed). The engine runs with its prefix

@@ -12,8 +12,10 @@ and needs no lock. Engine reports on final responses keep the policy's view of e
 engine's cache and load current. An engine monitor watches the engines: one that dies is
 routed around, its requests end with an error at once, and its cache is forgotten.
 
-The engines may change while the router serves: ``membership.py`` adds and removes them
-as ``discovery.py`` finds them.
+What the router knows of its engines, and its verdicts on them, live in
+``router_state.py``; the engines may change while it serves (``membership.py`` adds and
+removes them as ``discovery.py`` finds them); a request whose engine dies moves on as
+``migration.py`` decides.
 
 Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 """
@@ -21,7 +23,6 @@ Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import socket
 import threading
@@ -35,9 +36,29 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.common.cache_event import CacheEvent, EventBatch
-from preble_backend.serving.admin_control import AdminControl, admin_request
-from preble_backend.serving.answer import Answer
+from preble_backend.router.admin_control import AdminControl, admin_request
+from preble_backend.router.answer import Answer
+from preble_backend.router.config import RouterConfig
+from preble_backend.router.discovery import Discovery
+from preble_backend.router.engine_client import (
+    EngineClient,
+    EngineError,
+    EngineRefused,
+    EngineUnavailable,
+    LocalEngine,
+    make_engine_client,
+)
+from preble_backend.router.engine_monitor import EngineMonitor
+from preble_backend.router.event_feed import EventFeed
+from preble_backend.router.flights import Flight, Flights
+from preble_backend.router.guide_check import GuideCheck
+from preble_backend.router.loopback import check_local_engines, server_grpc_url
+from preble_backend.router.membership import Membership
+from preble_backend.router.migration import Migration
+from preble_backend.router.quarantine import Quarantine
+from preble_backend.router.responder import Responder
+from preble_backend.router.router_metrics import FAILURES, METRICS
+from preble_backend.router.router_state import RouterState
 from preble_backend.serving.backend_utils import (
     config_parameters,
     error_response,
@@ -47,23 +68,7 @@ from preble_backend.serving.backend_utils import (
     resolve_model_path,
     send_error,
 )
-from preble_backend.serving.config import RouterConfig
-from preble_backend.serving.discovery import Discovery
 from preble_backend.serving.drain_signal import mark_drained, watch_for_drain
-from preble_backend.serving.engine_client import (
-    EngineClient,
-    EngineError,
-    EngineRefused,
-    EngineUnavailable,
-    LocalEngine,
-    make_engine_client,
-)
-from preble_backend.serving.engine_monitor import EngineMonitor
-from preble_backend.serving.event_feed import EventFeed
-from preble_backend.serving.flights import Flight, Flights
-from preble_backend.serving.guide_check import GuideCheck
-from preble_backend.serving.loopback import server_grpc_url
-from preble_backend.serving.membership import Membership
 from preble_backend.serving.metrics import Metrics
 from preble_backend.serving.protocol import (
     ROUTER_INPUTS,
@@ -73,10 +78,6 @@ from preble_backend.serving.protocol import (
     names,
     parse_generate,
 )
-from preble_backend.serving.quarantine import Quarantine
-from preble_backend.serving.repository import check_local_engines
-from preble_backend.serving.responder import Responder
-from preble_backend.serving.router_metrics import FAILURES, METRICS
 from scheduler.nvml_load import LoadView
 from scheduler.policies import make_policy
 from scheduler.policy import FinishInfo, InstanceLoad, RoutingRequest
@@ -86,7 +87,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 SHUTTING_DOWN = "the server is shutting down"
 
 
-class TritonPythonModel:
+class TritonPythonModel(RouterState):
+    """Triton's entry point: requests in, answers out, over ``RouterState``."""
+
     def initialize(self, args: dict) -> None:
         from transformers import AutoTokenizer
 
@@ -106,6 +109,7 @@ class TritonPythonModel:
         ]
         self.membership = Membership(self, self.discovery.current)
         self.admin = AdminControl(self)
+        self.migration = Migration(self)
         local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
         check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
         self.policy = make_policy(config.policy, len(self.engines), self.policy_facts())
@@ -179,10 +183,6 @@ class TritonPythonModel:
             asyncio.run_coroutine_threadsafe(self._serve(sender, req, time.monotonic()), self.loop)
         return None
 
-    def policy_facts(self) -> dict:
-        """What every policy is offered about the engines (``scheduler.policies``)."""
-        return {"cost_model": self.config.cost_model, "page_size": self.config.page_size}
-
     def _on_loop(self, fn):
         """``fn`` called on the event loop, from any thread."""
         return lambda *args: self.loop.call_soon_threadsafe(fn, *args)
@@ -221,7 +221,7 @@ class TritonPythonModel:
             failures = 0  # engines that failed while this request ran on them
             while not flight.closed:
                 engine = self._place(flight, routing, arrival, req.engine)
-                if failures and not await self._answers(flight, engine):
+                if failures and not await self.migration.answers(flight, engine):
                     continue  # it was down before the request reached it: that is no failure of its
                 try:
                     await self._forward(flight, req, routing, engine, arrival, answer, params_json)
@@ -230,10 +230,10 @@ class TritonPythonModel:
                     self.monitor.suspect(flight.instance, str(exc))
                     failures += 1
                     if 2 <= failures > self.config.migration_limit and not flight.client_gone:
-                        raise self._poisoned(req, failures, str(exc)) from None
-                    if not self._may_migrate(flight, req, answer, failures - 1):
+                        raise self.migration.poisoned(req, failures, str(exc)) from None
+                    if not self.migration.may_migrate(flight, req, answer, failures - 1):
                         raise
-                    routing, params_json = self._migrate(flight, req, routing, answer, str(exc))
+                    routing, params_json = self.migration.continued(flight, req, routing, answer, str(exc))
                     await asyncio.sleep(0)  # the monitor's verdict first: the policy routes around it
         except (BadRequest, ValueError, EngineRefused) as exc:
             self._fail(flight, str(exc), pb_utils.TritonError.INVALID_ARG)
@@ -247,7 +247,7 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"preble router: {traceback.format_exc()}")
             self._fail(flight, f"internal error: {exc}", pb_utils.TritonError.INTERNAL)
         finally:
-            self._settle(flight)
+            self.settle(flight)
             self.tasks.discard(task)
 
     def _place(self, flight: Flight, routing: RoutingRequest, arrival: float,
@@ -273,65 +273,6 @@ class TritonPythonModel:
         self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
                              {"policy": self.policy.name})  # fmt: skip
         return engine
-
-    async def _answers(self, flight: Flight, engine: EngineClient) -> bool:
-        """Whether the engine a migrating request was placed on answers a health probe now,
-        so that its failure under the request is one the request saw it through (two
-        engines dead at once are not the request's doing); if not, the placement is undone
-        and the monitor judges the engine before the request is placed again."""
-        try:
-            await asyncio.wait_for(self.loop.run_in_executor(self.tokenize_pool, engine.health),
-                                   self.config.health_timeout_s)  # fmt: skip
-            return True
-        except Exception as exc:
-            self.monitor.suspect(flight.instance, f"{type(exc).__name__}: {exc}")
-            self._settle(flight)
-            flight.instance, flight.settled, flight.engine_finished = None, False, False
-            await asyncio.sleep(self.config.health_interval_s)
-            return False
-
-    def _poisoned(self, req: GenerateRequest, failures: int, reason: str) -> BadRequest:
-        """The request's last engine failed too: remember it (``quarantine.py``) and fail it
-        with an error its client does not retry."""
-        self.quarantine.add(req.prompt, req.params_json)
-        self.metrics.count("preble_router_poisoned_total", 1, {"policy": self.policy.name})
-        ttl = self.config.poison_ttl_s
-        pb_utils.Logger.log_error(f"preble router: a request ran on each of {failures} engines that failed "
-                                  f"(last: {reason}); refused for {ttl:g} s")  # fmt: skip
-        return BadRequest(f"this request failed: each of the {failures} engines that ran it failed under it; "
-                          f"it is refused for {self.config.poison_ttl_s:g} s (poison_ttl_s)")  # fmt: skip
-
-    def _may_migrate(self, flight: Flight, req: GenerateRequest, answer: Answer, migrations: int) -> bool:
-        return (migrations < self.config.migration_limit and not flight.closed and not flight.client_gone
-                and answer.num_output < req.params.max_tokens)  # fmt: skip
-
-    def _migrate(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, answer: Answer,
-                 reason: str) -> tuple[RoutingRequest, str]:  # fmt: skip
-        """Forget the dead placement; the request goes on from its prompt plus the tokens
-        already generated, for the tokens it has left (as NVIDIA Dynamo migrates). Greedy
-        decoding continues exactly, and a structured output's grammar resumes where it
-        was; a seeded sample or a frequency/presence penalty sees the earlier tokens as
-        prompt, so it may differ from an undisturbed run."""
-        old = self.engines[flight.instance].name
-        self._settle(flight)
-        flight.instance, flight.settled, flight.engine_finished = None, False, False
-        generated = answer.num_output
-        guided = (*req.params.guided_prefix_ids, *answer.token_ids) if req.params.guide else ()
-        params = dataclasses.replace(
-            req.params, max_tokens=req.params.max_tokens - generated,
-            min_tokens=max(0, req.params.min_tokens - generated), guided_prefix_ids=guided,
-        )  # fmt: skip
-        prompt = [*routing.input_ids[: answer.num_input_tokens], *answer.token_ids]
-        continued = RoutingRequest(uuid.uuid4().hex, prompt, params)
-        continued.chain(self.config.page_size)
-        raw = json.loads(req.params_json) if req.params_json else {}
-        raw.update(max_tokens=params.max_tokens, min_tokens=params.min_tokens)
-        if guided:  # the new engine's grammar matcher resumes after the tokens so far
-            raw["guided_prefix_ids"] = list(guided)
-        self.metrics.count("preble_router_migrations_total", 1, {"policy": self.policy.name, "engine": old})
-        pb_utils.Logger.log_warn(f"preble router: engine {old} failed ({reason}); request continues "
-                                 f"elsewhere after {generated} tokens")  # fmt: skip
-        return continued, json.dumps(raw)
 
     def _routing_request(self, req: GenerateRequest) -> RoutingRequest:
         """The prompt tokenized and hashed per page, on a tokenizer thread: a long prompt
@@ -381,96 +322,6 @@ class TritonPythonModel:
             self._fail(flight, "request was cancelled", pb_utils.TritonError.CANCELLED)
         elif not flight.closed:
             raise EngineError(f"engine {engine.name} ended the stream without a final response")
-
-    def _observe(self, engine: str, arrival: float, first_token_at: float | None, answer: Answer,
-                 cached: int) -> None:  # fmt: skip
-        """A finished request's latencies and token counts, as the client saw them."""
-        now, labels = time.monotonic(), {"policy": self.policy.name, "engine": engine}
-        observe = self.metrics.observe
-        observe("preble_router_e2e_request_latency_seconds", now - arrival, labels)
-        if first_token_at is not None:
-            observe("preble_router_time_to_first_token_seconds", first_token_at - arrival, labels)
-            if answer.num_output > 1:
-                tpot = (now - first_token_at) / (answer.num_output - 1)
-                observe("preble_router_time_per_output_token_seconds", tpot, labels)
-        observe("preble_router_request_prompt_tokens", answer.num_input_tokens, labels)
-        observe("preble_router_request_generation_tokens", answer.num_output, labels)
-        self.metrics.count("preble_router_prompt_tokens_total", answer.num_input_tokens, labels)
-        self.metrics.count("preble_router_cached_prompt_tokens_total", cached, labels)
-
-    def _count_failure(self, code, engine: str = "none") -> None:
-        """A failed request, by reason and by the engine it was placed on ("none": refused
-        before routing)."""
-        reason = self.failure_reasons.get(code, "internal")
-        self.metrics.count("preble_router_failures_total", 1, {"policy": self.policy.name, "reason": reason,
-                                                               "engine": engine})  # fmt: skip
-
-    def _fail(self, flight: Flight, message: str, code) -> None:
-        if self.responder.fail(flight, message, code):
-            engine = "none" if flight.instance is None else self.engines[flight.instance].name
-            self._count_failure(code, engine)
-
-    def _settle(self, flight: Flight) -> None:
-        """The router's bookkeeping for a routed request, once, whoever ends it first."""
-        if flight.instance is None or flight.settled:
-            return
-        flight.settled = True
-        self.loads[flight.instance].in_flight -= 1
-        if not flight.engine_finished:  # refused or failed: forget the placement
-            self.policy.on_finish(flight.instance, flight.routing, FinishInfo())
-
-    def _mirror(self, instance: int, batch: EventBatch | None) -> list[CacheEvent]:
-        """The report's cache events this router has not applied yet; on a snapshot the
-        policy first drops what earlier events said the engine caches."""
-        if batch is None:
-            return []
-        events, resync = self.feeds[instance].take(batch)
-        if resync:
-            self.policy.resync(instance)
-        return events
-
-    def _learn(self, instance: int, engine: EngineClient, load: dict) -> None:
-        """A report's load snapshot; a local engine on ``cuda:N`` gets its GPU sampled through NVML."""
-        self.monitor.learn_pid(instance, load)
-        self.load_view.report(instance, load)
-        self.loads[instance].reported = self.load_view.snapshot(instance)
-        device = str(load.get("device", ""))
-        local = isinstance(engine, LocalEngine)
-        if local and device.startswith("cuda") and self.load_view.gpus[instance] is None:
-            self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
-            self.load_view.start()
-
-    def gauge_cached(self, instance: int) -> None:
-        cached = self.policy.cached_tokens(instance)
-        if cached is not None:
-            labels = {"engine": self.engines[instance].name}
-            self.metrics.gauge("preble_router_cached_pages", cached // self.config.page_size, labels)
-
-    # ---- engine health (the monitor's verdicts, run on the event loop) ----------------------
-
-    def _engine_down(self, instance: int, reason: str) -> None:
-        name = self.engines[instance].name
-        pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
-        self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
-        self.policy.instance_down(instance)
-        self.gauge_cached(instance)
-        self.feeds[instance].reset()
-        if not self.config.migration_limit:  # else each task moves its request elsewhere
-            for flight in self.flights.on_instance(instance):
-                self._fail(flight, f"engine {name} failed while serving this request: {reason}",
-                           pb_utils.TritonError.UNAVAILABLE)  # fmt: skip
-                self._settle(flight)
-        self.engines[instance].cancel_all()  # ends the tasks waiting on its answers
-
-    def _engine_up(self, instance: int) -> None:
-        name = self.engines[instance].name
-        if self.membership.first_answer(instance):
-            pb_utils.Logger.log_info(f"preble router: engine {name} answers; routing to it")
-        else:
-            pb_utils.Logger.log_info(f"preble router: engine {name} is back; routing to it again")
-        self.metrics.gauge("preble_router_engine_up", 1, {"engine": name})
-        self.engines[instance].reopen_streams()
-        self.policy.instance_up(instance)
 
     # ---- shutdown ---------------------------------------------------------------------------
 

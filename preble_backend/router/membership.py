@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.serving.engine_client import make_engine_client
-from preble_backend.serving.event_feed import EventFeed
+from preble_backend.router.engine_client import make_engine_client
+from preble_backend.router.event_feed import EventFeed
+from preble_backend.router.router_state import RouterState
 from scheduler.policy import InstanceLoad
-
-if TYPE_CHECKING:
-    from preble_backend.serving.router_model import TritonPythonModel
 
 
 class Membership:
-    def __init__(self, router: TritonPythonModel, entries: list[str]) -> None:
+    def __init__(self, router: RouterState, entries: list[str]) -> None:
         self.router = router
         self.slots = {entry: i for i, entry in enumerate(entries)}  # discovery entry -> slot
         self.members = set(self.slots.values())  # slots discovery names now

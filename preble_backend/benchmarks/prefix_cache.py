@@ -3,7 +3,7 @@
 Reports prompt tokens computed vs served from cache, wall time, and mean time to first
 token, for both settings in the same run, and their ratio. Usage:
 
-    python -m preble_backend.engine.bench_prefix_cache --num-requests 8 --prefix-len 2048
+    python -m preble_backend.benchmarks.prefix_cache --num-requests 8 --prefix-len 2048
 """
 
 from __future__ import annotations

@@ -21,12 +21,11 @@ import hmac
 import os
 from dataclasses import dataclass
 
-from preble_backend.serving.access import ADMIN_KEY_ENV
-from preble_backend.serving.protocol import BadRequest
+from preble_backend.common.keys import ADMIN_KEY_ENV
+from preble_backend.serving.protocol import FORBIDDEN, BadRequest
 from scheduler.policies import POLICIES
 
 OPS = ("status", "flush", "configure")
-FORBIDDEN = "admin control needs the admin key"  # fronts answer it 403
 
 
 class AdminRefused(BadRequest):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preble_backend.common.cost_model import CostModel
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, parse_strings, setting
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, MAX_INPUT_BYTES, parse_strings, setting
 from scheduler.policies import POLICIES
 
 
@@ -48,7 +48,7 @@ class RouterConfig:
     max_queue: int = setting(
         1024, doc="admitted requests waiting for a forwarding slot; beyond, requests get UNAVAILABLE"
     )
-    max_input_bytes: int = setting(4 << 20, doc="a larger text_input is refused before tokenization")
+    max_input_bytes: int = setting(MAX_INPUT_BYTES, doc="a larger text_input is refused before tokenization")
     health_interval_s: float = setting(
         1.0, doc="how often each engine is probed and its stub process checked"
     )

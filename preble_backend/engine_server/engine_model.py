@@ -23,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.engine.request import RequestOutput
+from preble_backend.engine_server.coalescer import Coalescer
 from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
@@ -32,7 +33,6 @@ from preble_backend.serving.backend_utils import (
     send_error,
     string_tensor,
 )
-from preble_backend.serving.coalescer import Coalescer
 from preble_backend.serving.metrics import Metrics, MetricSpec
 from preble_backend.serving.protocol import (
     ENGINE_INPUTS,

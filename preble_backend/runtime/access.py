@@ -27,9 +27,6 @@ from preble_backend.model.tiny_model import cache_root
 # Shared-memory registration is admin: it makes the server map memory a client names.
 ADMIN_APIS = ("model-repository", "logging", "trace", "shared-memory")
 CLIENT_APIS = ("inference", "metadata", "model-config", "statistics")
-API_KEY_ENV = "PREBLE_API_KEY"
-ADMIN_KEY_ENV = "PREBLE_ADMIN_KEY"
-ENGINE_KEY_ENV = "PREBLE_ENGINE_KEY"
 LOOPBACK = "127.0.0.1"
 
 
@@ -69,11 +66,6 @@ class Access:
     def client_host(self) -> str:
         """Where a client on this machine reaches the server."""
         return LOOPBACK if self.host in ("0.0.0.0", "::", "") else self.host
-
-
-def engine_key() -> str | None:
-    """The key this process sends its engines (``PREBLE_ENGINE_KEY``), if any."""
-    return os.environ.get(ENGINE_KEY_ENV) or None
 
 
 def admin_key_file(grpc_port: int) -> Path:

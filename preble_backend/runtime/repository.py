@@ -6,14 +6,13 @@ The checked-in ``model_repository/`` is ``write_repository(path, cpu_engines=2)`
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 from pathlib import Path
 
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE, setting_doc
 from preble_backend.engine.config import EngineConfig
 from preble_backend.model.pypi_models import is_named, model_directory
-from preble_backend.serving.config import RouterConfig
+from preble_backend.router.config import RouterConfig
 from preble_backend.serving.protocol import (
     ENGINE_INPUTS,
     ENGINE_OUTPUTS,
@@ -22,8 +21,8 @@ from preble_backend.serving.protocol import (
     TensorSpec,
 )
 
-ENGINE_MODEL_PY = "from preble_backend.serving.engine_model import TritonPythonModel  # noqa: F401\n"
-ROUTER_MODEL_PY = "from preble_backend.serving.router_model import TritonPythonModel  # noqa: F401\n"
+ENGINE_MODEL_PY = "from preble_backend.engine_server.engine_model import TritonPythonModel  # noqa: F401\n"
+ROUTER_MODEL_PY = "from preble_backend.router.router_model import TritonPythonModel  # noqa: F401\n"
 
 def _io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> str:
     """The model's ``input`` and ``output`` blocks, rendered from the protocol's specs."""
@@ -129,38 +128,3 @@ def _split_cores(host_cores: int, engines: int) -> list[str]:
         )
     per = host_cores // engines
     return [f"{i * per}-{(i + 1) * per - 1}" if per > 1 else str(i) for i in range(engines)]
-
-
-def config_parameter(config_pbtxt: str, key: str) -> str | None:
-    """The string value of a ``parameters`` entry of a ``config.pbtxt`` (None: not set)."""
-    found = re.search(rf'key:\s*"{re.escape(key)}"\s*value:\s*\{{\s*string_value:\s*"([^"]*)"', config_pbtxt)
-    return found.group(1) if found else None
-
-
-def set_config_parameter(config_pbtxt: str, key: str, value: str) -> str:
-    """``config_pbtxt`` with the string parameter ``key`` set to ``value`` (added if absent)."""
-    entry = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
-    value_of = r'\s*value:\s*\{\s*string_value:\s*"[^"]*"\s*\}\s*\}'
-    pattern = rf'parameters\s*\{{\s*key:\s*"{re.escape(key)}"' + value_of
-    if re.search(pattern, config_pbtxt):
-        return re.sub(pattern, lambda _: entry, config_pbtxt, count=1)
-    return config_pbtxt.rstrip("\n") + "\n" + entry + "\n"
-
-
-def check_local_engines(repository: Path, names: list[str], page_size: int) -> None:
-    """Fail the router's load, naming the problem, when a local engine it forwards to is
-    not a decoupled model of this repository or pages its KV differently (the router
-    matches prompts per page: a different size would never match a prefix)."""
-    for name in names:
-        config = repository / name / "config.pbtxt"
-        if not config.is_file():
-            raise ValueError(f"engines: model {name!r} is not in the model repository {repository}")
-        text = config.read_text()
-        if not re.search(r"model_transaction_policy\s*\{\s*decoupled\s*:\s*true\s*\}", text):
-            raise ValueError(f"engines: model {name!r} is not decoupled (model_transaction_policy)")
-        theirs = config_parameter(text, "page_size")
-        theirs = str(DEFAULT_PAGE_SIZE) if theirs is None else theirs
-        if theirs != str(page_size):
-            raise ValueError(
-                f"page_size={page_size} is invalid: engine {name!r} pages its KV cache by {theirs} tokens"
-            )

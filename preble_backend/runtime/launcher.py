@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from preble_backend.common.procfs import die_with_parent, group_running, port_holder
-from preble_backend.serving.access import Access
+from preble_backend.runtime.access import Access
 
 LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
 BENIGN = re.compile(r"CudaDriverHelper|NVML|DCGM|pinned memory|CUDA driver")

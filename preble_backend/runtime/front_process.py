@@ -13,10 +13,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
 from preble_backend.common.procfs import die_with_parent
 from preble_backend.common.settings import MAX_BODY_BYTES
-from preble_backend.serving.access import ADMIN_KEY_ENV, API_KEY_ENV, Access
-from preble_backend.serving.launcher import LaunchError, TritonServer
+from preble_backend.runtime.access import Access
+from preble_backend.runtime.launcher import LaunchError, TritonServer
 
 
 @dataclass

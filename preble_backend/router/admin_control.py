@@ -4,17 +4,14 @@ run on the router's event loop, answered with the router's state."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.serving.admin import AdminRequest, parse_admin, router_admin_key
-from preble_backend.serving.engine_client import EngineError
+from preble_backend.router.admin import AdminRequest, parse_admin, router_admin_key
+from preble_backend.router.engine_client import EngineError
+from preble_backend.router.router_state import RouterState
 from scheduler.policies import make_policy
-
-if TYPE_CHECKING:
-    from preble_backend.serving.router_model import TritonPythonModel
 
 
 def admin_request(parameters: str | None) -> AdminRequest | None:
@@ -32,7 +29,7 @@ def admin_request(parameters: str | None) -> AdminRequest | None:
 
 
 class AdminControl:
-    def __init__(self, router: TritonPythonModel) -> None:
+    def __init__(self, router: RouterState) -> None:
         self.router = router
 
     async def run(self, sender, admin: AdminRequest) -> None:

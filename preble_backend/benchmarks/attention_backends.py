@@ -1,8 +1,8 @@
 """The engine per attention backend: its logits and greedy tokens against transformers on the
 same device and dtype, and its speed on a batch that shares a long prefix.
 
-    python -m preble_backend.engine.bench_backends                # CUDA, bf16, every backend
-    python -m preble_backend.engine.bench_backends --smoke        # tiny shapes, fp32 (CI)
+    python -m preble_backend.benchmarks.attention_backends                # CUDA, bf16, every backend
+    python -m preble_backend.benchmarks.attention_backends --smoke        # tiny shapes, fp32 (CI)
 
 The model is written by the script (no hub): random weights with Llama-3-8B's layer shape
 (hidden 4096, 32 query heads, 8 KV heads, head_dim 128, MLP 14336) and fewer layers. Logits
@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from preble_backend.engine.bench_prefix_cache import run as run_batch
+from preble_backend.benchmarks.prefix_cache import run as run_batch
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     smoke_device = "cuda" if torch.cuda.is_available() else "cpu"
     args.device, args.dtype = (smoke_device, "float32") if args.smoke else ("cuda", "bfloat16")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_backends needs a CUDA GPU (or --smoke)")
+        print("benchmarks.attention_backends needs a CUDA GPU (or --smoke)")
         return 2
     dtype = getattr(torch, args.dtype)
     prompts = prompts_for(shape)

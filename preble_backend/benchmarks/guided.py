@@ -1,7 +1,7 @@
 """What structured outputs cost per token: each grammar library's mask time at a batch of
 guided requests, and the engine's decode with every request guided against none.
 
-    python -m preble_backend.engine.bench_guided --model smollm2 --batch 32 [--engine]
+    python -m preble_backend.benchmarks.guided --model smollm2 --batch 32 [--engine]
 
 Matchers are driven as decoding drives them: each step fills the batch's masks, applies
 them to random logits and accepts the likeliest allowed token (a uniformly random legal

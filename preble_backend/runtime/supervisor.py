@@ -24,20 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.common.procfs import children, command_name, process_tree
-from preble_backend.serving.access import LOOPBACK, Access
-from preble_backend.serving.launcher import (
+from preble_backend.runtime.access import LOOPBACK, Access
+from preble_backend.runtime.launcher import (
     LaunchError,
     ServerPorts,
     TritonServer,
     free_port,
     start_server,
 )
-from preble_backend.serving.repository import config_parameter, set_config_parameter
+from preble_backend.serving.pbtxt import config_parameter, set_config_parameter
 
 STUB = "triton_python_"  # the stub's command name, as /proc truncates it
 # A server that fails to start is started again after a backoff that doubles; one that
 # had served is restarted at once, however soon it died: a kill is no crash loop, and a
-# backoff there kept the fifth kill of one engine out for 36 s (bench_restart.py).
+# backoff there kept the fifth kill of one engine out for 36 s (benchmarks/engine_restart.py).
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
 

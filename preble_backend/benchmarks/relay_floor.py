@@ -7,7 +7,7 @@ responses and a final flag (the router's coalesced answer to a ToolBench request
 client sends ``--requests`` at each rate, one ``ModelStreamInfer`` stream each. Printed
 per request: tritonserver + stub CPU, and this client's CPU.
 
-    python -m preble_backend.serving.bench_relay_floor --rates 10,40 --requests 400
+    python -m preble_backend.benchmarks.relay_floor --rates 10,40 --requests 400
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from client.triton_client import infer_inputs
 from preble_backend.common.procfs import cpu_seconds, process_tree
-from preble_backend.serving.launcher import ServerPorts, free_port, start_server
+from preble_backend.runtime.launcher import ServerPorts, free_port, start_server
 
 CONFIG = """name: "echo"
 backend: "python"

@@ -1,5 +1,6 @@
 """The gRPC endpoint of the tritonserver a model runs in, read from the server's command
-line: the router reaches the engines of its own server there (see ``LocalEngine``).
+line: the router reaches the engines of its own server there (see ``LocalEngine``); and
+the check that those local engines are models the router can forward to.
 
 A Python-backend stub is started by ``bash -c "exec stub ..."`` from tritonserver, so the
 stub's parent process is the server itself."""
@@ -7,7 +8,11 @@ stub's parent process is the server itself."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from preble_backend.serving.pbtxt import config_parameter
 
 DEFAULT_GRPC_PORT = 8001  # tritonserver's own default
 
@@ -46,3 +51,22 @@ def server_grpc_url() -> str:
             "set the router's server_grpc_url to its server's gRPC endpoint"
         )
     return grpc_url_from_args(args[1:])
+
+
+def check_local_engines(repository: Path, names: list[str], page_size: int) -> None:
+    """Fail the router's load, naming the problem, when a local engine it forwards to is
+    not a decoupled model of this repository or pages its KV differently (the router
+    matches prompts per page: a different size would never match a prefix)."""
+    for name in names:
+        config = repository / name / "config.pbtxt"
+        if not config.is_file():
+            raise ValueError(f"engines: model {name!r} is not in the model repository {repository}")
+        text = config.read_text()
+        if not re.search(r"model_transaction_policy\s*\{\s*decoupled\s*:\s*true\s*\}", text):
+            raise ValueError(f"engines: model {name!r} is not decoupled (model_transaction_policy)")
+        theirs = config_parameter(text, "page_size")
+        theirs = str(DEFAULT_PAGE_SIZE) if theirs is None else theirs
+        if theirs != str(page_size):
+            raise ValueError(
+                f"page_size={page_size} is invalid: engine {name!r} pages its KV cache by {theirs} tokens"
+            )

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from client.triton_client import StreamError, open_grpc, stream_infer
-from preble_backend.common.keys import grpc_bearer
-from preble_backend.serving.access import engine_key
-from preble_backend.serving.engine_stream import EngineStream, StreamClosed
+from preble_backend.common.keys import engine_key, grpc_bearer
+from preble_backend.router.engine_stream import EngineStream, StreamClosed
 from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names, not_loaded
 
 OUTPUTS = names(ENGINE_OUTPUTS)

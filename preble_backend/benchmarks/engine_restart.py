@@ -9,7 +9,7 @@ log then splits its start: tritonserver up to the model's load, and the load its
 stub's imports, the engine's construction). ``--burn N`` keeps N processes spinning on
 the CPU meanwhile, as a loaded host would.
 
-    python -m preble_backend.serving.bench_restart --engines 2 --rounds 4 [--burn 2] [--kill server]
+    python -m preble_backend.benchmarks.engine_restart --engines 2 --rounds 4 [--burn 2] [--kill server]
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from preble_backend.serving.launcher import free_port
-from preble_backend.serving.repository import write_repository
-from preble_backend.serving.supervisor import engine_stub
+from preble_backend.runtime.launcher import free_port
+from preble_backend.runtime.repository import write_repository
+from preble_backend.runtime.supervisor import engine_stub
 
 LOG_TIME = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+)")
 
