@@ -17,9 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	if [ -n "$(TORCH_INDEX)" ] && $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_INDEX)/torch/', timeout=5)" 2>/dev/null; \
 	then echo "torch: the CPU build from $(TORCH_INDEX)"; $(PIP) "$(TORCH)" --index-url "$(TORCH_INDEX)" 2>&1 | grep -v "^WARNING: Location" || true; \
 	else echo "torch: $(TORCH_INDEX) unreachable or not asked for: $(TORCH) from pip's own index"; $(PIP) "$(TORCH)" 2>&1 | grep -v "^WARNING: Location" || true; fi
-	$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA' if torch.version.cuda else 'CPU', 'build')"
 	$(PIP) -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import torch, transformers, tritonclient, preble_backend"
+	$(PY) -c "import torch, transformers, tritonclient, preble_backend; print('torch', torch.__version__, 'CUDA' if torch.version.cuda else 'CPU', 'build')"
 	$(PY) -m client.perf_analyzer --link-libraries
 	touch $@
 

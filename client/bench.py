@@ -333,7 +333,9 @@ def summary_line(rec: dict) -> str:
         return f"  {rec['policy']:12s} {done} completed, errors {rec['errors']}"
     failed = "".join(f"\n    {n} failed: {why}" for why, n in rec["errors"].items())
     return (
-        f"  {rec['policy']:12s} rps {rec['rps']} avg {rec['avg_latency_s']:.3f}s p99 "
+        f"  {rec['policy']:12s} rps {rec['rps']} avg {rec['avg_latency_s']:.3f}s "
+        + (f"({ratio:.2f}x ref) " if (ratio := rec.get("avg_latency_s_over_reference")) is not None else "")
+        + "p99 "
         f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s hit {rec['cache_hit_ratio']:.2f} "
         f"{rec['completed']}/{rec['num_requests']} "
         + (f"host cpu {rec['host_cpu_busy']:.0%} " if rec.get("host_cpu_busy") is not None else "")

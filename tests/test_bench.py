@@ -48,6 +48,11 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
                      "--tokenizer", tiny_model, "--output", str(tmp_path / "sim")])  # fmt: skip
         assert code == 0
         sim = json.loads((tmp_path / "sim" / "bench_toolbench.json").read_text())["runs"]
+        references = [r for r in sim if r["policy"] in ("reference", "lower_bound")]
+        expected = [(p, rps) for p in ("lower_bound", "reference") for rps in (6.0, 12.0)]
+        assert sorted((r["policy"], r["rps"]) for r in references) == expected
+        sim = [r for r in sim if r not in references]
+        assert all(r["avg_latency_s_over_reference"] > 0 for r in sim)
         assert [(r["policy"], r["rps"]) for r in sim] == [(r["policy"], r["rps"]) for r in runs]
         assert [r["prompt_tokens"] for r in sim] == [r["prompt_tokens"] for r in runs]
         assert set(sim[1]["per_engine"].values()) == {12} and sim[0]["completed"] == 24

@@ -84,7 +84,14 @@ def test_workload_and_simulate_commands(tmp_path, capsys, monkeypatch):
     bars = terminal.getvalue()  # the stress-rate search, then the runs
     assert "finding the stress rate" in bars and "toolbench x2: 100%" in bars and "run/s" in bars
     records = json.loads((tmp_path / "sim" / "toolbench_2.json").read_text())
-    assert {r["policy"] for r in records} == {"e2", "round_robin"}
+    assert {r["policy"] for r in records} == {"e2", "round_robin", "reference", "lower_bound"}
+    for r in records:  # every run read against perfect placement at its rate; no policy beats the bound
+        ref = next(x for x in records if x["policy"] == "reference" and x["rps"] == r["rps"])
+        bound = next(x for x in records if x["policy"] == "lower_bound" and x["rps"] == r["rps"])
+        assert abs(r["avg_latency_s_over_reference"] - r["avg_latency_s"] / ref["avg_latency_s"]) < 1e-9
+        if r["policy"] in ("e2", "round_robin"):  # the pooled reference is no real cluster: N× faster
+            assert r["avg_latency_s"] >= bound["avg_latency_s"] * (1 - 1e-9)  # equal when nothing waits
+            assert r["p99_latency_s"] >= bound["p99_latency_s"] * (1 - 1e-9)
     for key in ("avg_latency_s", "p99_latency_s", "avg_ttft_s", "p99_ttft_s", "avg_tpot_s", "throughput_rps",
                 "cache_hit_ratio", "num_requests", "rps", "instances", "workload"):  # fmt: skip
         assert key in records[0]

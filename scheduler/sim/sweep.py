@@ -22,6 +22,7 @@ from client.workloads import Materializer, WorkloadRequest, generate, poisson_ar
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.progress import progress
 from scheduler.policies import ALL_POLICIES, make_policy
+from scheduler.sim.reference import REFERENCES, over_reference, reference_metrics
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
 
@@ -54,6 +55,11 @@ def cluster_facts(cfg: SimConfig, cost: CostModel, clock) -> dict:
 
 
 def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel, **options) -> dict:
+    """One policy's run, or a reference's (``reference.py``), as one record's metrics."""
+    followers = [r for r in requests if r.after is not None]
+    if policy in REFERENCES:  # one instance, or none: no turn ever moves
+        return {**reference_metrics(policy, requests, cfg, cost), "follower_moves": 0,
+                "followers": len(followers), "branches": {}, "per_engine": {}}  # fmt: skip
     result = simulate(
         requests,
         lambda clock: make_policy(policy, cfg.num_instances, cluster_facts(cfg, cost, clock), **options),
@@ -66,7 +72,6 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
         branches[record.branch] = branches.get(record.branch, 0) + 1
         per_engine[f"instance_{record.instance}"] = per_engine.get(f"instance_{record.instance}", 0) + 1
     records = result.records
-    followers = [r for r in requests if r.after is not None]
     moved = sum(records[r.request_id].instance != records[r.after].instance for r in followers)
     return {**metrics(result), "follower_moves": moved, "followers": len(followers),
             "branches": branches, "per_engine": dict(sorted(per_engine.items()))}  # fmt: skip
@@ -155,7 +160,7 @@ def sweep(
     else:
         stress, extra = stress_rps, set()
     rates = sorted({*extra, *(stress * k for k in fractions)})  # the knee on a linear axis
-    grid = [(rps, policy) for rps in rates for policy in policies]
+    grid = [(rps, policy) for rps in rates for policy in (*policies, *REFERENCES)]
     work = [(workload, n, seed + k, rps, policy, cfg, cost) for k in range(seeds) for rps, policy in grid]
     # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -168,9 +173,13 @@ def sweep(
                "stress": rps == stress, "seeds": seeds, "cost_model": cost_label,
                "capacity_tokens": cfg.capacity_tokens, **mean}  # fmt: skip
         records.append(rec)
+    over_reference(records)
+    over_reference(records, "p99_latency_s")
+    for rec in records:
         log(
-            f"  {rps:7.2f} rps {policy:12s} avg {rec['avg_latency_s']:.3f}s "
-            f"p99 {rec['p99_latency_s']:.3f}s hit {rec['cache_hit_ratio']:.2f}"
+            f"  {rec['rps']:7.2f} rps {rec['policy']:12s} avg {rec['avg_latency_s']:.3f}s "
+            f"({rec['avg_latency_s_over_reference']:.2f}x ref) p99 {rec['p99_latency_s']:.3f}s "
+            f"({rec['p99_latency_s_over_reference']:.2f}x ref) hit {rec['cache_hit_ratio']:.2f}"
         )
     return records
 
