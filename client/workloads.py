@@ -1,6 +1,6 @@
 """The paper's five workloads (§3, Table 1) and two that dominate real prefix-sharing
 traffic (multi-turn chat, multi-tenant system prompts) as deterministic generators, plus
-Azure trace replay, mixes and Poisson arrivals.
+mixes and Poisson arrivals (Azure trace replay: ``azure_trace.py``).
 
 A request is a list of *segments* (an id and a length in tokens) and an output length.
 Requests that share a segment id share its tokens, so the sharing structure (system
@@ -16,12 +16,10 @@ real tokenizer (``text``, for live servers). Table 1's statistics over a trace a
 
 from __future__ import annotations
 
-import csv
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 # Table 1: (mean, std) of prompt length, output length, shared prefix %, key portion %,
 # requests sharing the key portion.
@@ -239,6 +237,35 @@ def multi_tenant(n: int, seed: int = 0, scale: float = 1.0, num_tenants: int = 0
     return out
 
 
+def shifting_docs(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """Retrieval over documents whose popularity shifts abruptly, as news, a launch or a
+    viral document makes it: questions over one long document each (a 300-token system
+    prompt, a document of ~6,000 tokens, a ~60-token question, ~120-token answers), the
+    document drawn by Zipf-1.2 over a popularity order that is drawn anew every ``n / 10``
+    requests (an epoch: about a minute at the stress rate), so the few hot documents of
+    one epoch are cold in the next; 30% of requests are a background of unshared
+    prompts (~900 tokens, ~200-token answers)."""
+    rng = random.Random(seed)
+    num_docs = max(40, n // 25)
+    docs = [_lognormal(random.Random(seed * 43 + k), 6000 * scale, 3000 * scale, 1000 * scale, 16000 * scale)
+            for k in range(num_docs)]  # fmt: skip
+    epoch_len, order, out = max(1, n // 10), list(range(num_docs)), []
+    system = Segment("sd-system", int(300 * scale) or 1)
+    for i in range(n):
+        if i % epoch_len == 0:
+            rng.shuffle(order)  # the new epoch's popularity: its hot documents
+        if rng.random() < 0.3:
+            length = _lognormal(rng, 900 * scale, 600 * scale, 50 * scale, 4000 * scale)
+            prompt = Segment(f"sd-bg-{seed}-{i}", length)
+            out.append(WorkloadRequest([prompt], _lognormal(rng, 200, 150, 4, 1024), "background"))
+            continue
+        d = order[_zipf(rng, num_docs, 1.2)]
+        question = Segment(f"sd-q-{seed}-{i}", _lognormal(rng, 60 * scale, 30 * scale, 5, 400 * scale))
+        doc = Segment(f"sd-doc-{seed}-{d}", docs[d])
+        out.append(WorkloadRequest([system, doc, question], _lognormal(rng, 120, 80, 4, 512), f"doc-{d}"))
+    return out
+
+
 WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "toolbench": toolbench,
     "embodied_agent": embodied_agent,
@@ -247,6 +274,7 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "loogle": loogle,
     "chat": chat,
     "multi_tenant": multi_tenant,
+    "shifting_docs": shifting_docs,
 }
 
 
@@ -286,44 +314,6 @@ def poisson_arrivals(requests: list[WorkloadRequest], rps: float, seed: int = 0)
         else:
             r.arrival = requests[r.after].arrival + r.think_s
     return requests
-
-
-def azure_trace(
-    path: str | Path,
-    shared_fraction: float = 0.5,
-    num_prefixes: int = 50,
-    seed: int = 0,
-    limit: int | None = None,
-) -> list[WorkloadRequest]:
-    """Replay an Azure LLM inference trace (``TIMESTAMP, ContextTokens, GeneratedTokens``).
-    The trace has no content, so each prompt gets a synthesized shared prefix (Zipf-1.1
-    over ``num_prefixes``) covering ``shared_fraction`` of its context; arrivals keep the
-    trace's timestamps, relative to the first."""
-    import datetime as dt
-
-    rng = random.Random(seed)
-    out, start = [], None
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            if limit is not None and i >= limit:
-                break
-            stamp = row["TIMESTAMP"].strip()
-            try:
-                t = float(stamp)
-            except ValueError:
-                t = dt.datetime.fromisoformat(stamp[:26]).timestamp()
-            start = t if start is None else start
-            context, generated = int(row["ContextTokens"]), max(1, int(row["GeneratedTokens"]))
-            prefix = _zipf(rng, num_prefixes, 1.1)
-            shared = int(context * shared_fraction)
-            segs = [
-                Segment(f"az-prefix-{prefix}-{shared // 256}", shared),
-                Segment(f"az-{seed}-{i}", context - shared),
-            ]
-            out.append(
-                WorkloadRequest([s for s in segs if s.length > 0], generated, f"prefix-{prefix}", t - start)
-            )
-    return out
 
 
 # ---- materializing segments ---------------------------------------------------------------

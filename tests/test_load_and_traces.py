@@ -8,7 +8,8 @@ import json
 import re
 import sys
 
-from client.workloads import azure_trace, generate, mix, poisson_arrivals
+from client.azure_trace import azure_trace
+from client.workloads import generate, mix, poisson_arrivals
 from preble_backend.cli import main
 from scheduler.nvml_load import GpuSample, LoadView
 

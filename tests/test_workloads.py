@@ -75,6 +75,26 @@ def test_multi_tenant_statistics_follow_llm_ds_shape():
     assert top[0][1] > 2 * top[len(top) // 2][1]  # tenants differ in size
 
 
+def test_shifting_docs_popularity_is_concentrated_within_an_epoch_and_moves_between_them():
+    reqs = generate("shifting_docs", 1000, seed=0)
+    assert reqs == generate("shifting_docs", 1000, seed=0)  # deterministic by seed
+    background = [r for r in reqs if r.group == "background"]
+    assert 0.25 < len(background) / len(reqs) < 0.35
+    assert len({r.segments[0].id for r in background}) == len(background)  # unshared
+    hottest = []
+    for epoch in range(10):
+        docs = Counter(r.group for r in reqs[epoch * 100 : (epoch + 1) * 100] if r.group != "background")
+        top3 = [d for d, _ in docs.most_common(3)]
+        assert sum(docs[d] for d in top3) / sum(docs.values()) > 0.4  # a few documents are hot
+        hottest.append(set(top3))
+    kept = [len(hottest[e] & hottest[e + 1]) for e in range(9)]
+    assert sum(kept) <= 4, kept  # and the next epoch's hot set is mostly new
+    doc_requests = [r for r in reqs if r.group != "background"]
+    assert all(r.segments[0].id == "sd-system" for r in doc_requests)
+    assert all(r.segments[1].id.startswith("sd-doc-") for r in doc_requests)
+    assert 4000 < sum(r.segments[1].length for r in doc_requests) / len(doc_requests) < 9000
+
+
 def test_poisson_arrivals_space_conversation_starts_so_the_trace_offers_the_rate():
     reqs = poisson_arrivals(generate("chat", 2000, seed=2), rps=10.0, seed=2)
     starts = [r.arrival for r in reqs if r.after is None]
