@@ -266,6 +266,39 @@ def shifting_docs(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadReq
     return out
 
 
+def agentic(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+    """Agent trajectories: one of four agent applications' tool-definition system prompts
+    (~4,000 tokens, Zipf popularity), a task (~200 tokens), then steps until done (~8,
+    2–30, at most a 32k-token context × scale): each step the model writes an action
+    (~80-token answer) and the tool's output (~400 tokens, long-tailed) joins the prompt
+    of the next step, sent when the tool returns (a follower, ``think_s`` ~2 s, 0.2–30 s):
+    long shared prefixes, and trajectories that grow while their tools run."""
+    rng = random.Random(seed)
+    tools = [_lognormal(random.Random(seed * 47 + k), 4000 * scale, 1500 * scale, 800 * scale, 9000 * scale)
+             for k in range(4)]  # fmt: skip
+    out: list[WorkloadRequest] = []
+    run = 0
+    while len(out) < n:
+        app = _zipf(rng, len(tools), 1.0)
+        task = Segment(f"ag-task-{seed}-{run}", _lognormal(rng, 200 * scale, 100 * scale, 20, 1000 * scale))
+        history = [Segment(f"ag-tools-{app}", tools[app]), task]
+        for step in range(_lognormal(rng, 8, 6, 2, 30)):
+            action = Segment(f"ag-a-{seed}-{run}-{step}", _lognormal(rng, 80, 60, 8, 512))
+            if sum(s.length for s in history) + action.length > 32000 * scale:
+                break
+            request = WorkloadRequest(list(history), action.length, f"agent-{app}", answer=action)
+            if step:
+                tool_s = min(30.0, max(0.2, rng.lognormvariate(math.log(1.5), 0.8)))  # median 1.5 s, mean ~2
+                request.after, request.think_s = len(out) - 1, tool_s
+            out.append(request)
+            observation = _lognormal(rng, 400 * scale, 600 * scale, 10, 4000 * scale)
+            history += [action, Segment(f"ag-o-{seed}-{run}-{step}", observation)]
+            if len(out) == n:
+                break
+        run += 1
+    return out
+
+
 WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "toolbench": toolbench,
     "embodied_agent": embodied_agent,
@@ -275,6 +308,7 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "chat": chat,
     "multi_tenant": multi_tenant,
     "shifting_docs": shifting_docs,
+    "agentic": agentic,
 }
 
 

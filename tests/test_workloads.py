@@ -95,6 +95,22 @@ def test_shifting_docs_popularity_is_concentrated_within_an_epoch_and_moves_betw
     assert 4000 < sum(r.segments[1].length for r in doc_requests) / len(doc_requests) < 9000
 
 
+def test_agentic_trajectories_grow_by_each_action_and_tool_output_while_the_tool_runs():
+    reqs = generate("agentic", 600, seed=2)
+    followers = [r for r in reqs if r.after is not None]
+    assert len(followers) > 0.7 * len(reqs)  # trajectories of several steps
+    for r in followers:
+        before = reqs[r.after]
+        assert r.segments[: len(before.segments)] == before.segments  # the earlier step's prompt
+        action, observation = r.segments[len(before.segments) :]
+        assert action == before.answer and observation.id.startswith("ag-o-")  # its action, the tool's output
+        assert 0.2 <= r.think_s <= 30 and r.group == before.group
+    assert all(r.segments[0].id.startswith("ag-tools-") for r in reqs)
+    assert all(r.prompt_len + r.output_len <= 32000 for r in reqs)
+    assert 1.5 < statistics.mean(r.think_s for r in followers) < 2.6  # tools return in ~2 s
+    assert len({r.segments[0].id for r in reqs}) <= 4  # four agent applications' tool prompts
+
+
 def test_poisson_arrivals_space_conversation_starts_so_the_trace_offers_the_rate():
     reqs = poisson_arrivals(generate("chat", 2000, seed=2), rps=10.0, seed=2)
     starts = [r.arrival for r in reqs if r.after is None]
