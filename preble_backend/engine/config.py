@@ -33,6 +33,9 @@ class EngineConfig:
     priority_groups: int = setting(10, doc="P of the priority wait queue")
     priority_quota: int = setting(10, doc="k: group g admits (g + 1) * k requests per round")
     enable_prefix_caching: bool = setting(True, doc="radix prefix cache on/off")
+    tensor_parallel_size: int = setting(
+        1, doc="ranks the model is split over (heads, MLP; one process each, gloo on CPU, NCCL on GPUs)"
+    )
     attention_backend: str = setting(
         "auto", doc="auto (sdpa on CPU, triton on GPU) | torch (the reference) | sdpa | triton | flashinfer"
     )
@@ -69,6 +72,7 @@ class EngineConfig:
         check(self.max_running_requests >= 1, "max_running_requests", "an integer >= 1")
         check(1 <= self.priority_groups <= 100, "priority_groups", "an integer in [1, 100]")
         check(self.priority_quota >= 1, "priority_quota", "an integer >= 1")
+        check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "an integer in [1, 64]")
         check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",

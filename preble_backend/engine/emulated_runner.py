@@ -54,6 +54,9 @@ class EmulatedRunner:
         """The engine ran out of work: its next iteration starts afresh."""
         self._last_end = None
 
+    def close(self) -> None:
+        """Nothing runs beside it."""
+
     def stats(self) -> dict[str, float]:
         """``emulated_behind_s`` > 0: the host could not keep up with the modelled device,
         and a bench on this engine measured the host too."""

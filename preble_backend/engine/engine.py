@@ -30,6 +30,7 @@ from preble_backend.engine.model_runner import ModelRunner
 from preble_backend.engine.request import Request, RequestOutput, Status
 from preble_backend.engine.sampling import SamplerState, sample_one, token_logprobs
 from preble_backend.engine.stop_checker import StopChecker
+from preble_backend.engine.tp_ranks import RankLost
 
 log = logging.getLogger("preble.engine")
 
@@ -49,9 +50,9 @@ class Engine:
         if config.compute == "emulated":
             self.runner = EmulatedRunner(config.model_path, config.cost_model, config.emulated_slowdown)
         else:
-            self.runner = ModelRunner(
-                config.model_path, config.dtype, config.device, config.attention_backend
-            )
+            c = config
+            self.runner = ModelRunner(c.model_path, c.dtype, c.device, c.attention_backend,
+                                      c.tensor_parallel_size)  # fmt: skip
         self.model_config = self.runner.cfg
         self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
         self.scheduler = make_local_scheduler(self.pool, config)
@@ -206,6 +207,8 @@ class Engine:
         try:
             logits, rows = self.runner.forward(batch, self.pool)
             return [(batch, logits, rows)]
+        except RankLost:
+            raise  # no request's fault: the engine itself is broken
         except Exception as exc:
             if len(batch) == 1:
                 log.exception("iteration failed for request %s", batch.requests[0].request_id)
@@ -349,6 +352,7 @@ class Engine:
         for request_id in pending:
             self.abort(request_id)
         self.step()
+        self.runner.close()  # a tensor-parallel engine's other ranks
 
     # ---- observation ----------------------------------------------------------------------
 

@@ -3,15 +3,18 @@ page tables; returns the logits of the requests that sample this iteration."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
 from preble_backend.engine.local_scheduler import ScheduledBatch
+from preble_backend.engine.tp_ranks import Group, RankLost, Ranks, rank_device
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
 from preble_backend.model.attention_backends import make_attention_backend
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.llama import LlamaForCausalLM
+from preble_backend.model.tensor_parallel import TPGroup
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -25,22 +28,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_path: str | Path, dtype: str, device: str, attention_backend: str):
-        self.device = torch.device(device)
+    """``tensor_parallel_size`` > 1: this process is rank 0 and starts the other ranks
+    (``tp_ranks.py``), which hold the rest of the model and follow each forward pass."""
+
+    def __init__(self, model_path: str | Path, dtype: str, device: str, attention_backend: str,
+                 tensor_parallel_size: int = 1, group: Group | None = None) -> None:  # fmt: skip
+        rank = group.rank if group is not None else 0
+        self.device = torch.device(rank_device(device, rank))
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = LlamaForCausalLM.from_pretrained(model_path, self.dtype, self.device)
+        self.ranks = None
+        if tensor_parallel_size > 1 and group is None:  # rank 0: it starts the others
+            args = (str(model_path), dtype, device, attention_backend)
+            self.ranks = Ranks(tensor_parallel_size, device, follow, args)
+            group = self.ranks.group
+        tp = TPGroup(rank, tensor_parallel_size, group) if tensor_parallel_size > 1 else None
+        self.model = LlamaForCausalLM.from_pretrained(model_path, self.dtype, self.device, tp)
         self.cfg = self.model.cfg
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.backend = make_attention_backend(attention_backend, self.device)
 
     def make_pool(self, num_pages: int, page_size: int) -> KVPool:
+        if self.ranks is not None:
+            self.ranks.send(("pool", num_pages, page_size))
         cfg = self.cfg
         return KVPool(
-            num_pages, page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
 
     def kv_bytes_per_token(self) -> int:
+        """This rank's: its KV heads only."""
         cfg = self.cfg
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     def went_idle(self) -> None:
         """The engine ran out of work (an emulated device stops overlapping; this one has
@@ -49,46 +67,78 @@ class ModelRunner:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def close(self) -> None:
+        """Stop the other ranks (a single-device runner has none)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
     def forward(self, batch: ScheduledBatch, pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Logits for the requests whose whole sequence is computed after this pass, and
-        their indices in ``batch``."""
-        ids, positions, slots, logit_rows, sampling = [], [], [], [], []
-        ps = pool.page_size
-        offset = 0
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = req.num_computed
-            ids.extend(req.tokens(start, start + n))
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(req.page_table[p // ps] * ps + p % ps for p in pos)
-            offset += n
-            if start + n == req.num_tokens:
-                logit_rows.append(offset - 1)
-                sampling.append(i)
+        their indices in ``batch``; the other ranks run the same pass without logits."""
+        inputs, logit_rows, sampling = prepare(batch, pool.page_size, self.backend.min_shared_tokens)
+        if self.ranks is None:
+            return self.run(inputs, pool, logit_rows), sampling
+        try:
+            self.ranks.send(("forward", inputs))
+            return self.run(inputs, pool, logit_rows), sampling
+        except RuntimeError as exc:  # a collective failed: was it a rank that died?
+            if (lost := self.ranks.lost()) is not None:
+                raise RankLost(f"{lost}; the engine must be restarted") from exc
+            raise
+
+    def run(self, inputs: tuple, pool: KVPool, logit_rows: list[int]) -> torch.Tensor:
+        ids, positions, attn = inputs
         dev = self.device
-        reqs = batch.requests
-        width = max(len(r.page_table) for r in reqs)
-        table = torch.tensor(
-            [r.page_table + [0] * (width - len(r.page_table)) for r in reqs], dtype=torch.int32
-        )
-        groups = []
-        if self.backend.min_shared_tokens is not None and len(reqs) > 1:
-            tree_pages = [r.page_table[: r.num_tree_pages] for r in reqs]
-            groups = shared_prefix_groups(tree_pages, ps, self.backend.min_shared_tokens)
-        attn = AttentionBatch(
-            q_lens=list(batch.num_new_tokens),
-            prefix_lens=[r.num_computed for r in reqs],
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            page_table=table.to(dev),
-            page_size=ps,
-            shared_prefixes=groups,
-        )
-        logits = self.model(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            attn,
-            pool,
-            self.backend,
-            torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        )
-        return logits, sampling
+        attn = dataclasses.replace(attn, slot_mapping=attn.slot_mapping.to(dev),
+                                   page_table=attn.page_table.to(dev))  # fmt: skip
+        return self.model(ids.to(dev), positions.to(dev), attn, pool, self.backend,
+                          torch.tensor(logit_rows, dtype=torch.long, device=dev))  # fmt: skip
+
+
+def prepare(batch: ScheduledBatch, ps: int,
+            min_shared_tokens: int | None) -> tuple[tuple, list[int], list[int]]:  # fmt: skip
+    """The pass's inputs on the host (token ids, positions, the attention batch), the rows
+    whose logits are sampled, and their requests' indices in ``batch``."""
+    ids, positions, slots, logit_rows, sampling = [], [], [], [], []
+    offset = 0
+    for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        start = req.num_computed
+        ids.extend(req.tokens(start, start + n))
+        pos = range(start, start + n)
+        positions.extend(pos)
+        slots.extend(req.page_table[p // ps] * ps + p % ps for p in pos)
+        offset += n
+        if start + n == req.num_tokens:
+            logit_rows.append(offset - 1)
+            sampling.append(i)
+    reqs = batch.requests
+    width = max(len(r.page_table) for r in reqs)
+    table = torch.tensor([r.page_table + [0] * (width - len(r.page_table)) for r in reqs], dtype=torch.int32)
+    groups = []
+    if min_shared_tokens is not None and len(reqs) > 1:
+        tree_pages = [r.page_table[: r.num_tree_pages] for r in reqs]
+        groups = shared_prefix_groups(tree_pages, ps, min_shared_tokens)
+    attn = AttentionBatch(
+        q_lens=list(batch.num_new_tokens),
+        prefix_lens=[r.num_computed for r in reqs],
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        page_table=table,
+        page_size=ps,
+        shared_prefixes=groups,
+    )
+    inputs = (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), attn)
+    return inputs, logit_rows, sampling
+
+
+def follow(rank: int, size: int, port: int, model_path: str, dtype: str, device: str,
+           attention_backend: str) -> None:  # fmt: skip
+    """A follower rank's life (in a process of its own): join the group, load its slice,
+    then run every pass rank 0 sends until told to stop."""
+    group = Group(rank, size, port, device, timeout_s=120.0)
+    runner = ModelRunner(model_path, dtype, device, attention_backend, size, group)
+    pool = None
+    while (message := group.receive()) is not None:
+        if message[0] == "pool":
+            pool = runner.make_pool(*message[1:])
+        else:
+            runner.run(message[1], pool, [])

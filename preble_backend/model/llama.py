@@ -19,6 +19,7 @@ from preble_backend.model.attention import AttentionBackend, AttentionBatch
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
+from preble_backend.model.tensor_parallel import TPGroup, shard_model
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -124,7 +125,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    def from_pretrained(cls, model_path: str | Path, dtype: torch.dtype, device,
+                        tp: TPGroup | None = None) -> LlamaForCausalLM:  # fmt: skip
+        """The checkpoint on ``device``; with ``tp``, only that rank's slice goes there (the
+        whole checkpoint is read on the host first: each rank reads it all)."""
         cfg = ModelConfig.from_dir(model_path)
         with torch.device("meta"):
             model = cls(cfg)
@@ -144,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
             )
         model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=True, assign=True)
         model.inv_freq = cfg.inv_freq()
+        if tp is not None and tp.size > 1:
+            shard_model(model, tp)
         return model.to(device).eval()
 
 

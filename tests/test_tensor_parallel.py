@@ -1,0 +1,73 @@
+"""Tensor parallelism on CPU with gloo (``model/tensor_parallel.py``, ``engine/tp_ranks.py``):
+an engine split over 2 or 4 ranks generates exactly what the same engine on one device
+does, greedy and seeded, under chunked prefill, prefix sharing and preemption, on
+checkpoints whose heads split differently (GQA with fewer KV heads than ranks, tied
+embeddings, biases, Llama-3 rope); and a rank that dies fails its engine, not hangs it."""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import pytest
+from conftest import random_prompts
+
+from preble_backend.model.model_config import ModelConfig
+from preble_backend.model.tensor_parallel import head_split
+
+GREEDY = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+SEEDED = {"max_tokens": 10, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    shared = random_prompts([48], vocab, seed=1)[0]  # three prompts over one prefix, one apart
+    tails = random_prompts([5, 17, 30, 61], vocab, seed=2)
+    return [shared + tails[0], shared + tails[1], shared + tails[2], tails[3]]
+
+
+def _run(make_engine, model: str, tp: int, params: dict, **config) -> tuple[list[list[int]], dict]:
+    engine = make_engine(model, tensor_parallel_size=tp, chunk_size=16, **config)
+    vocab = engine.model_config.vocab_size
+    out = engine.generate(_prompts(vocab), params)
+    return out, engine.stats()
+
+
+@pytest.mark.parametrize(("model", "tp"), [("qwen2_gqa_model", 2), ("qwen2_gqa_model", 4),
+                                           ("llama3_tied_model", 2), ("llama3_tied_model", 4),
+                                           ("llama_bias_model", 2)])  # fmt: skip
+def test_tp_generates_exactly_what_one_device_does(request, make_engine, model, tp):
+    path = request.getfixturevalue(model)
+    for params in (GREEDY, SEEDED):
+        one, _ = _run(make_engine, path, 1, params)
+        split, stats = _run(make_engine, path, tp, params)
+        assert split == one, (model, tp, params)
+        assert stats["prompt_tokens_cached"] > 0  # the shared prefix was reused on every rank
+
+
+def test_tp_under_preemption(qwen2_gqa_model, make_engine):
+    small = {"max_num_tokens": 160, "page_size": 16}  # four requests cannot all stay: preemption
+    one, stats_one = _run(make_engine, qwen2_gqa_model, 1, {**GREEDY, "max_tokens": 24}, **small)
+    split, stats = _run(make_engine, qwen2_gqa_model, 2, {**GREEDY, "max_tokens": 24}, **small)
+    assert stats["num_preemptions"] > 0 and stats["num_preemptions"] == stats_one["num_preemptions"]
+    assert split == one
+
+
+def test_heads_split_and_kv_heads_replicate_where_fewer_than_ranks(qwen2_gqa_model):
+    cfg = ModelConfig.from_dir(qwen2_gqa_model)  # 8 query heads, 2 KV heads
+    assert [astuple(head_split(cfg, 2, r)) for r in range(2)] == [(0, 4, 0, 1), (4, 4, 1, 1)]
+    four = [head_split(cfg, 4, r) for r in range(4)]  # each KV head on the two ranks that read it
+    assert [(s.q_start, s.kv_start, s.kv_count) for s in four] == [(0, 0, 1), (2, 0, 1), (4, 1, 1), (6, 1, 1)]
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 is invalid: the model's 8 attention heads"):
+        head_split(cfg, 3, 0)
+
+
+def test_a_rank_that_dies_fails_its_engine_at_once_and_frees_its_pages(qwen2_gqa_model, make_engine):
+    from preble_backend.engine.tp_ranks import RankLost
+
+    engine = make_engine(qwen2_gqa_model, tensor_parallel_size=2)
+    assert engine.generate([[5, 6, 7, 8]], GREEDY)[0]
+    follower = engine.runner.ranks.processes[0]
+    follower.kill()
+    follower.join()
+    with pytest.raises(RankLost, match="tensor-parallel rank 1 exited"):
+        engine.generate([[5, 6, 7, 9]], GREEDY)  # not a hang, not a request's error
+    engine.shutdown()  # the request it held ends; every page comes back (the fixture checks)
