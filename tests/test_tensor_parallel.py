@@ -71,3 +71,52 @@ def test_a_rank_that_dies_fails_its_engine_at_once_and_frees_its_pages(qwen2_gqa
     with pytest.raises(RankLost, match="tensor-parallel rank 1 exited"):
         engine.generate([[5, 6, 7, 9]], GREEDY)  # not a hang, not a request's error
     engine.shutdown()  # the request it held ends; every page comes back (the fixture checks)
+
+
+def test_preble_repo_groups_gpus_into_tensor_parallel_engines(tmp_path, capsys):
+    from preble_backend.cli import main
+    from preble_backend.serving.pbtxt import config_parameter
+
+    assert main(["repo", str(tmp_path / "r"), "--gpus", "0,1,2,3,4,5,6,7", "--tensor-parallel", "4"]) == 0
+    engines = sorted(p.name for p in (tmp_path / "r").iterdir() if p.name.startswith("preble_engine"))
+    assert engines == ["preble_engine_0", "preble_engine_1"]  # the paper's 70B setup: two TP-4 instances
+    for name, device in zip(engines, ("cuda:0", "cuda:4")):
+        text = (tmp_path / "r" / name / "config.pbtxt").read_text()
+        assert "instance_group [ { count: 1 kind: KIND_MODEL } ]" in text  # one instance, its ranks its own
+        assert config_parameter(text, "device") == device
+        assert config_parameter(text, "tensor_parallel_size") == "4"
+    router = (tmp_path / "r" / "preble" / "config.pbtxt").read_text()
+    assert config_parameter(router, "engines") == "preble_engine_0,preble_engine_1"
+    assert main(["repo", str(tmp_path / "bad"), "--gpus", "0,1,2", "--tensor-parallel", "2"]) != 0
+    assert "gpus=[0, 1, 2] is invalid for tensor_parallel_size=2" in capsys.readouterr().err
+
+
+def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_model):
+    """Two engines behind the router, one of them split over two ranks: pinned to either,
+    a greedy request gets the same text; the router sees two engines."""
+    import json
+
+    from server_utils import http, serve_stack, write_test_repository
+
+    from preble_backend.serving.pbtxt import set_config_parameter
+
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=2)
+    config = repo / "preble_engine_1" / "config.pbtxt"
+    config.write_text(set_config_parameter(config.read_text(), "tensor_parallel_size", "2"))
+    stack = serve_stack(repo)
+    try:
+        sampling = json.dumps({"max_tokens": 16, "temperature": 0, "ignore_eos": True})
+        for prompt in ("The weather in Paris", "A long shared prefix, then a question", "Hello"):
+            texts = []
+            for engine in ("preble_engine_0", "preble_engine_1"):
+                body = json.dumps({"text_input": prompt, "sampling_parameters": sampling,
+                                   "parameters": {"preble_engine": engine}}).encode()  # fmt: skip
+                status, _, answer = http("POST", stack.url("/v2/models/preble/generate"), body)
+                assert status == 200, answer
+                texts.append(json.loads(answer)["text_output"])
+            assert texts[0] == texts[1] and texts[0], (prompt, texts)
+        _, _, metrics = http("GET", stack.url("/metrics", stack.ports.metrics))
+        assert metrics.decode().count("preble_router_engine_up{") == 2
+    finally:
+        out, err = stack.stop()
+    assert stack.process.returncode == 0, err

@@ -63,7 +63,8 @@ def repo(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     remotes = [r for r in (args.remote or "").split(",") if r]
     engine = {"compute": args.compute, "cost_model": args.cost_model, "emulated_slowdown": args.slowdown,
-              "attention_backend": args.attention_backend}  # fmt: skip
+              "attention_backend": args.attention_backend,
+              "tensor_parallel_size": args.tensor_parallel}  # fmt: skip
     if args.max_num_tokens is not None:
         engine["max_num_tokens"] = args.max_num_tokens
     root = write_repository(

@@ -147,6 +147,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=_positive(int), default=2, help="CPU engines when no --gpus")
+    p.add_argument("--tensor-parallel", type=_positive(int), default=1,
+                   help="ranks per engine: --gpus 0-7 with 4 makes two engines of 4 GPUs each")  # fmt: skip
     p.add_argument(
         "--attention-backend", default=EngineConfig.attention_backend, choices=ATTENTION_BACKENDS,
         help="the engines' attention: auto is sdpa on CPU and the Triton kernels on GPU",

@@ -51,15 +51,24 @@ def _parameters(config, skip: tuple[str, ...] = ()) -> str:
 
 
 def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides) -> str:
+    """One engine on ``gpu`` (None: the CPU). A tensor-parallel GPU engine spans GPUs
+    ``gpu`` .. ``gpu + tensor_parallel_size - 1``: Triton's ``KIND_GPU`` would start an
+    instance per GPU listed, so it is one ``KIND_MODEL`` instance that places its ranks
+    itself, from its ``device`` parameter (as Triton's vLLM backend does)."""
     config = EngineConfig(model_path=model_path, **overrides)
-    group = (
-        f"{{ count: 1 kind: KIND_GPU gpus: [ {gpu} ] }}" if gpu is not None else "{ count: 1 kind: KIND_CPU }"
-    )
+    spans = gpu is not None and config.tensor_parallel_size > 1
+    if spans:
+        group, skip = "{ count: 1 kind: KIND_MODEL }", ()
+        config = EngineConfig(model_path=model_path, **{**overrides, "device": f"cuda:{gpu}"})
+    elif gpu is not None:
+        group, skip = f"{{ count: 1 kind: KIND_GPU gpus: [ {gpu} ] }}", ("device",)
+    else:  # the instance group decides the device: KIND_GPU or KIND_CPU
+        group, skip = "{ count: 1 kind: KIND_CPU }", ("device",)
     return (
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
         f"{_io(ENGINE_INPUTS, ENGINE_OUTPUTS)}instance_group [ {group} ]\n"
-        + _parameters(config, skip=("device",))  # the instance group decides: KIND_GPU or KIND_CPU
+        + _parameters(config, skip=skip)
     )
 
 
@@ -92,7 +101,8 @@ def write_repository(
     host_cores: int | None = None,
     **engine_overrides,
 ) -> Path:
-    """One engine per GPU in ``gpus`` (or ``cpu_engines`` CPU engines; ``engine_overrides``:
+    """One engine per GPU in ``gpus``, or per ``tensor_parallel_size`` consecutive GPUs
+    (or ``cpu_engines`` CPU engines; ``engine_overrides``:
     ``EngineConfig`` settings) and the router over them and ``remote_engines``
     (``router_overrides``: ``RouterConfig`` settings; its page size is the engines';
     ``router_instances`` router processes).
@@ -101,7 +111,11 @@ def write_repository(
     root = Path(path)
     if not is_named(model_path):  # a name is fetched when first loaded
         model_directory(model_path, base=root)  # what the server would refuse, refused now
-    slots: list[int | None] = list(gpus) if gpus else [None] * cpu_engines
+    tp = engine_overrides.get("tensor_parallel_size", 1)
+    if gpus and (len(gpus) % tp or any(b != a + 1 for a, b in zip(gpus, gpus[1:]))):
+        raise ValueError(f"gpus={gpus} is invalid for tensor_parallel_size={tp}: expected consecutive GPU "
+                         f"ids, a multiple of {tp} of them (each engine spans {tp})")  # fmt: skip
+    slots: list[int | None] = list(gpus[::tp]) if gpus else [None] * cpu_engines  # each engine's first GPU
     names = [f"preble_engine_{i}" for i in range(len(slots))]
     computes = engine_overrides.get("compute", "model") == "model"  # an emulated engine only waits
     cores = _split_cores(host_cores, cpu_engines) if host_cores and computes and not gpus else None
