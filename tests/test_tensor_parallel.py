@@ -93,11 +93,17 @@ def test_preble_repo_groups_gpus_into_tensor_parallel_engines(tmp_path, capsys):
 
 def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_model):
     """Two engines behind the router, one of them split over two ranks: pinned to either,
-    a greedy request gets the same text; the router sees two engines."""
+    a greedy request gets the same text; the router sees two engines. A rank killed: the
+    request moves on with the same text and the engine comes back."""
     import json
+    import os
+    import re
+    import signal
+    from pathlib import Path
 
-    from server_utils import http, serve_stack, write_test_repository
+    from server_utils import http, serve_stack, wait_for, write_test_repository
 
+    from preble_backend.common.procfs import process_tree
     from preble_backend.serving.pbtxt import set_config_parameter
 
     repo = write_test_repository(tmp_path / "repo", cpu_engines=2)
@@ -117,6 +123,28 @@ def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_mode
             assert texts[0] == texts[1] and texts[0], (prompt, texts)
         _, _, metrics = http("GET", stack.url("/metrics", stack.ports.metrics))
         assert metrics.decode().count("preble_router_engine_up{") == 2
+        # A rank dies: the engine's next pass fails, its stub exits, the request moves on
+        # with the same text, and the supervisor brings the engine back.
+        stub = stack.engine_stub("preble_engine_1")
+        ranks = [p for p in process_tree(stub) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(ranks) == 1, ranks  # rank 1; rank 0 is the stub itself
+        os.kill(ranks[0], signal.SIGKILL)
+        body = json.dumps({"text_input": "Hello", "sampling_parameters": sampling,
+                           "parameters": {"preble_engine": "preble_engine_1"}}).encode()  # fmt: skip
+        status, _, answer = http("POST", stack.url("/v2/models/preble/generate"), body, timeout=120)
+        assert status == 200 and json.loads(answer)["text_output"] == texts[0], answer  # Hello's text
+        def restarted() -> bool:
+            try:
+                if stack.engine_stub("preble_engine_1") == stub:
+                    return False
+            except LookupError:  # between its server's death and its restart
+                return False
+            text = http("GET", stack.url("/metrics", stack.ports.metrics))[2].decode()
+            up = re.search(r'preble_router_engine_up\{[^}]*engine="preble_engine_1"[^}]*\} 1', text)
+            return up is not None
+
+        wait_for(restarted, 120, "the engine's restart")
     finally:
         out, err = stack.stop()
     assert stack.process.returncode == 0, err
+    assert "engine preble_engine_1 is back (restart 1)" in out, out

@@ -69,6 +69,7 @@ class Engine:
         self._stopping = False
         self.num_finished = 0
         self._step_started: float | None = None  # when the running iteration began
+        self.on_fatal: Callable[[BaseException], None] | None = None  # the engine cannot go on
 
     def _num_pages(self) -> int:
         cfg = self.config
@@ -327,7 +328,13 @@ class Engine:
                 if self._stopping:
                     return
             self._step_started = time.monotonic()
-            self.step()
+            try:
+                self.step()
+            except RankLost as exc:  # the loop ends; its owner decides (Triton's model: restart)
+                log.error("engine loop stopped: %s", exc)
+                if self.on_fatal is not None:
+                    self.on_fatal(exc)
+                return
             self._step_started = None
 
     def loop_health(self) -> dict[str, object]:

@@ -88,12 +88,20 @@ class TritonPythonModel:
         self._response_thread = threading.Thread(
             target=self._response_loop, name="preble-responses", daemon=True  # joined in finalize
         )
+        self.engine.on_fatal = self._fatal
         self.engine.start()
         self._response_thread.start()
         pb_utils.Logger.log_info(
             f"{args['model_name']}: engine on {self.engine.config.device}, "
             f"{self.engine.pool.num_pages} KV pages of {self.engine.pool.page_size} tokens"
         )
+
+    def _fatal(self, exc: BaseException) -> None:
+        """The engine cannot run another pass (a tensor-parallel rank died): the stub exits,
+        so that its server is restarted (``preble serve``'s supervisor) while the router
+        moves this engine's requests elsewhere."""
+        pb_utils.Logger.log_error(f"preble engine: {exc}; exiting so that the engine is restarted")
+        os._exit(1)
 
     def execute(self, requests):
         for request in requests:
