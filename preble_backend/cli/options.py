@@ -86,7 +86,8 @@ def _port(low: int):
     return parse
 
 
-COST_MODEL_HELP = "a shipped fit (tiny_cpu, mistral7b_a6000) or a JSON file from preble profile"
+COST_MODEL_HELP = ("a shipped fit (tiny_cpu, mistral7b_a6000, llama3_70b_h100_tp4: one 4-GPU instance) "
+                   "or a JSON file from preble profile")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
