@@ -148,3 +148,38 @@ def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_mode
         out, err = stack.stop()
     assert stack.process.returncode == 0, err
     assert "engine preble_engine_1 is back (restart 1)" in out, out
+
+
+def test_one_all_reduce_per_attention_block_and_per_mlp_per_pass(llama3_tied_model, make_engine):
+    engine = make_engine(llama3_tied_model, tensor_parallel_size=2, chunk_size=16)
+    group, runner = engine.runner.ranks.group, engine.runner
+    counts = {"all_reduce": 0, "forward": 0}
+    reduce, forward = group.all_reduce, runner.forward
+
+    def counted_reduce(x):
+        counts["all_reduce"] += 1
+        return reduce(x)
+
+    def counted_forward(batch, pool):
+        counts["forward"] += 1
+        return forward(batch, pool)
+
+    group.all_reduce, runner.forward = counted_reduce, counted_forward
+    engine.generate(_prompts(engine.model_config.vocab_size), GREEDY)  # batches of several requests
+    layers = engine.model_config.num_layers
+    assert counts["forward"] > 0 and counts["all_reduce"] == 2 * layers * counts["forward"]
+
+
+@pytest.mark.parametrize(("device", "size", "message"), [
+    ("cuda:0", 2, "tensor_parallel_size=2 is invalid on cuda:0: its ranks need GPUs 0 to 1"),
+    ("cpu", 3, "tensor_parallel_size=3 is invalid: the model's 8 attention heads"),
+])  # fmt: skip
+def test_bad_tensor_parallel_configurations_are_refused_by_name(qwen2_gqa_model, device, size, message):
+    import torch
+
+    from preble_backend.engine.model_runner import ModelRunner
+
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        pytest.skip("this host has the GPUs")
+    with pytest.raises(ValueError, match=message):
+        ModelRunner(qwen2_gqa_model, "float32", device, "auto", size)

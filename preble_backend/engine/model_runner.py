@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 
 from preble_backend.engine.local_scheduler import ScheduledBatch
-from preble_backend.engine.tp_ranks import Group, RankLost, Ranks, rank_device
+from preble_backend.engine.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
 from preble_backend.model.attention_backends import make_attention_backend
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.llama import LlamaForCausalLM
-from preble_backend.model.tensor_parallel import TPGroup
+from preble_backend.model.model_config import ModelConfig
+from preble_backend.model.tensor_parallel import TPGroup, head_split
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -38,6 +39,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.ranks = None
         if tensor_parallel_size > 1 and group is None:  # rank 0: it starts the others
+            check_devices(device, tensor_parallel_size)
+            head_split(ModelConfig.from_dir(model_path), tensor_parallel_size, 0)  # heads that divide
             args = (str(model_path), dtype, device, attention_backend)
             self.ranks = Ranks(tensor_parallel_size, device, follow, args)
             group = self.ranks.group

@@ -25,6 +25,17 @@ import torch
 import torch.distributed as dist
 
 
+def check_devices(device: str, size: int) -> None:
+    """Refuse, by name, ranks this host cannot hold."""
+    if device.startswith("cuda"):
+        first, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(f"tensor_parallel_size={size} is invalid on {device}: its ranks need GPUs "
+                             f"{first} to {first + size - 1}, and this host has {count}")  # fmt: skip
+    elif not dist.is_gloo_available():
+        raise ValueError(f"tensor_parallel_size={size} is invalid on the CPU: this torch has no gloo backend")
+
+
 class RankLost(RuntimeError):
     """A follower rank died: the engine cannot run another pass and must be rebuilt."""
 

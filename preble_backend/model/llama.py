@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -19,7 +20,7 @@ from preble_backend.model.attention import AttentionBackend, AttentionBatch
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
-from preble_backend.model.tensor_parallel import TPGroup, shard_model
+from preble_backend.model.tensor_parallel import TPGroup, shard_model, slice_of
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -127,12 +128,15 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, model_path: str | Path, dtype: torch.dtype, device,
                         tp: TPGroup | None = None) -> LlamaForCausalLM:  # fmt: skip
-        """The checkpoint on ``device``; with ``tp``, only that rank's slice goes there (the
-        whole checkpoint is read on the host first: each rank reads it all)."""
+        """The checkpoint on ``device``; with ``tp``, that rank's slice of it, each sliced
+        tensor read from the safetensors as its slice alone (``slice_of``)."""
         cfg = ModelConfig.from_dir(model_path)
         with torch.device("meta"):
             model = cls(cfg)
-        state = _load_state_dict(Path(model_path))
+        sliced = tp is not None and tp.size > 1
+        if sliced:  # this rank's shapes, then only its slices read from the checkpoint
+            shard_model(model, tp)
+        state = _load_state_dict(Path(model_path), (lambda key: slice_of(key, cfg, tp)) if sliced else None)
         if cfg.tie_word_embeddings:  # a checkpoint without it and untied lacks it: refused below
             state["lm_head.weight"] = state["embed_tokens.weight"]
         expected = set(model.state_dict())
@@ -148,16 +152,25 @@ class LlamaForCausalLM(nn.Module):
             )
         model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=True, assign=True)
         model.inv_freq = cfg.inv_freq()
-        if tp is not None and tp.size > 1:
-            shard_model(model, tp)
         return model.to(device).eval()
 
 
-def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _load_state_dict(path: Path, slicer=None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (``weight_files``), with Hugging Face's ``model.`` prefix
-    stripped."""
+    stripped; ``slicer(key)``: the (dim, start, count) of a tensor to read, None: all."""
     state: dict[str, torch.Tensor] = {}
     for name in weight_files(path):
-        for key, tensor in load_file(str(path / name)).items():
-            state[key.removeprefix("model.")] = tensor
+        if slicer is None:
+            state.update((k.removeprefix("model."), t) for k, t in load_file(str(path / name)).items())
+            continue
+        with safe_open(str(path / name), framework="pt") as f:
+            for key in f.keys():
+                short = key.removeprefix("model.")
+                part = slicer(short)
+                if part is None:
+                    state[short] = f.get_tensor(key)
+                else:
+                    dim, start, count = part
+                    view = f.get_slice(key)
+                    state[short] = view[start : start + count] if dim == 0 else view[:, start : start + count]
     return state

@@ -96,6 +96,28 @@ def _rows(linear: nn.Linear, start: int, count: int) -> nn.Linear:
     return part.requires_grad_(False)
 
 
+def slice_of(key: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int] | None:
+    """Which part of checkpoint tensor ``key`` rank ``tp.rank`` keeps, as (dim, start,
+    count); None: all of it (norms, embeddings, ``lm_head``, row-parallel biases)."""
+    split, hd = head_split(cfg, tp.size, tp.rank), cfg.head_dim
+    inter = cfg.intermediate_size // tp.size
+    name = key.rsplit(".", 2)
+    if len(name) < 3 or not key.startswith("layers."):
+        return None
+    module, kind = name[1], name[2]
+    if module == "q_proj":
+        return 0, split.q_start * hd, split.q_count * hd
+    if module in ("k_proj", "v_proj"):
+        return 0, split.kv_start * hd, split.kv_count * hd
+    if module in ("gate_proj", "up_proj"):
+        return 0, tp.rank * inter, inter
+    if module == "o_proj" and kind == "weight":
+        return 1, split.q_start * hd, split.q_count * hd
+    if module == "down_proj" and kind == "weight":
+        return 1, tp.rank * inter, inter
+    return None
+
+
 def shard_model(model: nn.Module, tp: TPGroup) -> HeadSplit:
     """Cut a loaded ``LlamaForCausalLM`` down to rank ``tp.rank``'s slice, in place."""
     cfg: ModelConfig = model.cfg
