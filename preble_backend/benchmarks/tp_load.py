@@ -3,8 +3,9 @@ Llama-3-70B's layer shape (hidden 8192, 64 query / 8 KV heads, MLP 28672; random
 weights, few layers, a smaller vocabulary so that it fits a small host) is loaded as
 rank 0 of TP 1, 2 and 4, each in a fresh process, which reads every parameter once (the
 checkpoint is memory-mapped: a weight is resident once read, as a first forward pass
-reads it) and reports the bytes of its parameters and its peak resident memory (``VmHWM``) over its
-baseline.
+reads it) and reports the bytes of its parameters, its peak resident memory (``VmHWM``) over its
+baseline, and after loading its anonymous memory (the weights it copied) and the
+checkpoint pages it has mapped (clean file pages, which the kernel reclaims at will).
 
     python -m preble_backend.benchmarks.tp_load --layers 2 --vocab 32000 --sizes 1,2,4
 """
@@ -23,8 +24,11 @@ import json, sys, torch
 from preble_backend.model.llama import LlamaForCausalLM
 from preble_backend.model.tensor_parallel import TPGroup
 torch.set_num_threads(1)
-def peak_kib():  # VmHWM: this process's own (ru_maxrss survives exec from a large parent)
-    return int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
+def status_kib(field):  # /proc's VmHWM is this process's own (ru_maxrss survives exec)
+    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0])
+def peak_kib():
+    return status_kib("VmHWM")
+anon_before = status_kib("RssAnon")
 before = peak_kib()
 size = int(sys.argv[2])
 tp = TPGroup(0, size) if size > 1 else None
@@ -34,7 +38,8 @@ with torch.no_grad():  # a read per 4 KiB page
 after = peak_kib()
 layers = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers."))
 total = sum(p.numel() * p.element_size() for p in model.parameters())
-print(json.dumps({"size": size, "layer_bytes": layers, "param_bytes": total, "peak_kib": after - before}))
+print(json.dumps({"size": size, "layer_bytes": layers, "param_bytes": total, "peak_kib": after - before,
+                  "anon_kib": status_kib("RssAnon") - anon_before, "file_kib": status_kib("RssFile")}))
 """
 
 
@@ -78,11 +83,12 @@ def main(argv: list[str] | None = None) -> None:
                 for size in args.sizes.split(",")]  # fmt: skip
     one = rows[0]
     print("| TP size | layer weights on rank 0 (MB) | all parameters (MB) | peak RSS growth (MB) "
-          "| peak ÷ TP 1 |")
-    print("|---|---|---|---|---|")
+          "| peak ÷ TP 1 | anonymous memory after (MB) | checkpoint pages mapped (MB) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['size']} | {r['layer_bytes'] / 1e6:.0f} | {r['param_bytes'] / 1e6:.0f} | "
-              f"{r['peak_kib'] / 1024:.0f} | {r['peak_kib'] / one['peak_kib']:.2f} |")  # fmt: skip
+              f"{r['peak_kib'] / 1024:.0f} | {r['peak_kib'] / one['peak_kib']:.2f} | "
+              f"{r['anon_kib'] / 1024:.0f} | {r['file_kib'] / 1024:.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
