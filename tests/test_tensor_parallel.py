@@ -183,3 +183,27 @@ def test_bad_tensor_parallel_configurations_are_refused_by_name(qwen2_gqa_model,
         pytest.skip("this host has the GPUs")
     with pytest.raises(ValueError, match=message):
         ModelRunner(qwen2_gqa_model, "float32", device, "auto", size)
+
+
+def test_tp_with_an_abort_mid_batch(llama3_tied_model, make_engine):
+    """Rank 0 decides the abort; the other ranks only ever run the passes it sends, so the
+    requests left finish exactly as on one device, and every page comes back."""
+
+    def run(tp: int) -> dict[str, list[int]]:
+        engine = make_engine(llama3_tied_model, tensor_parallel_size=tp, chunk_size=16)
+        outputs: dict[str, list[int]] = {}
+        for i, prompt in enumerate(_prompts(engine.model_config.vocab_size)):
+            def collect(out) -> None:
+                outputs.setdefault(out.request_id, []).extend(out.token_ids)
+
+            engine.add_request(f"r{i}", prompt, {**GREEDY, "max_tokens": 20}, collect)
+        for _ in range(6):
+            engine.step()
+        engine.abort("r1")
+        while engine.has_work():
+            engine.step()
+        engine.shutdown()
+        return outputs
+
+    one, split = run(1), run(2)
+    assert split == one and len(split["r1"]) < 20 and all(len(split[r]) == 20 for r in ("r0", "r2", "r3"))
