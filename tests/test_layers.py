@@ -54,13 +54,15 @@ def layer(module: str) -> str | None:
 
 
 def imports(path: Path) -> set[str]:
-    """Every module ``path`` imports, at the top or inside a function."""
+    """Every module ``path`` imports, at the top or inside a function (``from package
+    import name`` also as ``package.name``: it may be a module)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
     return found
 
 
@@ -106,17 +108,7 @@ def test_no_two_layers_import_each_other():
 def module_imports() -> dict[str, set[str]]:
     """module -> the project's modules it imports (``from package import module`` too)."""
     files = {module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module)
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        graph[name] = {module for module in found if module in files and module != name}
-    return graph
+    return {name: {m for m in imports(path) if m in files and m != name} for name, path in files.items()}
 
 
 def test_no_two_modules_import_each_other():

@@ -6,6 +6,7 @@ cores (a CPU engine), a child's death with its parent, and who holds a port."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 
@@ -105,6 +106,17 @@ def pin_process(cores: list[int]) -> None:
             os.sched_setaffinity(int(task.name), cores)
         except (ProcessLookupError, PermissionError):
             pass  # a thread that ended meanwhile
+
+
+def terminate(process, timeout: float) -> None:
+    """SIGTERM a ``Popen`` child, then SIGKILL it if it has not exited after ``timeout``."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def die_with_parent() -> None:

@@ -96,7 +96,7 @@ class Ranks:
 
     def __init__(self, size: int, device: str, follow: Callable, args: tuple,
                  timeout_s: float = 120.0) -> None:  # fmt: skip
-        self.size, self.closed = size, False
+        self.closed = False
         port = _free_port()
         context = multiprocessing.get_context("spawn")
         context.set_executable(_python())  # inside Triton's stub, sys.executable is not python
@@ -140,8 +140,8 @@ def _free_port() -> int:
 
 
 def _python() -> str:
-    exe = Path(sys.executable)
-    if exe.name.startswith("python"):
-        return str(exe)
-    return str(Path(sys.prefix) / "bin" / "python3") if (Path(sys.prefix) / "bin" / "python3").exists() else (
-        shutil.which("python3") or "python3")
+    """This environment's interpreter, also where ``sys.executable`` is Triton's stub."""
+    for exe in (Path(sys.executable), Path(sys.prefix) / "bin" / "python3"):
+        if exe.name.startswith("python") and exe.exists():
+            return str(exe)
+    return shutil.which("python3") or "python3"

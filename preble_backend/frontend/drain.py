@@ -29,6 +29,12 @@ class Drain:
         self.cutting = False
         self.upstreams: set = set()  # what each open stream reads from: ``close()``/``cancel()``
 
+    def cut_this_task(self) -> bool:
+        """Whether the ``CancelledError`` being handled is the drain's cut of this task's
+        upstream (answer the client with the drain's message), not this task's own
+        cancellation (its client left: re-raise)."""
+        return self.cutting and not asyncio.current_task().cancelling()
+
     def wrap(self, app) -> Drain:
         self.app = app
         return self

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -82,6 +83,11 @@ class TritonSide:
     metrics: str  # http://127.0.0.1:port/metrics
     max_body_bytes: int = MAX_BODY_BYTES
 
+    @functools.cached_property
+    def engines(self) -> EngineView:
+        """Whether an engine is up: one view (and one cached scrape) for HTTP and gRPC."""
+        return EngineView(self.metrics)
+
 
 def make_app(router: Router, served: Served, render, triton: TritonSide | None = None, key: str | None = None,
              card: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES):  # fmt: skip
@@ -102,7 +108,7 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
         await router.close()
 
     app = FastAPI(title="preble OpenAI-compatible API", lifespan=lifespan)
-    engines = EngineView(triton.metrics) if triton else None
+    engines = triton.engines if triton else None
     if triton is not None:
         add_triton_routes(app, triton.http, engines, router.model, triton.max_body_bytes, lambda: session[0],
                           router.drain)  # fmt: skip
@@ -335,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     grpc_front = None
     if args.grpc_port and triton is not None:
         gate = Gate(key, os.environ.get(ADMIN_KEY_ENV) or None)
-        grpc_front = GrpcFront(args.router, gate, EngineView(triton.metrics), args.router_model, drain)
+        grpc_front = GrpcFront(args.router, gate, triton.engines, args.router_model, drain)
 
     async def serve_all() -> None:
         grpc_server = None

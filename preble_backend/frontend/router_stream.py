@@ -89,7 +89,7 @@ class Router:
         except OpenAIError:
             raise
         except asyncio.CancelledError:  # how grpc.aio ends a call the drain's deadline cancelled
-            if not self.drain.cutting or asyncio.current_task().cancelling():
+            if not self.drain.cut_this_task():
                 raise
             raise OpenAIError(503, MESSAGE) from None
         except Exception as exc:  # the channel broke

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import AsyncIterator
+from contextlib import contextmanager
 
 import grpc
 from grpc import aio
@@ -117,43 +118,43 @@ class GrpcFront(grpc.GenericRpcHandler):
             return grpc.stream_stream_rpc_method_handler(self._stream(details.method))
         return grpc.unary_unary_rpc_method_handler(self._unary(name, details.method))
 
-    def _admit(self, name: str, context) -> tuple[tuple[str, str], ...] | None:
-        """The metadata tritonserver gets, or None when the call was refused here."""
-        if self.drain.draining:
-            return None
-        key = _key(context.invocation_metadata())
-        if self.gate.refusal(name, key) is not None:
-            return None
-        sent = tuple((k, v) for k, v in context.invocation_metadata() or () if k in FORWARDED)
-        return sent + ((GRPC_HEADER, f"Bearer {key}"),) if key else sent
-
-    async def _refuse(self, name: str, context) -> None:
+    async def _admit(self, name: str, context) -> tuple[tuple[str, str], ...]:
+        """The metadata tritonserver gets; a call refused here is aborted (raises)."""
         if self.drain.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
-        code, message = self.gate.refusal(name, _key(context.invocation_metadata()))
-        await context.abort(code, message)
+        metadata = context.invocation_metadata() or ()
+        key = _key(metadata)
+        if (refusal := self.gate.refusal(name, key)) is not None:
+            await context.abort(*refusal)
+        sent = tuple((k, v) for k, v in metadata if k in FORWARDED)
+        return sent + ((GRPC_HEADER, f"Bearer {key}"),) if key else sent
+
+    @contextmanager
+    def _open(self, call):
+        """``call`` counts as open for the drain, which may cut it, until it ends."""
+        self.drain.open += 1
+        self.drain.upstreams.add(call)
+        try:
+            yield call
+        finally:
+            self.drain.open -= 1
+            self.drain.upstreams.discard(call)
 
     def _unary(self, name: str, method: str):
         async def relay(request: bytes, context) -> bytes:
-            metadata = self._admit(name, context)
-            if metadata is None:
-                await self._refuse(name, context)
+            metadata = await self._admit(name, context)
             call = self.channel.unary_unary(method)(
                 request, metadata=metadata, timeout=context.time_remaining()
             )
-            self.drain.open += 1
-            self.drain.upstreams.add(call)
-            try:
-                answer = await call
-            except aio.AioRpcError as exc:
-                await context.abort(*_status(exc))
-            except asyncio.CancelledError:
-                if not self.drain.cutting or asyncio.current_task().cancelling():
-                    raise
-                await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
-            finally:
-                self.drain.open -= 1
-                self.drain.upstreams.discard(call)
+            with self._open(call):
+                try:
+                    answer = await call
+                except aio.AioRpcError as exc:
+                    await context.abort(*_status(exc))
+                except asyncio.CancelledError:
+                    if not self.drain.cut_this_task():
+                        raise
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
             if name in ("ServerReady", "ModelReady") and await self._not_serving(name, request):
                 return _not_ready(name)
             return answer
@@ -162,35 +163,30 @@ class GrpcFront(grpc.GenericRpcHandler):
 
     def _stream(self, method: str):
         async def relay(requests: AsyncIterator[bytes], context) -> AsyncIterator[bytes]:
-            metadata = self._admit("ModelStreamInfer", context)
-            if metadata is None:
-                await self._refuse("ModelStreamInfer", context)
+            metadata = await self._admit("ModelStreamInfer", context)
             call = self.channel.stream_stream(method)(requests, metadata=metadata,
                                                       timeout=context.time_remaining())  # fmt: skip
-            self.drain.open += 1
-            self.drain.upstreams.add(call)
             started = False
-            try:
-                async for answer in call:
-                    started = True
-                    yield answer
-            except aio.AioRpcError as exc:
-                code, message = _status(exc)
-                if (
-                    started
-                    and exc.code() == grpc.StatusCode.UNAVAILABLE
-                    and not retryable(exc.details() or "")
-                ):
-                    message = f"{LOST} ({exc.details()}); the answer is incomplete"
-                await context.abort(code, MESSAGE if self.drain.cutting else message)
-            except asyncio.CancelledError:
-                if not self.drain.cutting or asyncio.current_task().cancelling():
-                    raise
-                await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
-            finally:
-                self.drain.open -= 1
-                self.drain.upstreams.discard(call)
-                call.cancel()  # a client that left: tritonserver's stream is cancelled, and the request
+            with self._open(call):
+                try:
+                    async for answer in call:
+                        started = True
+                        yield answer
+                except aio.AioRpcError as exc:
+                    code, message = _status(exc)
+                    if (
+                        started
+                        and exc.code() == grpc.StatusCode.UNAVAILABLE
+                        and not retryable(exc.details() or "")
+                    ):
+                        message = f"{LOST} ({exc.details()}); the answer is incomplete"
+                    await context.abort(code, MESSAGE if self.drain.cutting else message)
+                except asyncio.CancelledError:
+                    if not self.drain.cut_this_task():
+                        raise
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
+                finally:
+                    call.cancel()  # a client that left: tritonserver's stream is cancelled, and the request
 
         return relay
 

@@ -117,7 +117,7 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         try:
             resp = await call
         except asyncio.CancelledError:
-            if not drain.cutting or asyncio.current_task().cancelling():
+            if not drain.cut_this_task():
                 raise
             return JSONResponse({"error": MESSAGE}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
         except aiohttp.ClientConnectionError as exc:  # the router's server is restarting, say

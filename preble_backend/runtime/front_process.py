@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
-from preble_backend.common.procfs import die_with_parent
+from preble_backend.common.procfs import die_with_parent, terminate
 from preble_backend.common.settings import MAX_BODY_BYTES
 from preble_backend.runtime.access import Access
 from preble_backend.runtime.launcher import LaunchError, TritonServer
@@ -72,13 +72,7 @@ class OpenAIFront:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (the front drains: ``drain.py``), then SIGKILL after ``timeout``."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout)
 
 
 def start_openai_front(

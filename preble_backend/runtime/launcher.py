@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from preble_backend.common.procfs import die_with_parent, group_running, port_holder
+from preble_backend.common.procfs import die_with_parent, group_running, port_holder, terminate
 from preble_backend.runtime.access import Access
 
 LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*?)\"?$")
@@ -103,13 +103,7 @@ class TritonServer:
         return lines[-1].strip() if lines else "no log output"
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout)
         # The server led its own process group: end what it left behind (Python backend
         # stubs outlive a server that crashed or was killed).
         try:

@@ -27,7 +27,7 @@ import itertools
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cost_model import CostModel
 from scheduler.policy import RoundRobin
-from scheduler.sim.simulator import SimConfig, SimRequest, SimResult, metrics, simulate
+from scheduler.sim.simulator import RequestRecord, SimConfig, SimRequest, SimResult, metrics, simulate
 
 REFERENCES = ("reference", "lower_bound")
 
@@ -79,8 +79,6 @@ def lower_bound(requests: list[SimRequest], cfg: SimConfig, cost: CostModel) -> 
     and think time; it finds cached what came before that."""
     import heapq
 
-    import numpy as np
-
     page, order = cfg.page_size, itertools.count()
     followers: dict[str, list[SimRequest]] = {}
     for r in requests:
@@ -89,37 +87,23 @@ def lower_bound(requests: list[SimRequest], cfg: SimConfig, cost: CostModel) -> 
     due = [(r.arrival, next(order), r) for r in requests if r.after is None]
     heapq.heapify(due)
     seen: set[int] = set()  # the chain hash of every page an earlier request left cached
-    lat, ttft, tpot, hits, prompts, ends = [], [], [], 0, 0, []
+    result = SimResult()
     while due:
         arrival, _, req = heapq.heappop(due)
-        chain = chain_hashes(req.input_ids, page)
-        pages = next((i for i, h in enumerate(chain) if h not in seen), len(chain))
-        first_ms, total_ms = alone_ms(len(req.input_ids), pages * page, req.output_len, cfg.engine.chunk_size,
-                                      cost)  # fmt: skip
-        lat.append(total_ms / 1000)
-        ttft.append(first_ms / 1000)
-        if req.output_len > 1:
-            tpot.append((total_ms - first_ms) / 1000 / (req.output_len - 1))
-        hits, prompts = hits + min(pages * page, len(req.input_ids) - 1), prompts + len(req.input_ids)
-        ends.append(arrival + total_ms / 1000)
+        prompt_len = len(req.input_ids)
+        sequence = [*req.input_ids, *(req.output_ids or ())]  # a named answer is cached after its prompt
+        chain = chain_hashes(sequence, page)
+        prompt_pages = prompt_len // page
+        pages = next((i for i, h in enumerate(chain[:prompt_pages]) if h not in seen), prompt_pages)
+        first_ms, total_ms = alone_ms(prompt_len, pages * page, req.output_len, cfg.engine.chunk_size, cost)
+        result.records[req.request_id] = RequestRecord(
+            arrival, first_token=arrival + first_ms / 1000, finish=arrival + total_ms / 1000,
+            prompt_len=prompt_len, cached_tokens=min(pages * page, prompt_len - 1), output_len=req.output_len,
+        )  # fmt: skip
         seen.update(chain)
-        if req.output_ids is not None:  # a named answer is cached after its prompt
-            seen.update(chain_hashes([*req.input_ids, *req.output_ids], page))
         for nxt in followers.pop(req.request_id, ()):
-            heapq.heappush(due, (ends[-1] + nxt.think_s, next(order), nxt))
-    span = max(ends) - min(r.arrival for r in requests if r.after is None)
-    a = np.array(lat)
-    return {
-        "num_requests": len(lat),
-        "avg_latency_s": float(a.mean()),
-        "p50_latency_s": float(np.percentile(a, 50)),
-        "p99_latency_s": float(np.percentile(a, 99)),
-        "avg_ttft_s": float(np.mean(ttft)),
-        "p99_ttft_s": float(np.percentile(ttft, 99)),
-        "avg_tpot_s": float(np.mean(tpot or [0.0])),
-        "throughput_rps": len(lat) / span if span > 0 else 0.0,
-        "cache_hit_ratio": hits / max(1, prompts),
-    }
+            heapq.heappush(due, (arrival + total_ms / 1000 + nxt.think_s, next(order), nxt))
+    return metrics(result)
 
 
 def reference_metrics(name: str, requests: list[SimRequest], cfg: SimConfig, cost: CostModel) -> dict:
