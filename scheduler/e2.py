@@ -136,10 +136,13 @@ class E2(Policy):
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         now = self.clock()
         prompt_len = len(request.input_ids)
-        match = self.tree.match(request.chain(self.page_size))
-        cached = match.matched
+        chain = request.chain(self.page_size)
+        match = self.tree.match(chain)
+        reach = self._host_reach(match, chain)
+        cached = max(match.matched, *reach.values()) if reach else match.matched
         missed = prompt_len - cached
         holders = self._key_holders(match) if cached > missed else set()
+        holders |= {i for i, tokens in reach.items() if tokens > prompt_len - tokens}
         if holders and self._queued_everywhere(holders, prompt_len, now):
             self._replicate(match.key, now)
             holders = self._key_holders(match)
@@ -158,6 +161,20 @@ class E2(Policy):
                 decision = Decision(self._cheapest(self.live, match, prompt_len, loads, now), "explore")
         self._record(request, decision.instance, match, now)
         return decision
+
+    def _host_reach(self, match: Match, chain) -> dict[int, int]:
+        """Tiers (ours, after HiCache-aware routers): for each live instance whose host tier
+        continues the prompt past its device, how far both reach (tokens); its host pages
+        are noted in ``match.hosted`` for the load cost. Empty without host tiers."""
+        reach = {}
+        for i in self.tree.host.holders():
+            if i in self.live:
+                device = match.cached_on(i)
+                hosted = self.tree.host.run(i, chain, device // self.page_size)
+                if hosted:
+                    match.hosted[i] = hosted
+                    reach[i] = device + hosted * self.page_size
+        return reach
 
     def _key_holders(self, match: Match) -> set[int]:
         """The live instances that hold the prompt's key portion, and the autoscaled
@@ -232,10 +249,12 @@ class E2(Policy):
         request costs the batch (``load_cost.batch_load``), and P is paid by the request and
         by every request decoding beside it while its prefill runs (requests still waiting
         for their own prefill go first and do not wait for it); with ``serial`` (the
-        paper's), L is a DECODETIME per request and P the request's own prefill."""
-        missed = prompt_len - match.cached_on(instance)
-        prefill = self.cost.prefill_time(missed)
-        need = self.tree.held_tokens[instance] + missed - self.capacity[instance]
+        paper's), L is a DECODETIME per request and P the request's own prefill. Prompt
+        tokens the instance's host tier holds cost their load-back, not a prefill."""
+        hosted = match.hosted_on(instance)  # loaded back, not recomputed
+        missed = prompt_len - match.cached_on(instance) - hosted
+        prefill = self.cost.prefill_time(missed) + self.cost.load_time(hosted)
+        need = self.tree.held_tokens[instance] + missed + hosted - self.capacity[instance]
         evicted = memory_cost(self.tree, instance, need, match, now, self.cost) if need > 0 else 0.0
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
@@ -251,8 +270,8 @@ class E2(Policy):
     def _record(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
         """Count the request in the instance's load and route it in the tree."""
         prompt_len = len(request.input_ids)
-        cached = match.cached_on(instance)
-        prefill = self.cost.prefill_time(prompt_len - cached)
+        cached = match.cached_on(instance) + match.hosted_on(instance)
+        prefill = self.cost.prefill_time(prompt_len - cached) + self.cost.load_time(match.hosted_on(instance))
         self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from scheduler.host_mirror import HostTierMirror
 from scheduler.tree_node import GlobalNode, Match, common_prefix
 
 
@@ -49,6 +50,7 @@ class GlobalPrefixTree:
         # Nodes nobody holds, by when their last request leaves the window: what prune checks.
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
+        self.host = HostTierMirror(num_instances)  # the engines' host tiers, beside the tree
 
     def add_instance(self) -> int:
         """A slot for one more instance (a node's per-instance state is keyed by it)."""
@@ -56,6 +58,7 @@ class GlobalPrefixTree:
         self.cached_tokens.append(0)
         self.held_tokens.append(0)
         self.lru.append(OrderedDict())
+        self.host.add_instance()
         return self.num_instances - 1
 
     # ---- matching -------------------------------------------------------------------------
@@ -209,11 +212,13 @@ class GlobalPrefixTree:
     # ---- mirroring the engines ------------------------------------------------------------
 
     def apply_events(self, instance: int, events: list[CacheEvent]) -> None:
-        """Mirror an engine's cache. An engine evicts the tails of its leaves page run by
-        page run; here that shortens the instance's cached extent of a node instead of
-        splitting it."""
+        """Mirror an engine's cache (its host tier's events go to ``host``). An engine
+        evicts the tails of its leaves page run by page run; here that shortens the
+        instance's cached extent of a node instead of splitting it."""
         for event in events:
-            if event.kind == "stored":
+            if event.tier == "host":
+                self.host.apply(instance, event)
+            elif event.kind == "stored":
                 self._store(instance, event.hashes, event.start)
             else:
                 self._evict(instance, event.hashes, event.start)
@@ -307,6 +312,7 @@ class GlobalPrefixTree:
         cached path; the last path through a shared node takes that node with it."""
         evicted = [CacheEvent("evicted", seq, 0) for seq in self.cached_sequences(instance)]
         self.apply_events(instance, evicted)
+        self.host.forget(instance)
 
     def _note_unheld(self, node: GlobalNode) -> None:
         if node.cached or node.pending:

@@ -159,6 +159,10 @@ def assert_all_pages_free(engine) -> None:
     engine.flush_cache()
     assert engine.pool.num_free == engine.pool.num_pages
     assert len(set(engine.pool._free)) == engine.pool.num_pages  # no page freed twice
+    host = engine.cache.host if engine.cache is not None else None
+    if host is not None:  # the host tier's pages too
+        assert engine.cache.num_host_pages == 0 and host.pool.num_free == host.pool.num_pages
+        assert len(set(host.pool._free)) == host.pool.num_pages
 
 
 def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:

@@ -1,5 +1,10 @@
 """What an engine's prefix cache reports so a global scheduler can mirror it exactly: cache
-events, and the batches of them an engine's event log hands each reader."""
+events, and the batches of them an engine's event log hands each reader.
+
+Each event names a tier. Along any path the device's pages come first and the host
+tier's follow (a page is on the host only once the device evicted it), so a page moving
+down is ``evicted`` from the device and ``stored`` on the host, and a load-back the
+reverse."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from preble_backend.common.block_hash import chain_hashes
+
+Tier = Literal["device", "host"]  # device memory, or the host-memory tier below it
 
 
 @dataclass(frozen=True)
@@ -18,11 +25,13 @@ class CacheEvent:
     kind: Literal["stored", "evicted"]
     hashes: tuple[int, ...]  # chain hash of every page of the path, root first
     start: int  # first page of the span
+    tier: Tier = "device"  # where the span's pages are, or were (engine/host_tier.py)
 
     @classmethod
-    def of(cls, kind: Literal["stored", "evicted"], tokens, start: int, page_size: int) -> CacheEvent:
+    def of(cls, kind: Literal["stored", "evicted"], tokens, start: int, page_size: int,
+           tier: Tier = "device") -> CacheEvent:  # fmt: skip
         """The event for ``tokens[start:]`` (``start`` in tokens, page-aligned)."""
-        return cls(kind, tuple(chain_hashes(tokens, page_size)), start // page_size)
+        return cls(kind, tuple(chain_hashes(tokens, page_size)), start // page_size, tier)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ class CostModel:
     attention_ms_per_context_token: float
     decode_step_ms: float
     source: str = ""
+    # A page of KV brought back from the host tier (engine/host_tier.py), per token: the
+    # engine's KV bytes per token over the host-to-device bandwidth. 0: no tier modelled.
+    load_ms_per_token: float = 0.0
+    load_source: str = ""
 
     def prefill_time(self, tokens: int) -> float:
         return self.base_ms + self.prefill_ms_per_token * tokens if tokens > 0 else 0.0
@@ -36,12 +40,21 @@ class CostModel:
     def decode_time(self, tokens: float) -> float:
         return self.decode_step_ms * tokens
 
-    def iteration_time(self, prefill_tokens: int, decodes: int, context_tokens: int) -> float:
+    def load_time(self, tokens: int) -> float:
+        """Bringing ``tokens`` of KV back from the host tier instead of recomputing them."""
+        return self.load_ms_per_token * tokens
+
+    def iteration_time(
+        self, prefill_tokens: int, decodes: int, context_tokens: int, loaded_tokens: int = 0
+    ) -> float:
+        """The iteration also waits for the load-backs its requests need (charged in full:
+        the engine does not overlap them with the forward pass)."""
         return (
             self.base_ms
             + self.prefill_ms_per_token * prefill_tokens
             + self.decode_ms_per_request * decodes
             + self.attention_ms_per_context_token * context_tokens
+            + self.load_ms_per_token * loaded_tokens
         )
 
     def scaled(self, factor: float) -> CostModel:
@@ -53,6 +66,7 @@ class CostModel:
             decode_ms_per_request=self.decode_ms_per_request * factor,
             attention_ms_per_context_token=self.attention_ms_per_context_token * factor,
             decode_step_ms=self.decode_step_ms * factor,
+            load_ms_per_token=self.load_ms_per_token * factor,
             source=f"{self.source} (x{factor:g})" if factor != 1 else self.source,
         )
 

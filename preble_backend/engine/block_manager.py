@@ -1,7 +1,8 @@
 """Gives requests their KV pages: cached prefix from the radix cache, the rest from the pool.
 
 The three moments of a request's memory life:
-- ``admit``: look up the longest cached prefix, reference it, start computing after it;
+- ``admit``: look up the longest cached prefix (loading back what the host tier holds of
+  it), reference it, start computing after it;
 - ``reserve``: before each iteration, pages for the tokens it will compute (evicting
   unreferenced cache when the pool runs dry);
 - ``release``: on finish, abort or preemption, hand its full computed pages to the cache
@@ -20,13 +21,18 @@ class BlockManager:
         self.pool = pool
         self.cache = cache  # None: prefix caching off
         self.page_size = pool.page_size
+        self.loaded_tokens = 0  # brought back from the host tier, in all
 
     def admit(self, req: Request) -> int:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
         always left to compute, since sampling needs its logits."""
         if self.cache is None:
             return 0
-        pages, node = self.cache.match_prefix(req.tokens(0, req.num_tokens - 1))
+        tokens = req.tokens(0, req.num_tokens - 1)
+        pages, node = self.cache.match_prefix(tokens)
+        loaded, node = self.cache.load_back(tokens, node, len(pages) * self.page_size, self.pool)
+        pages += loaded
+        self.loaded_tokens += len(loaded) * self.page_size
         self.cache.lock(node)
         req.cache_node = node
         req.page_table = list(pages)

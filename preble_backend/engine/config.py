@@ -28,6 +28,12 @@ class EngineConfig:
         0, doc="KV capacity in tokens; 0 = kv_memory_fraction of free GPU memory (32768 on CPU)"
     )
     kv_memory_fraction: float = setting(0.85, doc="GPU only, used when max_num_tokens is 0")
+    host_kv_tokens: int = setting(
+        0, doc="host tier: KV tokens kept in host memory when the device evicts them (0 = off)"
+    )
+    host_kv_ratio: float = setting(
+        0.0, doc="host tier sized as this multiple of the device's KV pages, when host_kv_tokens is 0"
+    )
     chunk_size: int = setting(512, doc="prefill token budget per iteration (chunked prefill)")
     max_running_requests: int = setting(256, doc="cap on requests in the running batch")
     priority_groups: int = setting(10, doc="P of the priority wait queue")
@@ -68,11 +74,18 @@ class EngineConfig:
         check(ps >= 1 and ps & (ps - 1) == 0 and ps <= 256, "page_size", "a power of two in [1, 256]")
         check(self.max_num_tokens == 0 or self.max_num_tokens >= ps, "max_num_tokens", "0 or >= page_size")
         check(0 < self.kv_memory_fraction < 1, "kv_memory_fraction", "a number in (0, 1)")
+        check(self.host_kv_tokens == 0 or self.host_kv_tokens >= ps, "host_kv_tokens", "0 or >= page_size")
+        check(0 <= self.host_kv_ratio <= 1000, "host_kv_ratio", "a number in [0, 1000]")
         check(self.chunk_size >= 1, "chunk_size", "an integer >= 1")
         check(self.max_running_requests >= 1, "max_running_requests", "an integer >= 1")
         check(1 <= self.priority_groups <= 100, "priority_groups", "an integer in [1, 100]")
         check(self.priority_quota >= 1, "priority_quota", "an integer >= 1")
         check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "an integer in [1, 64]")
+        if self.tensor_parallel_size > 1 and (self.host_kv_tokens or self.host_kv_ratio):
+            raise ValueError(
+                "host_kv_tokens / host_kv_ratio is invalid with tensor_parallel_size > 1: the host "
+                "tier does not yet copy each rank's KV slice"
+            )
         check(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
@@ -86,6 +99,12 @@ class EngineConfig:
         check(self.stream_interval_ms >= 0, "stream_interval_ms", "a number >= 0 (0: every token)")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
+
+    def host_pages(self, device_pages: int) -> int:
+        """Pages of the host tier beside ``device_pages`` on the device (0: no tier)."""
+        if self.host_kv_tokens:
+            return self.host_kv_tokens // self.page_size
+        return int(device_pages * self.host_kv_ratio)
 
     def cores(self) -> list[int]:
         return parse_cores(self.cpu_cores)

@@ -55,7 +55,9 @@ class Engine:
                                       c.tensor_parallel_size)  # fmt: skip
         self.model_config = self.runner.cfg
         self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
-        self.scheduler = make_local_scheduler(self.pool, config)
+        host_pages = config.host_pages(self.pool.num_pages)
+        host = self.runner.make_pool(host_pages, config.page_size, host=True) if host_pages else None
+        self.scheduler = make_local_scheduler(self.pool, config, host)
         self.cache = self.scheduler.blocks.cache
         self.events = EventLog()  # what every router mirroring this cache reads
         self.stops = StopChecker(config.model_path, self.model_config.eos_token_ids)
@@ -364,23 +366,20 @@ class Engine:
     # ---- observation ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        s = self.scheduler.stats
+        s, cache = self.scheduler.stats, self.cache
         return {
-            "device": str(self.runner.device),
-            "page_size": self.pool.page_size,
-            "kv_pages_total": self.pool.num_pages,
-            "kv_pages_used": self.pool.num_used,
+            "device": str(self.runner.device), "page_size": self.pool.page_size,
+            "kv_pages_total": self.pool.num_pages, "kv_pages_used": self.pool.num_used,
             "kv_pages_free": self.pool.num_free,
-            "kv_pages_cached": self.cache.num_pages if self.cache else 0,
-            "kv_pages_evictable": self.cache.num_evictable_pages if self.cache else 0,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
+            "kv_pages_cached": cache.num_pages if cache else 0,
+            "kv_pages_evictable": cache.num_evictable_pages if cache else 0,
+            "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
             "prompt_tokens_computed": s.prompt_tokens_computed,
             "prompt_tokens_cached": s.prompt_tokens_cached,
-            "num_preemptions": s.num_preemptions,
-            "requests_finished": self.num_finished,
+            "num_preemptions": s.num_preemptions, "requests_finished": self.num_finished,
+            **(cache.host.report() if cache and cache.host else {}),
             **self.runner.stats(),
-        }
+        }  # fmt: skip
 
     def cache_events(self, cursor: str | None) -> EventBatch:
         """The cache events after a reader's ``cursor`` (see ``event_log``), or a snapshot

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from preble_backend.engine.block_manager import BlockManager
 from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.host_tier import HostTier
 from preble_backend.engine.priority_queue import PriorityWaitQueue
 from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.engine.request import Request, Status
@@ -25,6 +26,7 @@ from preble_backend.model.kv_pool import KVPool
 class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    loaded_tokens: int = 0  # brought back from the host tier to form it
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -38,9 +40,10 @@ class ScheduledBatch:
         self.requests.pop(i)
         return self.num_new_tokens.pop(i)
 
-    def work(self) -> tuple[int, int, int]:
-        """(prefill tokens, decodes, context tokens): what the cost model charges for this
-        iteration. A request with one token left to compute is decoding."""
+    def work(self) -> tuple[int, int, int, int]:
+        """(prefill tokens, decodes, context tokens, tokens loaded back): what the cost
+        model charges for this iteration. A request with one token left to compute is
+        decoding."""
         prefill = decodes = context = 0
         for req, n in zip(self.requests, self.num_new_tokens):
             if req.num_uncomputed == 1:
@@ -48,7 +51,7 @@ class ScheduledBatch:
             else:
                 prefill += n
             context += req.num_computed + n
-        return prefill, decodes, context
+        return prefill, decodes, context, self.loaded_tokens
 
 
 @dataclass
@@ -84,6 +87,7 @@ class LocalScheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        loaded = self.blocks.loaded_tokens
         budget = self.chunk_size
         for req in list(self.running):
             if req.status is not Status.RUNNING:
@@ -102,6 +106,7 @@ class LocalScheduler:
                 batch.add(req, n)
                 budget -= n
         self._admit(batch, budget)
+        batch.loaded_tokens = self.blocks.loaded_tokens - loaded
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -149,10 +154,14 @@ class LocalScheduler:
         req.status = Status.FINISHED
 
 
-def make_local_scheduler(pool: KVPool, config: EngineConfig) -> LocalScheduler:
-    """The local scheduler an engine with ``config`` runs over ``pool``. The engine and the
-    simulator both build it here, so a simulated instance schedules as a real one does."""
-    cache = RadixCache(config.page_size) if config.enable_prefix_caching else None
+def make_local_scheduler(
+    pool: KVPool, config: EngineConfig, host_pool: KVPool | None = None
+) -> LocalScheduler:
+    """The local scheduler an engine with ``config`` runs over ``pool`` (and ``host_pool``,
+    its host tier, if it has one). The engine and the simulator both build it here, so a
+    simulated instance schedules as a real one does."""
+    host = HostTier(pool, host_pool) if host_pool is not None else None
+    cache = RadixCache(config.page_size, host) if config.enable_prefix_caching else None
     return LocalScheduler(
         BlockManager(pool, cache),
         PriorityWaitQueue(config.priority_groups, config.priority_quota),

@@ -50,13 +50,14 @@ class ModelRunner:
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.backend = make_attention_backend(attention_backend, self.device)
 
-    def make_pool(self, num_pages: int, page_size: int) -> KVPool:
+    def make_pool(self, num_pages: int, page_size: int, host: bool = False) -> KVPool:
+        """The device's KV pool, or (``host``) the host tier's: in host memory, pinned when
+        the device is a GPU (the engine refuses a host tier with more ranks than one)."""
         if self.ranks is not None:
             self.ranks.send(("pool", num_pages, page_size))
-        cfg = self.cfg
-        return KVPool(
-            num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype, self.device
-        )
+        cfg, gpu = self.cfg, self.device.type == "cuda"
+        return KVPool(num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype,
+                      "cpu" if host else self.device, pin_memory=host and gpu)  # fmt: skip
 
     def kv_bytes_per_token(self) -> int:
         """This rank's: its KV heads only."""

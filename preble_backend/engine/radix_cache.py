@@ -1,4 +1,5 @@
-"""Radix prefix cache over the paged KV pool (SGLang-style, page-granular).
+"""Radix prefix cache over the paged KV pool (SGLang-style, page-granular), with an
+optional host tier below it.
 
 Keys are token ids and matching compares them exactly, but storage is page-granular: every
 node holds a whole number of full pages, and nodes split only at page boundaries. A
@@ -8,10 +9,15 @@ recomputed by whoever needs them next). Full pages never change once written, so
 needs no copy-on-write.
 
 Running requests hold a reference (``lock``) on the node that ends their cached prefix;
-the reference protects the whole path to the root. Eviction takes unreferenced leaves in
-least-recently-used order, and only the tail of a leaf when that is enough. Every page
-added or removed is reported as a ``CacheEvent`` so a global scheduler can mirror the
-cache exactly.
+the reference protects the whole path to the root. Eviction takes unreferenced device
+leaves in least-recently-used order, and only the tail of a leaf when that is enough.
+
+With a host tier (``host_tier.py``) an evicted node is copied down instead of dropped: it
+stays in the tree, its pages now host pages (``on_host``), and a request that matches it
+loads it back (``load_back``). A node is in one tier. Along every path the device's nodes
+come first, so device eviction takes nodes with no device child, and the host tier evicts
+its own leaves by its own LRU to make room. Every page added, moved or removed is reported
+as a ``CacheEvent`` naming its tier, so a global scheduler can mirror both tiers exactly.
 """
 
 from __future__ import annotations
@@ -20,31 +26,25 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.prefix import longest_match
+from preble_backend.engine.cache_changes import Change, coalesce
+from preble_backend.engine.host_tier import HostTier
+from preble_backend.model.kv_pool import KVPool
 
 _clock = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class _Change:
-    """A raw event, in tokens: ``tokens[start:]`` stored or evicted."""
-
-    kind: Literal["stored", "evicted"]
-    tokens: tuple[int, ...]
-    start: int
 
 
 @dataclass(eq=False)
 class TreeNode:
     key: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # in the device pool, or the host pool
     parent: TreeNode | None = None
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    on_host: bool = False
 
     def path_tokens(self) -> list[int]:
         parts, node = [], self
@@ -53,15 +53,22 @@ class TreeNode:
             node = node.parent
         return list(itertools.chain.from_iterable(reversed(parts)))
 
+    def has_device_child(self) -> bool:
+        return any(not c.on_host for c in self.children.values())
+
 
 class RadixCache:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, host: HostTier | None = None) -> None:
         self.page_size = page_size
+        self.host = host  # None: evicted pages are dropped
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
-        self.events: deque[_Change] = deque()  # appends and pops are thread-safe
-        self.num_pages = 0  # pages held by the tree
+        self.events: deque[Change] = deque()  # appends and pops are thread-safe
+        self.num_pages = 0  # device pages held by the tree
         self.num_locked_pages = 0  # of those, pages on a path some request references
-        self.leaves: set[TreeNode] = set()  # eviction candidates when unreferenced
+        self.num_host_pages = 0
+        self.leaves: set[TreeNode] = set()  # device nodes without a device child: eviction candidates
+        self.host_leaves: set[TreeNode] = set()  # host nodes without children
+        self._loading: set[TreeNode] = set()  # host nodes a load-back is bringing up
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -75,7 +82,7 @@ class RadixCache:
         return longest_match(limit, lambda n: node.key[: n * ps] == tokens[pos : pos + n * ps])
 
     def cached_len(self, tokens: list[int]) -> int:
-        """How many leading tokens are cached (page-aligned), touching nothing."""
+        """How many leading tokens are cached in either tier (page-aligned), touching nothing."""
         node, pos = self.root, 0
         while (child := node.children.get(self._first(tokens, pos))) is not None:
             n = self._common_pages(child, tokens, pos)
@@ -86,24 +93,30 @@ class RadixCache:
         return pos
 
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
-        """Pages of the longest cached prefix and the node it ends at (split to fit)."""
-        node, pos, pages = self.root, 0, []
-        stamp = next(_clock)
-        while (child := node.children.get(self._first(tokens, pos))) is not None:
+        """Pages of the longest prefix cached on the device and the node it ends at (split
+        to fit)."""
+        nodes = self._walk(tokens, on_host=False, node=self.root, pos=0)
+        return [p for n in nodes for p in n.pages], nodes[-1] if nodes else self.root
+
+    def _walk(self, tokens: list[int], on_host: bool, node: TreeNode, pos: int) -> list[TreeNode]:
+        """The nodes of one tier that match ``tokens`` from ``node`` at token ``pos`` on,
+        the last split to fit; each touched for the LRU."""
+        nodes, stamp = [], next(_clock)
+        while (child := node.children.get(self._first(tokens, pos))) is not None and child.on_host == on_host:
             n = self._common_pages(child, tokens, pos)
             partial = n < len(child.pages)
             if partial:
                 child = self._split(child, n)
             child.last_access = stamp
-            pages.extend(child.pages)
+            nodes.append(child)
             pos += n * self.page_size
             node = child
             if partial:
                 break
-        return pages, node
+        return nodes
 
     def _split(self, node: TreeNode, n_pages: int) -> TreeNode:
-        """Cut ``node`` after ``n_pages``; return the new upper half (same parent)."""
+        """Cut ``node`` after ``n_pages``; return the new upper half (same parent, tier)."""
         cut = n_pages * self.page_size
         upper = TreeNode(
             key=node.key[:cut],
@@ -111,6 +124,7 @@ class RadixCache:
             parent=node.parent,
             lock_ref=node.lock_ref,
             last_access=node.last_access,
+            on_host=node.on_host,
         )
         node.parent.children[self._first(upper.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
@@ -123,7 +137,8 @@ class RadixCache:
         """Cache ``tokens`` (whole pages only) stored in ``pages``.
 
         Returns the tree's pages for the sequence and its end node. Where the tree already
-        held a prefix, its own pages win: the caller frees any of ``pages`` that differ.
+        held a prefix on the device, its own pages win: the caller frees any of ``pages``
+        that differ. A prefix the host tier holds takes ``pages`` as its device copy.
         """
         ps = self.page_size
         usable = min(len(tokens) // ps, len(pages))
@@ -140,11 +155,13 @@ class RadixCache:
                 self.leaves.add(leaf)
                 self.num_pages += len(leaf.pages)
                 canonical.extend(leaf.pages)
-                self.events.append(_Change("stored", tuple(tokens), pos))
+                self.events.append(Change("stored", tuple(tokens), pos))
                 return canonical, leaf
             n = self._common_pages(child, tokens, pos)
             if n < len(child.pages):
                 child = self._split(child, n)
+            if child.on_host:
+                self._promote(child, pages[pos // ps : pos // ps + n])
             child.last_access = stamp
             canonical.extend(child.pages)
             pos += n * ps
@@ -171,88 +188,179 @@ class RadixCache:
     def num_evictable_pages(self) -> int:
         return self.num_pages - self.num_locked_pages
 
+    # ---- the host tier ----------------------------------------------------------------------
+
+    def load_back(
+        self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool
+    ) -> tuple[list[int], TreeNode]:
+        """Bring the host tier's continuation of a device prefix (ending at ``node``, token
+        ``pos``) back into ``pool``; its device pages and new end node. Nothing moves when
+        the pool cannot make room or the copy fails: the request computes those tokens."""
+        chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
+        if not chain:
+            return [], node
+        need = sum(len(c.pages) for c in chain)
+        self.lock(node)  # neither the device path nor the pages coming up may go to make room
+        self._loading.update(chain)
+        try:
+            if pool.num_free < need:
+                pool.free(self.evict(need - pool.num_free))
+            pages = pool.alloc(need) if pool.num_free >= need else None
+            if pages is not None and not self.host.load([p for c in chain for p in c.pages], pages):
+                pool.free(pages)
+                pages = None
+        finally:
+            self._loading.difference_update(chain)
+            self.unlock(node)
+        if pages is None:
+            return [], node
+        at = 0
+        for c in chain:
+            self._promote(c, pages[at : at + len(c.pages)])
+            at += len(c.pages)
+        return pages, chain[-1]
+
+    def _promote(self, node: TreeNode, pages: list[int]) -> None:
+        """A host node's pages are on the device now (``pages``): its host pages go free."""
+        path = node.path_tokens()
+        start = len(path) - len(node.key)
+        self.host.pool.free(node.pages)
+        self.num_host_pages -= len(pages)
+        self.num_pages += len(pages)
+        node.on_host, node.pages = False, list(pages)
+        self.host_leaves.discard(node)
+        self.leaves.discard(node.parent)
+        self.leaves.add(node)
+        self.events.append(Change("evicted", tuple(path), start, "host"))
+        self.events.append(Change("stored", tuple(path), start))
+
+    def _move_down(self, leaf: TreeNode, keep: int, host_pages: list[int]) -> list[int]:
+        """``leaf``'s pages after the first ``keep`` now live in ``host_pages``; the device
+        pages they leave."""
+        path = leaf.path_tokens()
+        start = len(path) - len(leaf.key) + keep * self.page_size
+        if keep:
+            self.leaves.add(self._split(leaf, keep))  # its only child goes down
+        dropped = leaf.pages
+        self.leaves.discard(leaf)
+        leaf.on_host, leaf.pages = True, host_pages
+        if not leaf.children:
+            self.host_leaves.add(leaf)
+        self.num_pages -= len(dropped)
+        self.num_host_pages += len(dropped)
+        parent = leaf.parent
+        if parent is not self.root and not parent.has_device_child():
+            self.leaves.add(parent)
+        self.events.append(Change("evicted", tuple(path), start))
+        self.events.append(Change("stored", tuple(path), start, "host"))
+        return dropped
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop at least ``num_pages`` host pages (fewer if the tier holds fewer), LRU first."""
+        heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            keep = max(0, len(leaf.pages) - (num_pages - freed))
+            dropped = self._cut(leaf, keep)
+            self.host.pool.free(dropped)
+            freed += len(dropped)
+            parent = leaf.parent
+            if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _drop_below(self, node: TreeNode) -> None:
+        """Drop the host nodes under ``node`` (deepest first), before ``node`` itself goes."""
+        for child in list(node.children.values()):
+            if child.on_host:
+                self._drop_below(child)
+                self.host.pool.free(self._cut(child, 0))
+
     # ---- eviction -------------------------------------------------------------------------
 
-    def evict(self, num_pages: int) -> list[int]:
-        """Free at least ``num_pages`` pages (fewer if not enough are unreferenced), LRU first."""
+    def evict(self, num_pages: int, offload: bool = True) -> list[int]:
+        """Free at least ``num_pages`` device pages (fewer if not enough are unreferenced),
+        LRU first; with a host tier (and ``offload``) their contents move down."""
         heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
             keep = max(0, len(leaf.pages) - (num_pages - len(freed)))
-            freed.extend(self._drop_tail(leaf, keep))
+            freed.extend(self._evict_tail(leaf, keep, offload))
             parent = leaf.parent
-            if keep == 0 and parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if (
+                keep == 0
+                and parent is not self.root
+                and not parent.has_device_child()
+                and parent.lock_ref == 0
+            ):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
-    def _drop_tail(self, leaf: TreeNode, keep: int) -> list[int]:
+    def _evict_tail(self, leaf: TreeNode, keep: int, offload: bool) -> list[int]:
+        if self.host is not None and offload:
+            n = len(leaf.pages) - keep
+            if self.host.pool.num_free < n:
+                self.evict_host(n - self.host.pool.num_free)
+            host_pages = self.host.offload(leaf.pages[keep:])
+            if host_pages is not None:
+                return self._move_down(leaf, keep, host_pages)
+        if self.host is not None:
+            self._drop_below(leaf)  # they hang below the tail that goes
+        return self._cut(leaf, keep)
+
+    def _cut(self, leaf: TreeNode, keep: int) -> list[int]:
+        """Drop ``leaf``'s pages after the first ``keep`` (all: the node goes) from its tier."""
         cut = keep * self.page_size
         path = leaf.path_tokens()
         start = len(path) - len(leaf.key) + cut
-        self.events.append(_Change("evicted", tuple(path), start))
+        self.events.append(Change("evicted", tuple(path), start, "host" if leaf.on_host else "device"))
         dropped = leaf.pages[keep:]
-        self.num_pages -= len(dropped)
-        if keep == 0:
-            del leaf.parent.children[self._first(leaf.key, 0)]
-            self.leaves.discard(leaf)
-            if leaf.parent is not self.root and not leaf.parent.children:
-                self.leaves.add(leaf.parent)
+        if leaf.on_host:
+            self.num_host_pages -= len(dropped)
         else:
+            self.num_pages -= len(dropped)
+        if keep:
             leaf.key, leaf.pages = leaf.key[:cut], leaf.pages[:keep]
+            return dropped
+        parent = leaf.parent
+        del parent.children[self._first(leaf.key, 0)]
+        if leaf.on_host:
+            self.host_leaves.discard(leaf)
+            if parent.on_host and not parent.children:
+                self.host_leaves.add(parent)
+        else:
+            self.leaves.discard(leaf)
+            if parent is not self.root and not parent.has_device_child():
+                self.leaves.add(parent)
         return dropped
 
     def reset(self) -> list[int]:
-        """Drop every unreferenced page (used by tests and by ``flush_cache``)."""
-        return self.evict(self.num_pages)
+        """Drop every unreferenced page of both tiers (used by tests and by ``flush_cache``);
+        the device pages freed."""
+        freed = self.evict(self.num_pages, offload=False)
+        if self.host is not None:
+            self.evict_host(self.num_host_pages)
+        return freed
 
     def snapshot(self) -> list[CacheEvent]:
-        """The whole cache as one stored event per maximal path (its leaves)."""
-        return [CacheEvent.of("stored", leaf.path_tokens(), 0, self.page_size) for leaf in self.leaves]
+        """The whole cache as stored events: one per maximal device path, and one per host
+        leaf from where its path enters the host tier."""
+        ps = self.page_size
+        events = [CacheEvent.of("stored", leaf.path_tokens(), 0, ps) for leaf in self.leaves]
+        for leaf in self.host_leaves:
+            top, below = leaf, len(leaf.key)
+            while top.parent.on_host:
+                top = top.parent
+                below += len(top.key)
+            path = leaf.path_tokens()
+            events.append(CacheEvent.of("stored", path, len(path) - below, ps, "host"))
+        return events
 
     def drain_events(self) -> list[CacheEvent]:
-        """Events since the last drain, safe to call from another thread, coalesced: an
-        event that continues an earlier one down the same path (chunked prefill stores a
-        prompt chunk by chunk; eviction cuts a leaf's tail piece by piece) is merged into
-        it, even when events of the other kind came between, provided none of those touch
-        the same pages (then the order matters and is kept). A chunked prefill that evicts
-        for each chunk is so reported as one store and one eviction, not one pair per
-        chunk. Paths are named by their chain hashes, computed here once per event."""
-        out: list[_Change] = []
-        for _ in range(len(self.events)):
-            event = self.events.popleft()
-            for j in range(len(out) - 1, -1, -1):
-                merged = _continued(out[j], event)
-                if merged is not None:
-                    out[j] = merged
-                    break
-                if out[j].kind != event.kind and self._touches(out[j], event.tokens):
-                    out.append(event)
-                    break
-            else:
-                out.append(event)
-        return [CacheEvent.of(c.kind, c.tokens, c.start, self.page_size) for c in out]
-
-    def _touches(self, event: _Change, path: tuple[int, ...]) -> bool:
-        """Whether ``event``'s span holds a page of ``path`` (then an event on ``path``
-        cannot move past it). Both are paths from the root, so they share a page of the
-        span exactly when they agree up to the end of its first page on both; the usual
-        case differs inside that page and compares only it."""
-        lo, hi = event.start, min(len(event.tokens), len(path))
-        if lo >= hi:
-            return False
-        end = lo + self.page_size
-        return event.tokens[lo:end] == path[lo:end] and event.tokens[:lo] == path[:lo]
-
-
-def _continued(prior: _Change, event: _Change) -> _Change | None:
-    """``prior`` and ``event`` as one event, if ``event`` continues it down its path."""
-    if prior.kind != event.kind:
-        return None
-    if prior.kind == "stored":  # the next pages of the same path
-        if event.start == len(prior.tokens) and event.tokens[: event.start] == prior.tokens:
-            return _Change("stored", event.tokens, prior.start)
-    elif len(event.tokens) == prior.start and prior.tokens[: prior.start] == event.tokens:
-        return _Change("evicted", prior.tokens, event.start)  # the pages above the cut
-    return None
+        """Events since the last drain, safe to call from another thread, coalesced
+        (``cache_changes.coalesce``); paths are named by chain hashes once per event."""
+        return coalesce([self.events.popleft() for _ in range(len(self.events))], self.page_size)

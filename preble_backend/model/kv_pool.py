@@ -24,6 +24,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {page_size}")
@@ -32,8 +33,9 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        # pinned: a host tier's pool, which a GPU copies to and from without staging
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         # Low page ids first: a LIFO stack keeps recently freed (cache-warm) pages in use.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
 
@@ -60,6 +62,11 @@ class KVPool:
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
+
+    def page_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """``cache`` indexed by page: (layers, pages, page_size, heads, head_dim)."""
+        layers, _, heads, dim = cache.shape
+        return cache.view(layers, self.num_pages, self.page_size, heads, dim)
 
     @staticmethod
     def pages_for(num_tokens: int, page_size: int) -> int:

@@ -269,7 +269,8 @@ def encode_report(load: dict, batch: EventBatch | None = None) -> str:
     router's cursor (``engine/event_log.py``), as compact JSON."""
     data: dict = {"load": load}
     if batch is not None:
-        data["events"] = [[e.kind, e.start, e.hashes] for e in batch.events]
+        data["events"] = [[e.kind, e.start, e.hashes, *([e.tier] if e.tier != "device" else [])]
+                          for e in batch.events]  # fmt: skip
         data["log"] = [batch.log_id, batch.first, batch.next, batch.snapshot]
     return json.dumps(data, separators=(",", ":"))
 
@@ -278,6 +279,6 @@ def decode_report(text: str) -> tuple[EventBatch | None, dict]:
     data = json.loads(text)
     if "log" not in data:
         return None, data.get("load", {})
-    events = [CacheEvent(kind, tuple(hashes), start) for kind, start, hashes in data["events"]]
+    events = [CacheEvent(kind, tuple(hashes), start, *tier) for kind, start, hashes, *tier in data["events"]]
     log_id, first, nxt, snapshot = data["log"]
     return EventBatch(log_id, first, nxt, events, snapshot), data.get("load", {})

@@ -43,7 +43,8 @@ class SimConfig:
 
     @classmethod
     def of(cls, num_instances: int, capacity_tokens: int = 240_000, **engine_settings) -> SimConfig:
-        """``engine_settings``: any other ``EngineConfig`` field (page_size, chunk_size, ...)."""
+        """``engine_settings``: any other ``EngineConfig`` field (page_size, chunk_size,
+        host_kv_tokens for a host tier below each instance's device KV, ...)."""
         return cls(num_instances, EngineConfig(SIMULATED, max_num_tokens=capacity_tokens, **engine_settings))
 
     @property
@@ -84,10 +85,10 @@ class SimInstance:
         self.index = index
         self.cost = cost
         num_pages = cfg.capacity_tokens // cfg.page_size
-        self.pool = KVPool(
-            num_pages, cfg.page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16
-        )
-        self.scheduler = make_local_scheduler(self.pool, cfg.engine)
+        self.pool = _pool(num_pages, cfg.page_size)
+        host_pages = cfg.engine.host_pages(num_pages)
+        host = _pool(host_pages, cfg.page_size) if host_pages else None
+        self.scheduler = make_local_scheduler(self.pool, cfg.engine, host)
         self.cache = self.scheduler.blocks.cache
         self.busy = False
         self.batch: ScheduledBatch | None = None
@@ -136,6 +137,10 @@ class SimInstance:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
         }
+
+
+def _pool(num_pages: int, page_size: int) -> KVPool:
+    return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16)
 
 
 def _output_token(request_id: str, i: int) -> int:

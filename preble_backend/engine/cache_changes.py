@@ -1,0 +1,71 @@
+"""The radix cache's changes, as it records them and as its readers get them: coalesced
+into few events, each naming its path by chain hashes once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from preble_backend.common.cache_event import CacheEvent, Tier
+
+
+@dataclass(frozen=True)
+class Change:
+    """A raw event, in tokens: ``tokens[start:]`` stored in, or evicted from, ``tier``."""
+
+    kind: Literal["stored", "evicted"]
+    tokens: tuple[int, ...]
+    start: int
+    tier: Tier = "device"
+
+
+def coalesce(changes: list[Change], page_size: int) -> list[CacheEvent]:
+    """``changes`` as events, coalesced: a change that continues an earlier one down the
+    same path in the same tier (chunked prefill stores a prompt chunk by chunk; eviction
+    cuts a leaf's tail piece by piece) is merged into it, even when other changes came
+    between, provided none of those is of the other kind in the same tier and touches the
+    same pages (then the order matters and is kept; the tiers are mirrored apart, so
+    their relative order never does). A chunked prefill that evicts for each chunk is so
+    reported as one store and one eviction, not one pair per chunk."""
+    out: list[Change] = []
+    for change in changes:
+        for j in range(len(out) - 1, -1, -1):
+            merged = _continued(out[j], change)
+            if merged is not None:
+                out[j] = merged
+                break
+            prior = out[j]
+            if (
+                prior.tier == change.tier
+                and prior.kind != change.kind
+                and _touches(prior, change.tokens, page_size)
+            ):
+                out.append(change)
+                break
+        else:
+            out.append(change)
+    return [CacheEvent.of(c.kind, c.tokens, c.start, page_size, c.tier) for c in out]
+
+
+def _touches(change: Change, path: tuple[int, ...], page_size: int) -> bool:
+    """Whether ``change``'s span holds a page of ``path`` (then a change on ``path`` cannot
+    move past it). Both are paths from the root, so they share a page of the span exactly
+    when they agree up to the end of its first page on both; the usual case differs inside
+    that page and compares only it."""
+    lo, hi = change.start, min(len(change.tokens), len(path))
+    if lo >= hi:
+        return False
+    end = lo + page_size
+    return change.tokens[lo:end] == path[lo:end] and change.tokens[:lo] == path[:lo]
+
+
+def _continued(prior: Change, change: Change) -> Change | None:
+    """``prior`` and ``change`` as one, if ``change`` continues it down its path."""
+    if prior.kind != change.kind or prior.tier != change.tier:
+        return None
+    if prior.kind == "stored":  # the next pages of the same path
+        if change.start == len(prior.tokens) and change.tokens[: change.start] == prior.tokens:
+            return Change("stored", change.tokens, prior.start, prior.tier)
+    elif len(change.tokens) == prior.start and prior.tokens[: prior.start] == change.tokens:
+        return Change("evicted", prior.tokens, change.start, prior.tier)  # the pages above the cut
+    return None

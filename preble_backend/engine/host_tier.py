@@ -1,0 +1,109 @@
+"""The host tier: KV pages the device pool evicted, kept in host memory so that a request
+whose prefix is there loads it back instead of recomputing it (SGLang's HiCache, vLLM's
+offloading connector and LMCache, Dynamo's KVBM keep evicted prefixes one tier down the
+same way).
+
+The radix cache decides what moves (``radix_cache.py``); this module owns the host pool
+and the copies. Tiers are exclusive and copies write back: a page is copied down only
+when the device evicts it, and a page loaded back leaves the host. Device and host
+together then hold as many distinct pages as both pools (write-through would keep a
+second copy of every device page the host also holds, and copy every page stored, most
+of which are never evicted; docs/ENGINE.md has the measurement).
+
+A copy is a gather and a scatter per cache. On a GPU the host pool is pinned; a
+load-back is queued on the compute stream (its pages are written before the forward
+that reads them), while an offload waits for its gather to reach host memory before the
+device pages are freed: one synchronisation per eviction, which a side stream would
+hide (not done: it needs a device session to measure). A copy that raises moves
+nothing: the caller recomputes or drops instead, and no page changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from preble_backend.model.kv_pool import KVPool
+
+log = logging.getLogger("preble.engine")
+
+
+@dataclass
+class HostTierStats:
+    pages_offloaded: int = 0  # device -> host
+    pages_loaded: int = 0  # host -> device
+    loadbacks: int = 0  # requests whose prefix came back from the host
+    bytes_moved: int = 0
+    load_s: float = 0.0  # host time spent issuing and (on CPU) doing load-backs
+    copy_failures: int = 0
+
+
+class HostTier:
+    def __init__(self, device: KVPool, host: KVPool) -> None:
+        if host.page_size != device.page_size or host.k_cache.shape[2:] != device.k_cache.shape[2:]:
+            raise ValueError("the host pool must have the device pool's page size and KV shape")
+        self.device = device
+        self.pool = host
+        self.stats = HostTierStats()
+        per_token = device.k_cache[:, :1].numel() * device.k_cache.element_size() * 2
+        self.bytes_per_page = per_token * device.page_size
+
+    def report(self) -> dict[str, float]:
+        """The engine's load report and metrics: the tier's size, use and traffic."""
+        s = self.stats
+        return {"kv_host_pages_total": self.pool.num_pages, "kv_host_pages_used": self.pool.num_used,
+                "host_pages_offloaded": s.pages_offloaded, "host_pages_loaded": s.pages_loaded,
+                "host_loadbacks": s.loadbacks, "host_bytes_moved": s.bytes_moved,
+                "host_load_s": round(s.load_s, 6), "host_copy_failures": s.copy_failures}  # fmt: skip
+
+    def offload(self, device_pages: list[int]) -> list[int] | None:
+        """Copy device pages down; their host pages, or None when the host pool lacks the
+        room (the caller makes it first) or the copy failed."""
+        if len(device_pages) > self.pool.num_free:
+            return None
+        host_pages = self.pool.alloc(len(device_pages))
+        if not self._copy(self.device, device_pages, self.pool, host_pages):
+            self.pool.free(host_pages)
+            return None
+        self.stats.pages_offloaded += len(device_pages)
+        return host_pages
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> bool:
+        """Copy host pages into (already allocated) device pages; False if it failed."""
+        started = time.perf_counter()
+        ok = self._copy(self.pool, host_pages, self.device, device_pages)
+        if ok:
+            self.stats.pages_loaded += len(host_pages)
+            self.stats.loadbacks += 1
+            self.stats.load_s += time.perf_counter() - started
+        return ok
+
+    def _copy(self, src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> bool:
+        try:
+            copy_pages(src, src_pages, dst, dst_pages)
+        except Exception:  # nothing moved: the destination pages are the caller's to return
+            log.exception("KV copy of %d pages between tiers failed", len(src_pages))
+            self.stats.copy_failures += 1
+            return False
+        self.stats.bytes_moved += len(src_pages) * self.bytes_per_page
+        return True
+
+
+def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> None:
+    """``dst``'s pages ``dst_pages`` take the contents of ``src``'s ``src_pages`` (both
+    caches, every layer): one gather and one scatter per cache. Nothing is written until
+    the gathered pages exist, so a failure leaves ``dst`` as it was."""
+    if not src_pages:
+        return
+    gathered = []
+    for cache in (src.k_cache, src.v_cache):
+        index = torch.tensor(src_pages, device=cache.device)
+        pages = src.page_view(cache).index_select(1, index)
+        to_gpu = dst.k_cache.device.type == "cuda"  # queued; a copy to the host waits for it
+        gathered.append(pages.to(dst.k_cache.device, non_blocking=to_gpu))
+    index = torch.tensor(dst_pages, device=dst.k_cache.device)
+    for cache, pages in zip((dst.k_cache, dst.v_cache), gathered):
+        dst.page_view(cache).index_copy_(1, index, pages)

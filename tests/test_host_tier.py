@@ -1,0 +1,357 @@
+"""The host tier under the radix cache: pages the device evicts move to host memory and
+come back for the next request that matches them, with the same tokens as
+transformers; the router mirrors both tiers exactly; a failed copy loses nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_cached_kids_counted, make_request, random_prompts
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_e2 import e2, route
+
+# The parity suite, run again below with every engine on a host tier (``make_engine``).
+from test_parity import (  # noqa: F401
+    expected,
+    test_concurrent_requests_share_a_prefix_computed_in_the_same_run,
+    test_eight_concurrent_mixed_lengths,
+    test_logprobs_are_the_models_own,
+    test_one_request,
+    test_penalties_match_a_reference_loop_over_transformers,
+    test_shared_long_prefix_hits_cache,
+    test_small_pool_forces_eviction_and_preemption,
+    vocab,
+)
+from test_radix_cache import chunked_prefill, token_lists, walk
+
+from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.cache_event import CacheEvent, EventBatch
+from preble_backend.common.cost_model import CostModel
+from preble_backend.engine import host_tier
+from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.host_tier import HostTier
+from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.model.kv_pool import KVPool
+from preble_backend.serving.protocol import decode_report, encode_report
+from scheduler.global_tree import GlobalPrefixTree
+from scheduler.policy import RoundRobin
+from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
+
+GREEDY = {"temperature": 0}
+PAGE, DEVICE_PAGES, HOST_PAGES = 4, 24, 12
+
+
+@pytest.fixture
+def make_engine(make_engine):
+    """Every engine with a host tier, whose device cache moves down to it whole before
+    each ``generate``: a prefix an earlier call computed comes back through the host
+    tier (the parity suite's exact cache counts hold, loaded pages counting as cached)."""
+
+    def build(model_path: str, **overrides):
+        engine = make_engine(model_path, **{"max_num_tokens": 512, "host_kv_tokens": 4096, **overrides})
+        run = engine.generate
+
+        def generate(prompts, params=None):
+            engine.pool.free(engine.cache.evict(engine.cache.num_evictable_pages))
+            return run(prompts, params)
+
+        engine.generate = generate
+        return engine
+
+    return build
+
+
+# ---- the cache's tiers under any sequence of operations ---------------------------------------
+
+
+def pool(num_pages: int) -> KVPool:
+    return KVPool(num_pages, PAGE, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+
+
+def content(p: KVPool, page: int) -> tuple[int, ...]:
+    """What a page holds: the tests write each slot's token into its K and V."""
+    k = p.k_cache[0, page * PAGE : (page + 1) * PAGE, 0, 0]
+    v = p.v_cache[0, page * PAGE : (page + 1) * PAGE, 0, 0]
+    assert torch.equal(k, v)
+    return tuple(int(t) for t in k)
+
+
+class TieredCacheMachine(RuleBasedStateMachine):
+    """The radix cache over a device pool and a host tier half its size: every page of
+    either tier holds exactly the tokens of its place in the tree (copies move real
+    data), every page of either pool has one owner, and the events rebuild both tiers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device, self.host = pool(DEVICE_PAGES), pool(HOST_PAGES)
+        self.cache = RadixCache(PAGE, HostTier(self.device, self.host))
+        self.blocks = BlockManager(self.device, self.cache)
+        self.held = []
+        self.mirror = GlobalPrefixTree(1, page_size=PAGE)
+        self.next_id = 0
+
+    @rule(tokens=token_lists, chunk=st.integers(1, 3))
+    def admit_and_compute(self, tokens, chunk):
+        req = make_request(tokens, self.next_id)
+        self.next_id += 1
+        cached = self.blocks.admit(req)  # loads back what the host holds of it
+        assert cached == len(req.page_table) * PAGE and cached < len(tokens)
+        for i, page in enumerate(req.page_table):
+            assert content(self.device, page) == tuple(tokens[i * PAGE : (i + 1) * PAGE])
+        done = chunked_prefill(self.blocks, req, chunk)
+        for i, page in enumerate(req.page_table):  # "compute" the KV: write each token
+            span = torch.tensor(tokens[i * PAGE : (i + 1) * PAGE] + [-1] * PAGE, dtype=torch.float32)[:PAGE]
+            self.device.k_cache[0, page * PAGE : (page + 1) * PAGE, 0, 0] = span
+            self.device.v_cache[0, page * PAGE : (page + 1) * PAGE, 0, 0] = span
+        if not done:
+            self.blocks.release(req)
+            return
+        self.held.append(req)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data):
+        self.blocks.release(self.held.pop(data.draw(st.integers(0, len(self.held) - 1))))
+
+    @rule(n=st.integers(0, DEVICE_PAGES), offload=st.booleans())
+    def evict(self, n, offload):
+        evictable = self.cache.num_evictable_pages
+        freed = self.cache.evict(n, offload)
+        assert len(freed) >= min(n, evictable)
+        self.device.free(freed)
+
+    @rule(n=st.integers(0, HOST_PAGES))
+    def evict_host(self, n):
+        before = self.cache.num_host_pages
+        assert self.cache.evict_host(n) >= min(n, before)
+
+    @invariant()
+    def tiers(self):
+        nodes = list(walk(self.cache.root))
+        for node in nodes:
+            assert len(node.key) == len(node.pages) * PAGE > 0
+            assert node.parent.children[tuple(node.key[:PAGE])] is node
+            assert not node.parent.on_host or node.on_host  # the device's pages come first
+            assert node.lock_ref == 0 or not node.on_host
+            path = node.path_tokens()
+            start = len(path) - len(node.key)
+            store = self.host if node.on_host else self.device
+            for i, page in enumerate(node.pages):
+                assert content(store, page) == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
+        device = [n for n in nodes if not n.on_host]
+        assert self.cache.leaves == {n for n in device if not n.has_device_child()}
+        assert self.cache.host_leaves == {n for n in nodes if n.on_host and not n.children}
+        assert self.cache.num_pages == sum(len(n.pages) for n in device)
+        assert self.cache.num_host_pages == sum(len(n.pages) for n in nodes if n.on_host)
+        assert self.cache.num_locked_pages == sum(len(n.pages) for n in device if n.lock_ref > 0)
+
+    @invariant()
+    def every_page_has_one_owner(self):
+        nodes = list(walk(self.cache.root))
+        private = [p for r in self.held for p in r.page_table[r.num_tree_pages :]]
+        device = self.device._free + [p for n in nodes if not n.on_host for p in n.pages] + private
+        assert sorted(device) == list(range(DEVICE_PAGES))
+        host = self.host._free + [p for n in nodes if n.on_host for p in n.pages]
+        assert sorted(host) == list(range(HOST_PAGES))
+
+    @rule()
+    def events_mirror_both_tiers(self):
+        self.mirror.apply_events(0, self.cache.drain_events())
+        assert_cached_kids_counted(self.mirror)
+        device = {tuple(chain_hashes(leaf.path_tokens(), PAGE)) for leaf in self.cache.leaves}
+        assert self.mirror.cached_sequences(0) == device
+        hosted = set()
+        for node in walk(self.cache.root):
+            if node.on_host:
+                path = node.path_tokens()
+                hosted.update(chain_hashes(path, PAGE)[(len(path) - len(node.key)) // PAGE :])
+        assert self.mirror.host.pages[0] == hosted
+
+    def teardown(self):
+        self.events_mirror_both_tiers()
+        snapshot = GlobalPrefixTree(1, page_size=PAGE)  # a new reader rebuilds both from one
+        snapshot.apply_events(0, self.cache.snapshot())
+        assert snapshot.cached_sequences(0) == self.mirror.cached_sequences(0)
+        assert snapshot.host.pages[0] == self.mirror.host.pages[0]
+        for req in self.held:
+            self.blocks.release(req)
+        self.device.free(self.cache.reset())
+        assert self.device.num_free == DEVICE_PAGES and self.host.num_free == HOST_PAGES
+        self.mirror.apply_events(0, self.cache.drain_events())
+        assert self.mirror.cached_sequences(0) == set() and not self.mirror.host.pages[0]
+
+
+TestTieredCacheMachine = TieredCacheMachine.TestCase
+TestTieredCacheMachine.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
+
+
+# ---- the engine --------------------------------------------------------------------------------
+
+
+def push_out(engine, model_path: str, seed: int) -> None:
+    """Fill the device pool with an unrelated prompt, so the cached prefixes move down."""
+    [filler] = random_prompts([496], vocab(model_path), seed=seed)  # 32 of the 32 pages
+    engine.generate([filler], {**GREEDY, "max_tokens": 2})
+
+
+def test_a_prefix_pushed_to_the_host_comes_back_with_the_same_tokens(any_model, make_engine, hf_reference):
+    engine = make_engine(any_model, page_size=16, chunk_size=64)
+    [prefix] = random_prompts([240], vocab(any_model), seed=21)
+    prompts = [prefix + s for s in random_prompts([7, 30, 1], vocab(any_model), seed=22)]
+    mirror = GlobalPrefixTree(1, page_size=16)
+    cursor = engine.cache_events(None).cursor
+    out = []
+    for i, prompt in enumerate(prompts):
+        out += engine.generate([prompt], {**GREEDY, "max_tokens": 8})
+        push_out(engine, any_model, seed=30 + i)
+        batch = engine.cache_events(cursor)
+        mirror.apply_events(0, batch.events)
+        cursor = batch.cursor
+        assert mirror.host.pages[0] == hosted_hashes(engine.cache, 16)
+    assert out == expected(hf_reference, any_model, prompts, 8)
+    stats = engine.stats()
+    assert stats["host_loadbacks"] == 2 and stats["host_pages_loaded"] == 2 * (240 // 16)
+    assert stats["prompt_tokens_cached"] >= 2 * 240 - 2 * 16  # the loaded pages count as cached
+
+
+def hosted_hashes(cache: RadixCache, page: int) -> set[int]:
+    out = set()
+    for node in walk(cache.root):
+        if node.on_host:
+            path = node.path_tokens()
+            out.update(chain_hashes(path, page)[(len(path) - len(node.key)) // page :])
+    return out
+
+
+def test_a_full_host_tier_evicts_its_oldest_pages(tiny_model, make_engine, hf_reference):
+    """A host tier of 8 pages under much more traffic: it drops by LRU and never
+    blocks; the newest prefix is still loaded back."""
+    engine = make_engine(tiny_model, page_size=16, chunk_size=64, max_num_tokens=512, host_kv_tokens=128)
+    prompts = random_prompts([300, 300, 300], vocab(tiny_model), seed=23)
+    out = engine.generate(prompts, {**GREEDY, "max_tokens": 4})
+    last = prompts[-1][:120] + [5, 6, 7]
+    push_out(engine, tiny_model, seed=24)
+    out += engine.generate([last], {**GREEDY, "max_tokens": 4})
+    assert out == expected(hf_reference, tiny_model, prompts + [last], 4)
+    stats = engine.stats()
+    assert stats["kv_host_pages_used"] <= 8 and stats["host_pages_offloaded"] > 8
+
+
+@pytest.mark.parametrize("failing", ["offload", "load"])
+def test_a_failed_copy_loses_nothing(tiny_model, make_engine, hf_reference, monkeypatch, failing):
+    """Copies between tiers that raise: the pages are dropped (offload) or recomputed
+    (load-back), every page of both pools comes back, and the tokens are unchanged."""
+    real = host_tier.copy_pages
+
+    def flaky(src, src_pages, dst, dst_pages):
+        to_host = dst.k_cache.device == torch.device("cpu") and dst is engine.cache.host.pool
+        if to_host == (failing == "offload"):
+            raise RuntimeError("injected copy failure")
+        real(src, src_pages, dst, dst_pages)
+
+    engine = make_engine(tiny_model, page_size=16, chunk_size=64)
+    monkeypatch.setattr(host_tier, "copy_pages", flaky)
+    [prefix] = random_prompts([200], vocab(tiny_model), seed=25)
+    prompts = [prefix + [9], prefix + [10, 11]]
+    out = engine.generate(prompts[:1], {**GREEDY, "max_tokens": 6})
+    push_out(engine, tiny_model, seed=26)
+    out += engine.generate(prompts[1:], {**GREEDY, "max_tokens": 6})
+    assert out == expected(hf_reference, tiny_model, prompts, 6)
+    stats = engine.stats()
+    assert stats["host_copy_failures"] > 0 and stats["host_loadbacks"] == 0
+
+
+def test_without_a_tier_nothing_moves(tiny_model, make_engine):
+    engine = make_engine(tiny_model, page_size=16, host_kv_tokens=0)
+    push_out(engine, tiny_model, seed=27)
+    assert engine.cache.host is None and "host_loadbacks" not in engine.stats()
+    assert all(e.tier == "device" for e in engine.cache_events(None).events)
+
+
+def test_host_tier_settings_are_checked():
+    with pytest.raises(ValueError, match="host_kv_tokens=8 is invalid"):
+        EngineConfig("tiny", page_size=16, host_kv_tokens=8)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        EngineConfig("tiny", host_kv_ratio=2.0, tensor_parallel_size=2)
+    assert EngineConfig("tiny", page_size=16, host_kv_ratio=3.0).host_pages(10) == 30
+
+
+# ---- E2 with tiers ------------------------------------------------------------------------------
+
+# 1 ms per prefilled token and 0.05 ms per token loaded back; nothing else costs.
+TIERED = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
+                   attention_ms_per_context_token=0, decode_step_ms=0, load_ms_per_token=0.05)  # fmt: skip
+DOC = list(range(3000, 3400))  # a 400-token document
+
+
+def test_e2_exploits_a_prefix_in_a_host_tier_and_prices_its_load_back():
+    """Instance 1's host tier holds the document, instance 0 holds nothing: a request for
+    it plus 20 tokens costs 20 + 0.05 x 400 = 40 ms on instance 1 against 420 ms on
+    instance 0, and it is an exploit (400 of 420 tokens held somewhere)."""
+    policy, _ = e2(cost=TIERED, load_model="batch")
+    policy.tree.apply_events(1, [CacheEvent.of("stored", DOC, 0, 1, "host")])
+    prompt = DOC + list(range(9000, 9020))
+    m = policy.tree.match(chain_hashes(prompt, 1))
+    assert m.matched == 0  # the device tree alone sees nothing
+    assert policy._host_reach(m, chain_hashes(prompt, 1)) == {1: 400}
+    assert policy.load_cost(1, m, 420, 0.0) == pytest.approx(40.0)
+    assert policy.load_cost(0, m, 420, 0.0) == pytest.approx(420.0)
+    _, d = route(policy, prompt)
+    assert (d.instance, d.branch) == (1, "exploit")
+
+
+def test_e2_prefers_the_device_copy_to_a_host_copy():
+    """The document on instance 0's device and in instance 1's host tier: 20 ms against
+    40 ms; the host run starts where the device's ends (instance 1 holds the first 100
+    tokens on its device, the rest on its host: 20 + 0.05 x 300 = 35 ms)."""
+    policy, _ = e2(cost=TIERED, load_model="batch")
+    policy.tree.apply_events(0, [CacheEvent.of("stored", DOC, 0, 1)])
+    policy.tree.apply_events(1, [CacheEvent.of("stored", DOC[:100], 0, 1),
+                                 CacheEvent.of("stored", DOC, 100, 1, "host")])  # fmt: skip
+    prompt = DOC + list(range(9000, 9020))
+    m = policy.tree.match(chain_hashes(prompt, 1))
+    policy._host_reach(m, chain_hashes(prompt, 1))
+    assert policy.load_cost(0, m, 420, 0.0) == pytest.approx(20.0)
+    assert policy.load_cost(1, m, 420, 0.0) == pytest.approx(35.0)
+    _, d = route(policy, prompt)
+    assert (d.instance, d.branch) == (0, "exploit")
+
+
+def test_host_tier_events_cross_the_wire_and_a_dead_engine_is_forgotten():
+    events = [CacheEvent.of("stored", DOC, 0, 1), CacheEvent.of("stored", DOC + [1, 2], 400, 1, "host")]
+    batch, _ = decode_report(encode_report({}, EventBatch("log", 0, 2, events)))
+    assert batch.events == events
+    tree = GlobalPrefixTree(2, page_size=1)
+    tree.apply_events(1, batch.events)
+    assert tree.host.pages[1] == set(chain_hashes(DOC + [1, 2], 1)[400:])
+    tree.forget(1)
+    assert not tree.host.pages[1] and tree.cached_sequences(1) == set()
+
+
+# ---- the simulator ------------------------------------------------------------------------------
+
+
+def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_load_backs():
+    """Four documents that do not fit one instance's device together (1,200 tokens each
+    on 2,048), visited in turn: without a tier every visit recomputes its document; with
+    a host tier every revisit loads it back, and the iteration pays the modelled copy."""
+    docs = [list(range(10_000 * (d + 1), 10_000 * (d + 1) + 1200)) for d in range(4)]
+    requests = [SimRequest(f"r{i}", i * 5.0, docs[i % 4] + [i, i + 1], 4) for i in range(16)]
+    cost = TIERED
+    results = {}
+    for host in (0, 8192):
+        cfg = SimConfig.of(1, capacity_tokens=2048, page_size=16, host_kv_tokens=host)
+        run = simulate(requests, lambda clock: RoundRobin(1, clock), cfg, cost)
+        results[host] = metrics(run)
+        if host:
+            tier = run.instances[0].cache.host
+            assert tier.stats.pages_loaded == 12 * 75  # 12 revisits, each the document's 75 pages
+    assert results[0]["cache_hit_ratio"] == 0.0
+    assert results[8192]["cache_hit_ratio"] == pytest.approx(12 * 1200 / (16 * 1202))
+    # Alone on the instance, a request computes its 1,202 tokens in 1.202 s; a revisit
+    # loads 1,200 back (0.05 ms each: 60 ms) and prefills 2 (decodes cost nothing here).
+    assert results[0]["avg_latency_s"] == pytest.approx(1.202)
+    assert results[8192]["avg_latency_s"] == pytest.approx((4 * 1.202 + 12 * 0.062) / 16)
