@@ -355,3 +355,46 @@ def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_load
     # loads 1,200 back (0.05 ms each: 60 ms) and prefills 2 (decodes cost nothing here).
     assert results[0]["avg_latency_s"] == pytest.approx(1.202)
     assert results[8192]["avg_latency_s"] == pytest.approx((4 * 1.202 + 12 * 0.062) / 16)
+
+
+# ---- served ---------------------------------------------------------------------------------------
+
+
+def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
+    """``preble repo --host-kv-tokens`` writes the engines' parameter; served by
+    tritonserver behind the router, a document pushed out of a 1,024-token device pool by
+    two others comes back from the host tier with the same answer, and the engine's
+    metrics count the load-back."""
+    import json
+
+    from server_utils import http, metric_value, serve_stack, write_test_repository
+
+    from preble_backend.cli import main
+    from preble_backend.serving.pbtxt import config_parameter
+
+    assert main(["repo", str(tmp_path / "r"), "--cpu-engines", "1", "--host-kv-tokens", "4096"]) == 0
+    text = (tmp_path / "r" / "preble_engine_0" / "config.pbtxt").read_text()
+    assert config_parameter(text, "host_kv_tokens") == "4096"
+
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1, max_num_tokens=1024, host_kv_tokens=4096)
+    stack = serve_stack(repo)
+    try:
+        sampling = json.dumps({"max_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+        def generate(prompt: str) -> str:
+            body = json.dumps({"text_input": prompt, "sampling_parameters": sampling}).encode()
+            status, _, answer = http("POST", stack.url("/v2/models/preble/generate"), body)
+            assert status == 200, answer
+            return json.loads(answer)["text_output"]
+
+        doc = " ".join(f"clause {i} of the shared contract says" for i in range(25))  # ~425 tokens
+        first = generate(doc + " What does clause 3 say?")
+        for k in range(2):  # ~480 tokens each: the second pushes the document down
+            generate(" ".join(f"unrelated filler {k} sentence number {i} here" for i in range(30)))
+        again = generate(doc + " What does clause 3 say?")
+        assert again == first
+        metrics = stack.url("", stack.ports.metrics)
+        assert metric_value(metrics, "preble_engine_host_loadbacks_total") == 1
+        assert metric_value(metrics, "preble_engine_host_pages_loaded_total") >= 400 // 16
+    finally:
+        stack.stop()

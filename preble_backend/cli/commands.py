@@ -67,6 +67,8 @@ def repo(args: argparse.Namespace) -> int:
               "tensor_parallel_size": args.tensor_parallel}  # fmt: skip
     if args.max_num_tokens is not None:
         engine["max_num_tokens"] = args.max_num_tokens
+    if args.host_kv_tokens:
+        engine["host_kv_tokens"] = args.host_kv_tokens
     root = write_repository(
         args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
         router_overrides={"policy": args.policy, "cost_model": args.cost_model},
@@ -119,13 +121,15 @@ def workload_cmd(args: argparse.Namespace) -> int:
 
 def simulate_cmd(args: argparse.Namespace) -> int:
     cost = CostModel.load(args.cost_model)
-    cfg = SimConfig.of(args.instances, args.capacity_tokens)
+    cfg = SimConfig.of(args.instances, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens)
     records = sweep(args.workload, args.instances, args.requests, cost, cfg, tuple(args.policies),
                     seed=args.seed, seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model,
                     stress_rps=args.stress_rps, fractions=tuple(args.fractions))  # fmt: skip
     name = f"{args.workload}_{args.instances}"
     if args.capacity_tokens != SimConfig().capacity_tokens:
         name += f"_kv{args.capacity_tokens // 1000}k"
+    if args.host_kv_tokens:
+        name += f"_host{args.host_kv_tokens // 1000}k"
     write(records, args.output, name)
     print(f"wrote {args.output}/{name}.json and .png")
     return 0

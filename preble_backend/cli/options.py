@@ -188,6 +188,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         help="each engine's KV capacity in tokens (none: 32768 on CPU, free memory on GPU)",
     )
     p.add_argument(
+        "--host-kv-tokens", type=int, default=0,
+        help="each engine's host tier: KV tokens kept in host memory when the device evicts them (0: none)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-pin",
         action="store_true",
         help="CPU engines share every core (without it, each gets cores of its own)",
@@ -237,6 +241,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--capacity-tokens", type=_positive(int), default=240_000, help="each instance's KV tokens"
     )
+    p.add_argument(
+        "--host-kv-tokens", type=int, default=0,
+        help="each instance's host tier below its KV (0: none); a load-back costs load_ms_per_token",
+    )  # fmt: skip
     p.add_argument(
         "--stress-rps", type=_positive(float), default=None,
         help="the stress rate, found earlier (skips the search and the light rate)",

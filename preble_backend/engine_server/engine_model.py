@@ -50,12 +50,18 @@ GAUGES = {  # stats key -> (metric name, description)
     "kv_pages_used": ("preble_engine_kv_pages_used", "KV pages in use (running requests and cache)"),
     "kv_pages_free": ("preble_engine_kv_pages_free", "KV pages on the free list"),
     "kv_pages_cached": ("preble_engine_kv_pages_cached", "KV pages held by the radix cache"),
+    "kv_host_pages_used": ("preble_engine_kv_host_pages_used", "KV pages held by the host tier"),
     "waiting": ("preble_engine_waiting_requests", "requests in the priority wait queue"),
     "running": ("preble_engine_running_requests", "requests running"),
 }
 COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "prompt_tokens_computed": "preble_engine_prompt_tokens_computed_total",
     "prompt_tokens_cached": "preble_engine_prompt_tokens_cached_total",
+    "host_pages_offloaded": "preble_engine_host_pages_offloaded_total",
+    "host_pages_loaded": "preble_engine_host_pages_loaded_total",
+    "host_loadbacks": "preble_engine_host_loadbacks_total",
+    "host_bytes_moved": "preble_engine_host_bytes_moved_total",
+    "host_load_s": "preble_engine_host_load_seconds_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -237,11 +243,11 @@ class TritonPythonModel:
 
     def _publish_metrics(self) -> None:
         stats = self.engine.stats()
-        for key, (name, _) in GAUGES.items():
-            self.metrics.gauge(name, stats[key])
+        for key, (name, _) in GAUGES.items():  # the host tier's are 0 without one
+            self.metrics.gauge(name, stats.get(key, 0))
         for key, name in COUNTERS.items():
-            self.metrics.count(name, stats[key] - self._counted[key])
-            self._counted[key] = stats[key]
+            self.metrics.count(name, stats.get(key, 0) - self._counted[key])
+            self._counted[key] = stats.get(key, 0)
 
     def finalize(self) -> None:
         self.engine.shutdown()  # pending requests finish as "abort" and reach the queue

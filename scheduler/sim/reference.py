@@ -35,14 +35,17 @@ REFERENCES = ("reference", "lower_bound")
 def pooled(cfg: SimConfig, cost: CostModel) -> tuple[SimConfig, CostModel]:
     """The one instance that stands for the cluster under perfect placement."""
     n = cfg.num_instances
+    host_tokens = cfg.engine.host_pages(cfg.capacity_tokens // cfg.page_size) * cfg.page_size
     engine = dataclasses.replace(cfg.engine, max_num_tokens=cfg.capacity_tokens * n,
+                                 host_kv_tokens=host_tokens * n, host_kv_ratio=0.0,
                                  chunk_size=cfg.engine.chunk_size * n,
                                  max_running_requests=cfg.engine.max_running_requests * n)  # fmt: skip
     faster = dataclasses.replace(
         cost, prefill_ms_per_token=cost.prefill_ms_per_token / n,
         decode_ms_per_request=cost.decode_ms_per_request / n,
         attention_ms_per_context_token=cost.attention_ms_per_context_token / n,
-        decode_step_ms=cost.decode_step_ms / n, source=f"{cost.source} (pooled x{n})",
+        decode_step_ms=cost.decode_step_ms / n, load_ms_per_token=cost.load_ms_per_token / n,
+        source=f"{cost.source} (pooled x{n})",
     )  # fmt: skip
     return SimConfig(1, engine), faster
 
