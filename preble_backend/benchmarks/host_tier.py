@@ -1,0 +1,133 @@
+"""Benchmark: a prefix served from the host tier against the same prefix recomputed and
+the same prefix still on the device, in one engine, in one run.
+
+For each prefix length: a request computes the prefix (cold); a filler prompt as large as
+the device pool pushes it down to the host tier; the next request with that prefix loads
+it back (host); then once more with the prefix still on the device (device). Each is
+timed to its first token, alternating rounds so drift hits all three alike, and every
+answer is checked equal. Usage (the defaults: the embedded model on this host):
+
+    python -m preble_backend.benchmarks.host_tier --prefix-lens 1024,4096 --rounds 3
+    python -m preble_backend.benchmarks.host_tier --model-path smollm2 --device cuda
+
+``--copy-volume WORKLOAD`` instead counts the copies write-back and write-through make on
+a simulated trace (``copy_volume``): the measurement behind the choice of write-back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.model.pypi_models import resolve as resolve_model
+
+GREEDY = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
+
+
+def ttft(engine: Engine, prompt: list[int]) -> tuple[float, list[int]]:
+    """Seconds to the first token of ``prompt`` alone on the engine, and that token."""
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    [out] = engine.generate([prompt], GREEDY)
+    return time.perf_counter() - start, out
+
+
+def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
+    gen = torch.Generator().manual_seed(prefix_len)
+    times: dict[str, list[float]] = {"cold": [], "host": [], "device": []}
+    answers, pages_loaded = set(), []
+    filler_len = engine.pool.capacity_tokens - 2 * engine.pool.page_size
+    for _ in range(rounds):
+        prefix = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
+        filler = torch.randint(3, vocab, (filler_len,), generator=gen).tolist()
+        engine.flush_cache()
+        seconds, first = ttft(engine, prefix + [5])
+        times["cold"].append(seconds)
+        ttft(engine, filler)  # the prefix moves down to the host tier
+        loaded = engine.stats()["host_pages_loaded"]
+        seconds, again = ttft(engine, prefix + [5])
+        pages_loaded.append(engine.stats()["host_pages_loaded"] - loaded)
+        times["host"].append(seconds)
+        seconds, third = ttft(engine, prefix + [5])
+        times["device"].append(seconds)
+        answers.add((tuple(first), tuple(again), tuple(third)))
+    assert all(a == b == c for a, b, c in answers), "an answer changed between tiers"
+    median = {k: statistics.median(v) for k, v in times.items()}
+    return {"prefix_len": prefix_len, "pages_loaded_back": min(pages_loaded),
+            **{f"{k}_ttft_s": round(v, 5) for k, v in median.items()},
+            "recompute_over_load_back": round(median["cold"] / median["host"], 2),
+            "load_back_over_device_hit": round(median["host"] / median["device"], 2)}  # fmt: skip
+
+
+def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, host_tokens: int) -> dict:
+    """Write-back against write-through, in the simulator (4 instances under E2, the
+    paper's Mistral-7B/A6000 costs): pages copied down under write-back (those the device
+    evicts), against those write-through would copy (every page the device stores, less
+    those it got back from the host, which write-through would still hold there)."""
+    from preble_backend.common.cost_model import CostModel
+    from scheduler.policies import make_policy
+    from scheduler.sim.simulator import SimConfig, metrics, simulate
+    from scheduler.sim.sweep import cluster_facts, trace
+
+    cost = CostModel.load("mistral7b_a6000")
+    cfg = SimConfig.of(4, device_tokens, host_kv_tokens=host_tokens)
+    stored = [0]
+
+    def factory(clock):
+        policy = make_policy("e2", 4, cluster_facts(cfg, cost, clock))
+        on_finish = policy.on_finish
+
+        def counting(instance, request, info):
+            stored[0] += sum(len(e.hashes) - e.start for e in info.events
+                             if e.tier == "device" and e.kind == "stored")  # fmt: skip
+            on_finish(instance, request, info)
+
+        policy.on_finish = counting
+        return policy
+
+    result = simulate(trace(workload, requests, rps), factory, cfg, cost)
+    tiers = [inst.cache.host.stats for inst in result.instances]
+    offloaded, loaded = sum(t.pages_offloaded for t in tiers), sum(t.pages_loaded for t in tiers)
+    return {"workload": workload, "rps": rps, "device_tokens": device_tokens,
+            "host_tokens": host_tokens, "pages_stored": stored[0], "write_back_copies": offloaded,
+            "write_through_copies": stored[0] - loaded, "pages_loaded_back": loaded,
+            "hit_ratio": round(metrics(result)["cache_hit_ratio"], 3)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", default="tiny", help="HF model dir, 'tiny' or a preble model name")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--prefix-lens", default="1024,4096")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--copy-volume", default="", help="a workload: write-back vs write-through copies")
+    parser.add_argument("--rps", type=float, default=11.0, help="--copy-volume: the trace's rate")
+    args = parser.parse_args(argv)
+    if args.copy_volume:
+        print(json.dumps(copy_volume(args.copy_volume, 3000, args.rps, 60_000, 180_000)))
+        return
+    lens = [int(n) for n in args.prefix_lens.split(",")]
+    device_tokens = max(lens) + 4 * args.page_size  # holds one prefix: the filler pushes it down
+    model = str(resolve_model(args.model_path))
+    engine = Engine(EngineConfig(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                                 max_num_tokens=device_tokens, host_kv_tokens=4 * device_tokens,
+                                 chunk_size=2048))  # fmt: skip
+    vocab = engine.model_config.vocab_size
+    print(json.dumps({"model": args.model_path, "device": str(engine.runner.device), "host": platform.node(),
+                      "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds}))  # fmt: skip
+    for n in lens:
+        print(json.dumps(measure(engine, n, args.rounds, vocab)))
+
+
+if __name__ == "__main__":
+    main()
