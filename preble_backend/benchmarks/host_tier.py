@@ -99,7 +99,8 @@ def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, ho
     return {"workload": workload, "rps": rps, "device_tokens": device_tokens,
             "host_tokens": host_tokens, "pages_stored": stored[0], "write_back_copies": offloaded,
             "write_through_copies": stored[0] - loaded, "pages_loaded_back": loaded,
-            "hit_ratio": round(metrics(result)["cache_hit_ratio"], 3)}  # fmt: skip
+            **{k: round(v, 3) for k, v in metrics(result).items()
+               if k in ("cache_hit_ratio", "avg_latency_s", "p99_latency_s")}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--copy-volume", default="", help="a workload: write-back vs write-through copies")
     parser.add_argument("--rps", type=float, default=11.0, help="--copy-volume: the trace's rate")
+    parser.add_argument("--host-tokens", type=int, default=180_000, help="--copy-volume: the host tier")
     args = parser.parse_args(argv)
     if args.copy_volume:
-        print(json.dumps(copy_volume(args.copy_volume, 3000, args.rps, 60_000, 180_000)))
+        print(json.dumps(copy_volume(args.copy_volume, 3000, args.rps, 60_000, args.host_tokens)))
         return
     lens = [int(n) for n in args.prefix_lens.split(",")]
     device_tokens = max(lens) + 4 * args.page_size  # holds one prefix: the filler pushes it down

@@ -156,7 +156,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
         print(summary_table(f"{cfg.workload} at scale {cfg.scale}", stats, paper=cfg.workload))
     if args.simulate:
         cost = CostModel.load(args.cost_model).scaled(args.slowdown)
-        records = replay(cfg, SimConfig.of(args.simulate, args.capacity_tokens), cost)
+        sim = SimConfig.of(args.simulate, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens)
+        records = replay(cfg, sim, cost)
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
     else:
         cluster = describe_cluster(cfg.urls[0], cfg.model, cfg.api_key)

@@ -328,6 +328,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         default=240_000,
         help="--simulate: each instance's KV tokens",
     )
+    p.add_argument(
+        "--host-kv-tokens", type=int, default=0,
+        help="--simulate: each instance's host tier (0: none), as engines with host_kv_tokens",
+    )  # fmt: skip
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG")
     p.set_defaults(func="commands.bench_cmd")
 
