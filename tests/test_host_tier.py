@@ -4,6 +4,8 @@ transformers; the router mirrors both tiers exactly; a failed copy loses nothing
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import assert_cached_kids_counted, make_request, random_prompts
@@ -240,15 +242,17 @@ def test_a_full_host_tier_evicts_its_oldest_pages(tiny_model, make_engine, hf_re
     assert stats["kv_host_pages_used"] <= 8 and stats["host_pages_offloaded"] > 8
 
 
-@pytest.mark.parametrize("failing", ["offload", "load"])
-def test_a_failed_copy_loses_nothing(tiny_model, make_engine, hf_reference, monkeypatch, failing):
+@pytest.mark.parametrize("failing", ["offload", "load", "slow"])
+def test_a_failed_or_slow_copy_loses_nothing(tiny_model, make_engine, hf_reference, monkeypatch, failing):
     """Copies between tiers that raise: the pages are dropped (offload) or recomputed
-    (load-back), every page of both pools comes back, and the tokens are unchanged."""
+    (load-back), every page of both pools comes back, and the tokens are unchanged. Copies
+    that take 50 ms each: the engine waits for them, and the tokens are unchanged."""
     real = host_tier.copy_pages
 
     def flaky(src, src_pages, dst, dst_pages):
-        to_host = dst.k_cache.device == torch.device("cpu") and dst is engine.cache.host.pool
-        if to_host == (failing == "offload"):
+        if failing == "slow":
+            time.sleep(0.05)
+        elif (dst is engine.cache.host.pool) == (failing == "offload"):
             raise RuntimeError("injected copy failure")
         real(src, src_pages, dst, dst_pages)
 
@@ -261,7 +265,10 @@ def test_a_failed_copy_loses_nothing(tiny_model, make_engine, hf_reference, monk
     out += engine.generate(prompts[1:], {**GREEDY, "max_tokens": 6})
     assert out == expected(hf_reference, tiny_model, prompts, 6)
     stats = engine.stats()
-    assert stats["host_copy_failures"] > 0 and stats["host_loadbacks"] == 0
+    if failing == "slow":
+        assert stats["host_copy_failures"] == 0 and stats["host_loadbacks"] == 1
+    else:
+        assert stats["host_copy_failures"] > 0 and stats["host_loadbacks"] == 0
 
 
 def test_without_a_tier_nothing_moves(tiny_model, make_engine):
