@@ -143,9 +143,9 @@ class E2(Policy):
         missed = prompt_len - cached
         holders = self._key_holders(match) if cached > missed else set()
         holders |= {i for i, tokens in reach.items() if tokens > prompt_len - tokens}
-        if holders and self._queued_everywhere(holders, prompt_len, now):
-            self._replicate(match.key, now)
-            holders = self._key_holders(match)
+        if holders and match.key is not None and self._queued_everywhere(holders, prompt_len, now):
+            self._replicate(match.key, now)  # (a prefix only host tiers hold has no key portion)
+            holders |= self._key_holders(match)
         if holders:  # exploit: among the instances holding the key portion
             choice = self._cheapest(holders, match, prompt_len, loads, now)
             lighter = self._rebalance_target(choice, match, prompt_len, loads, now)

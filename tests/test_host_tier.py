@@ -405,3 +405,15 @@ def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
         assert metric_value(metrics, "preble_engine_host_pages_loaded_total") >= 400 // 16
     finally:
         stack.stop()
+
+
+def test_e2_with_only_host_tier_holders_queued_everywhere_routes_without_replicating():
+    """A prompt whose prefix only a host tier holds has no key portion in the device
+    tree, so there is nothing to replicate when its holder queues: E2 still routes it
+    (by cost) instead of failing."""
+    policy, clock = e2(cost=TIERED, load_model="batch", hot_queue=1.0)
+    policy.tree.apply_events(1, [CacheEvent.of("stored", DOC, 0, 1, "host")])
+    for k in range(10):  # instance 1 is full: a new request would queue behind ~8
+        policy.history[1].add(f"busy{k}", clock(), 0.0, 1.0, 5000)
+    _, d = route(policy, DOC + list(range(9000, 9020)))
+    assert d.branch == "exploit" and d.instance == 1
