@@ -417,3 +417,25 @@ def test_e2_with_only_host_tier_holders_queued_everywhere_routes_without_replica
         policy.history[1].add(f"busy{k}", clock(), 0.0, 1.0, 5000)
     _, d = route(policy, DOC + list(range(9000, 9020)))
     assert d.branch == "exploit" and d.instance == 1
+
+
+def test_a_load_back_takes_what_the_device_has_room_for():
+    """Six pages on the host, room for four on the device (the rest held by running
+    requests): the first four come back, the request computes the other two."""
+    device, host = pool(8), pool(16)
+    cache = RadixCache(PAGE, HostTier(device, host))
+    blocks = BlockManager(device, cache)
+    tokens = list(range(100, 100 + 6 * PAGE))
+    first = make_request(tokens + [1], "a")
+    blocks.admit(first)
+    assert chunked_prefill(blocks, first, 3)
+    blocks.release(first)
+    device.free(cache.evict(cache.num_pages))  # all six pages move down
+    assert cache.num_host_pages == 6
+    held = device.alloc(4)  # running requests' pages: four remain free
+    second = make_request(tokens + [2], "b")
+    assert blocks.admit(second) == 4 * PAGE
+    assert cache.num_host_pages == 2 and cache.host.stats.pages_short == 2
+    assert cache.cached_len(tokens) == 6 * PAGE  # the other two still on the host
+    blocks.release(second)
+    device.free(held)

@@ -36,6 +36,7 @@ class HostTierStats:
     pages_offloaded: int = 0  # device -> host
     pages_loaded: int = 0  # host -> device
     loadbacks: int = 0  # requests whose prefix came back from the host
+    pages_short: int = 0  # left on the host (and recomputed) for want of device room
     bytes_moved: int = 0
     load_s: float = 0.0  # host time spent issuing and (on CPU) doing load-backs
     copy_failures: int = 0
@@ -57,7 +58,8 @@ class HostTier:
         return {"kv_host_pages_total": self.pool.num_pages, "kv_host_pages_used": self.pool.num_used,
                 "host_pages_offloaded": s.pages_offloaded, "host_pages_loaded": s.pages_loaded,
                 "host_loadbacks": s.loadbacks, "host_bytes_moved": s.bytes_moved,
-                "host_load_s": round(s.load_s, 6), "host_copy_failures": s.copy_failures}  # fmt: skip
+                "host_load_s": round(s.load_s, 6), "host_copy_failures": s.copy_failures,
+                "host_pages_short": s.pages_short}  # fmt: skip
 
     def offload(self, device_pages: list[int]) -> list[int] | None:
         """Copy device pages down; their host pages, or None when the host pool lacks the

@@ -194,8 +194,9 @@ class RadixCache:
         self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool
     ) -> tuple[list[int], TreeNode]:
         """Bring the host tier's continuation of a device prefix (ending at ``node``, token
-        ``pos``) back into ``pool``; its device pages and new end node. Nothing moves when
-        the pool cannot make room or the copy fails: the request computes those tokens."""
+        ``pos``) back into ``pool``, as much of it as the pool can make room for; its device
+        pages and new end node. The request computes what stays behind, and all of it when
+        the copy fails."""
         chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
         if not chain:
             return [], node
@@ -205,20 +206,33 @@ class RadixCache:
         try:
             if pool.num_free < need:
                 pool.free(self.evict(need - pool.num_free))
-            pages = pool.alloc(need) if pool.num_free >= need else None
-            if pages is not None and not self.host.load([p for c in chain for p in c.pages], pages):
-                pool.free(pages)
-                pages = None
         finally:
             self._loading.difference_update(chain)
             self.unlock(node)
-        if pages is None:
+        chain = self._fit(chain, pool.num_free)
+        fitted = sum(len(c.pages) for c in chain)
+        self.host.stats.pages_short += need - fitted
+        pages = pool.alloc(fitted)
+        if not chain or not self.host.load([p for c in chain for p in c.pages], pages):
+            pool.free(pages)
             return [], node
         at = 0
         for c in chain:
             self._promote(c, pages[at : at + len(c.pages)])
             at += len(c.pages)
         return pages, chain[-1]
+
+    def _fit(self, chain: list[TreeNode], room: int) -> list[TreeNode]:
+        """The leading nodes of ``chain`` that ``room`` pages hold, the last split to fit."""
+        fitted = []
+        for c in chain:
+            if room <= 0:
+                break
+            if len(c.pages) > room:
+                c = self._split(c, room)
+            fitted.append(c)
+            room -= len(c.pages)
+        return fitted
 
     def _promote(self, node: TreeNode, pages: list[int]) -> None:
         """A host node's pages are on the device now (``pages``): its host pages go free."""
