@@ -103,6 +103,7 @@ class E2(Policy):
         self.cost = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
         caps = capacity_tokens if isinstance(capacity_tokens, list) else [capacity_tokens] * num_instances
         self.capacity = list(caps)
+        self.tiered = [False] * num_instances  # the engine reported a host tier
         # a joining engine's, until it reports its own
         fallback = capacity_tokens if isinstance(capacity_tokens, int) else 32768
         self.default_capacity = min(caps, default=fallback)
@@ -255,7 +256,8 @@ class E2(Policy):
         missed = prompt_len - match.cached_on(instance) - hosted
         prefill = self.cost.prefill_time(missed) + self.cost.load_time(hosted)
         need = self.tree.held_tokens[instance] + missed + hosted - self.capacity[instance]
-        evicted = memory_cost(self.tree, instance, need, match, now, self.cost) if need > 0 else 0.0
+        tiered = self.tiered[instance]
+        evicted = memory_cost(self.tree, instance, need, match, now, self.cost, tiered) if need > 0 else 0.0
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
         history, decode_len = self.history[instance], self.decode_lengths.average(now)
@@ -285,7 +287,9 @@ class E2(Policy):
             self.tree.prune(now)
 
     def _learn_capacity(self, instance: int, report: dict) -> None:
-        """The KV capacity an engine reports replaces the configured one."""
+        """The KV capacity an engine reports replaces the configured one; a host tier it
+        reports makes what its device evicts a load-back, not a recompute (M)."""
+        self.tiered[instance] = bool(report.get("kv_host_pages_total"))
         pages, size = report.get("kv_pages_total"), report.get("page_size")
         if pages and size:
             self.capacity[instance] = int(pages) * int(size)
@@ -303,6 +307,7 @@ class E2(Policy):
         self.tree.add_instance()
         self.history.append(InstanceHistory(self.tree.window_s))
         self.capacity.append(self.default_capacity)
+        self.tiered.append(False)
 
     def forget(self, instance: int) -> None:
         self.tree.forget(instance)

@@ -160,7 +160,7 @@ def batch_load(
 
 
 def memory_cost(
-    tree: GlobalPrefixTree, instance: int, need: int, match: Match, now: float, cost: CostModel
+    tree: GlobalPrefixTree, instance: int, need: int, match: Match, now: float, cost: CostModel, tiered=False
 ) -> float:
     """M of Algorithm 2: the recompute cost of what an LRU eviction on ``instance`` would
     remove to free ``need`` tokens. Each evicted node costs PREFILLTIME(its tokens) × the
@@ -169,7 +169,10 @@ def memory_cost(
     there hold (the engine locks them). Both are closed towards the root (a request holds
     its whole path), so skipping them leaves the order of the rest unchanged. Walked
     afresh per request, and only when the request does not fit: the walk stops as soon as
-    enough is freed, so it visits the oldest few nodes."""
+    enough is freed, so it visits the oldest few nodes. On an engine with a host tier
+    (``tiered``) what the device evicts moves down and comes back by a load-back, so a node
+    costs its load-back time instead (ours, with the tiers)."""
+    price = cost.load_time if tiered else cost.prefill_time
     reused = set(match.nodes)
     freed, spent = 0, 0.0
     for node in tree.eviction_order(instance):
@@ -179,6 +182,6 @@ def memory_cost(
             continue
         tokens = node.held_pages(instance) * tree.page_size
         users = tree.requests_in_window(node, instance, now)
-        spent += cost.prefill_time(tokens) * users if users else 0.0
+        spent += price(tokens) * users if users else 0.0
         freed += tokens
     return spent

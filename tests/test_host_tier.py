@@ -39,7 +39,7 @@ from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.serving.protocol import decode_report, encode_report
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.policy import RoundRobin
+from scheduler.policy import FinishInfo, RoundRobin
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
 GREEDY = {"temperature": 0}
@@ -439,3 +439,22 @@ def test_a_load_back_takes_what_the_device_has_room_for():
     assert cache.cached_len(tokens) == 6 * PAGE  # the other two still on the host
     blocks.release(second)
     device.free(held)
+
+
+def test_e2_prices_what_a_tiered_engine_evicts_at_its_load_back():
+    """test_e2's eviction case on engines that report a host tier: evicting instance 0's
+    100-token node (two users) costs 2 x 0.05 x 100 = 10 ms, not 200, and instance 1's
+    (one user) 5; with instance 0's tier only, the new request goes there."""
+    policy, clock = e2(cost=TIERED, capacity=120)
+    a, e = list(range(100)), list(range(200, 300))
+    done = [route(policy, a), route(policy, e), route(policy, a)]
+    report = {"kv_host_pages_total": 64}
+    for (r, d), tiered in zip(done, (True, False, True)):
+        info = FinishInfo([CacheEvent.of("stored", r.input_ids, 0, 1)], report if tiered else {}, 0.1, 1)
+        policy.on_finish(d.instance, r, info)
+    assert policy.tiered == [True, False]
+    m = policy.tree.match(chain_hashes(list(range(400, 450)), 1))
+    assert policy.load_cost(0, m, 50, clock()) == pytest.approx(2 * 0.05 * 100 + 50)
+    assert policy.load_cost(1, m, 50, clock()) == pytest.approx(1 * 100 + 50)
+    _, d = route(policy, list(range(400, 450)))
+    assert (d.instance, d.branch) == (0, "explore")

@@ -136,6 +136,7 @@ class SimInstance:
             "kv_pages_used": self.pool.num_used,
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
+            "kv_host_pages_total": self.cache.host.pool.num_pages if self.cache and self.cache.host else 0,
         }
 
 
