@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import astuple
 
 import pytest
+import torch
 from conftest import random_prompts
 
 from preble_backend.model.model_config import ModelConfig
@@ -207,3 +208,31 @@ def test_tp_with_an_abort_mid_batch(llama3_tied_model, make_engine):
 
     one, split = run(1), run(2)
     assert split == one and len(split["r1"]) < 20 and all(len(split[r]) == 20 for r in ("r0", "r2", "r3"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rank_reads_its_slices_without_a_memory_map(tmp_path, dtype):
+    """Row and column slices read with pread equal safetensors' own slices, for 2-D
+    weights and 1-D biases alike."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from preble_backend.model.safetensors_slices import read_header, read_slice
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(12, 20, generator=gen), "b": torch.randn(12, generator=gen)}
+    tensors = {k: t.to(dtype) for k, t in tensors.items()}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    data_start, header = read_header(tmp_path / "m.safetensors")
+    fd = os.open(tmp_path / "m.safetensors", os.O_RDONLY)
+    try:
+        with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+            for key, dim, start, count in (("w", 0, 3, 6), ("w", 1, 5, 10), ("b", 0, 4, 8), ("w", 1, 0, 20)):
+                view = f.get_slice(key)
+                want = view[start : start + count] if dim == 0 else view[:, start : start + count]
+                got = read_slice(fd, data_start, header[key], dim, start, count)
+                assert got.dtype == dtype and torch.equal(got, want), (key, dim)
+    finally:
+        os.close(fd)

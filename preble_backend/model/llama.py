@@ -8,6 +8,7 @@ modeling code (RMSNorm in fp32, rotate-half RoPE) so greedy outputs match token 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from preble_backend.model.attention import AttentionBackend, AttentionBatch
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
+from preble_backend.model.safetensors_slices import DTYPES, read_header, read_slice
 from preble_backend.model.tensor_parallel import TPGroup, shard_model, slice_of
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -157,20 +159,29 @@ class LlamaForCausalLM(nn.Module):
 
 def _load_state_dict(path: Path, slicer=None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (``weight_files``), with Hugging Face's ``model.`` prefix
-    stripped; ``slicer(key)``: the (dim, start, count) of a tensor to read, None: all."""
+    stripped; ``slicer(key)``: the (dim, start, count) of a tensor to read, None: all (a
+    slice is read into memory of its own, ``safetensors_slices``)."""
     state: dict[str, torch.Tensor] = {}
     for name in weight_files(path):
         if slicer is None:
             state.update((k.removeprefix("model."), t) for k, t in load_file(str(path / name)).items())
             continue
-        with safe_open(str(path / name), framework="pt") as f:
-            for key in f.keys():
-                short = key.removeprefix("model.")
-                part = slicer(short)
-                if part is None:
-                    state[short] = f.get_tensor(key)
-                else:
-                    dim, start, count = part
-                    view = f.get_slice(key)
-                    state[short] = view[start : start + count] if dim == 0 else view[:, start : start + count]
+        data_start, header = read_header(path / name)
+        fd = os.open(path / name, os.O_RDONLY)
+        try:
+            with safe_open(str(path / name), framework="pt") as f:
+                for key in f.keys():
+                    short = key.removeprefix("model.")
+                    part = slicer(short)
+                    if part is None or header[key]["dtype"] not in DTYPES:
+                        state[short] = f.get_tensor(key) if part is None else _mapped_slice(f, key, *part)
+                    else:
+                        state[short] = read_slice(fd, data_start, header[key], *part)
+        finally:
+            os.close(fd)
     return state
+
+
+def _mapped_slice(f, key: str, dim: int, start: int, count: int) -> torch.Tensor:
+    view = f.get_slice(key)
+    return view[start : start + count] if dim == 0 else view[:, start : start + count]

@@ -5,11 +5,11 @@ from the directory without loading a weight (safetensors headers, ``config.json`
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.model.pypi_models import is_named
+from preble_backend.model.safetensors_slices import read_header
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,7 @@ def count_parameters(directory: Path) -> int:
     """Elements of every tensor in the checkpoint's safetensors files, from their headers."""
     total = 0
     for name in weight_files(directory):
-        with open(directory / name, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
+        _, header = read_header(directory / name)
         for key, entry in header.items():
             if key != "__metadata__":
                 count = 1

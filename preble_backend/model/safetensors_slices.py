@@ -1,0 +1,67 @@
+"""A tensor-parallel rank's slice of a safetensors tensor, read with ``pread`` into memory
+of its own rather than through a memory map.
+
+Through a map, a column slice (a few bytes of every row: ``o_proj`` and ``down_proj`` at
+TP N) faults in whole pages of every row, and the kernel maps the neighbouring pages
+around each fault, so a rank's resident memory held far more of the file than its slice
+(BENCHMARKS, "Tensor parallelism: what a rank loads"). Read row by row, a rank's memory
+grows by its slice and nothing else; the file's pages stay in the page cache, shared and
+reclaimable, not mapped into the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# What read_slice reads, by torch's name (torch is imported where a tensor is made: the
+# model card reads headers here in processes that never load torch).
+DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """Where the file's data begins, and its header: each tensor's dtype, shape and byte
+    range within the data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
+
+
+def read_slice(fd: int, data_start: int, entry: dict, dim: int, start: int, count: int) -> torch.Tensor:
+    """``tensor[start:start + count]`` (``dim`` 0) or ``tensor[:, start:start + count]``
+    (``dim`` 1) of the tensor ``entry`` describes, from the open file ``fd``."""
+    import torch
+
+    dtype, shape = getattr(torch, DTYPES[entry["dtype"]]), entry["shape"]
+    item = torch.empty((), dtype=dtype).element_size()
+    base = data_start + entry["data_offsets"][0]
+    row = math.prod(shape[1:]) * item  # bytes per index of dim 0
+    if dim == 0:
+        out = torch.empty((count, *shape[1:]), dtype=dtype)
+        _read_into(fd, out, [(base + start * row, 0, count * row)])
+        return out
+    out = torch.empty((shape[0], count), dtype=dtype)
+    width = count * item
+    _read_into(fd, out, [(base + r * row + start * item, r * width, width) for r in range(shape[0])])
+    return out
+
+
+def _read_into(fd: int, out: torch.Tensor, spans: list[tuple[int, int, int]]) -> None:
+    """Fill ``out``'s bytes: each span is (file offset, offset in ``out``, length)."""
+    import torch
+
+    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+    for offset, at, length in spans:
+        done = 0
+        while done < length:  # pread may return less than asked
+            n = os.preadv(fd, [view[at + done : at + length]], offset + done)
+            if n <= 0:
+                raise OSError(f"safetensors file ended {length - done} bytes short of a tensor")
+            done += n
