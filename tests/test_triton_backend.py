@@ -152,3 +152,16 @@ def test_warm_up_leaves_the_engine_as_it_found_it(make_engine, one_layer_model):
     assert stats["kv_pages_used"] == 0 and stats["requests_finished"] == 0
     assert stats["prompt_tokens_computed"] == 0
     assert warmed.generate(prompts, params) == expected
+
+
+def test_the_cascade_threshold_is_the_measured_crossover_of_the_device(monkeypatch):
+    """An H100 (sm_90) sends a group through cascade from 16k shared tokens, where
+    KERNELS.md's decode measurements cross; a GPU never measured, and the CPU
+    (interpreter), from the default 256."""
+    from preble_backend.model import attention_triton
+    from preble_backend.model.attention_triton import CASCADE_MIN_SHARED_TOKENS, cascade_threshold
+
+    assert cascade_threshold(torch.device("cpu")) == CASCADE_MIN_SHARED_TOKENS == 256
+    for capability, expected in (((9, 0), 16384), ((8, 0), 256), ((8, 9), 256)):
+        monkeypatch.setattr(attention_triton.torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        assert cascade_threshold(torch.device("cuda:0")) == expected

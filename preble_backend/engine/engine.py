@@ -299,14 +299,15 @@ class Engine:
         """Run the attention paths once before the first request: on a GPU, Triton's kernels
         (and FlashInfer's) compile at first use, which put 1.8 s into the first request's
         time to first token on an H100 against 49 ms after. A prompt past the cascade
-        threshold, then two sharing it (cascade, chunks of several sizes, decodes); then
-        the cache is flushed and the counters zeroed, as if nothing had run."""
+        threshold (any tokens: shapes matter), then two sharing it (cascade, chunks of
+        several sizes, decodes); then the cache is flushed and the counters zeroed."""
         from preble_backend.engine.local_scheduler import SchedulerStats
-        from preble_backend.model.attention_triton import CASCADE_MIN_SHARED_TOKENS
+        from preble_backend.model.attention_triton import CASCADE_MIN_SHARED_TOKENS as DEFAULT
 
-        length = min(CASCADE_MIN_SHARED_TOKENS + self.pool.page_size + 7, self.model_config.max_context - 8)
-        vocab = self.model_config.vocab_size
-        shared = [3 + (i * 7919) % (vocab - 3) for i in range(length)]  # any tokens: only shapes matter
+        threshold = getattr(getattr(self.runner, "backend", None), "min_shared_tokens", None) or DEFAULT
+        length = min(threshold + self.pool.page_size + 7, self.model_config.max_context - 8,
+                     self.pool.capacity_tokens // 2 - 8)  # fmt: skip
+        shared = [3 + (i * 7919) % (self.model_config.vocab_size - 3) for i in range(length)]
         params = {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
         self.generate([shared], params)
         self.generate([shared + [5], shared + [6, 7, 8]], params)

@@ -2,8 +2,8 @@
 Triton's interpreter on the CPU, for tests).
 
 Per forward, layer 0 builds one plan (work items, sequence lengths, cascade groups) that
-every later layer reuses. Requests sharing at least ``CASCADE_MIN_SHARED_TOKENS`` of
-radix-cache pages are attended as a cascade: their shared prefix once for the group.
+every later layer reuses. Requests sharing at least ``cascade_threshold(device)`` tokens
+of radix-cache pages are attended as a cascade: their shared prefix once for the group.
 """
 
 from __future__ import annotations
@@ -15,13 +15,25 @@ from kernels.kv_write import kv_write
 from kernels.tuning import interpreting
 from preble_backend.model.attention import AttentionBackend
 
-# Below this the shared pass costs more than reading the prefix once per request.
+# Below this the shared pass costs more than reading the prefix once per request: the
+# default, where no crossover was measured (and in the interpreter, so tests reach cascade).
 CASCADE_MIN_SHARED_TOKENS = 256
+# Measured crossovers, by compute capability (docs/KERNELS.md, decode batches against plain
+# split-KV decode). sm_90 (H100; the H200 is the same chip): cascade 0.64x plain at a 4k
+# shared prefix, 0.78x at 8k, 3.40x at 32k; 16k is between the last loss and the first win
+# (not measured at 16k itself, nor for groups carrying prefill chunks).
+CASCADE_THRESHOLDS = {(9, 0): 16384}
+
+
+def cascade_threshold(device: torch.device) -> int:
+    """Shared tokens from which a group goes through cascade on ``device``."""
+    if device.type != "cuda":
+        return CASCADE_MIN_SHARED_TOKENS
+    return CASCADE_THRESHOLDS.get(torch.cuda.get_device_capability(device), CASCADE_MIN_SHARED_TOKENS)
 
 
 class TritonAttention(AttentionBackend):
     name = "triton"
-    min_shared_tokens = CASCADE_MIN_SHARED_TOKENS
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" and not interpreting():
@@ -30,6 +42,7 @@ class TritonAttention(AttentionBackend):
                 "runs it: start with TRITON_INTERPRET=1, for tests)"
             )
         self.cascade_forwards = 0  # forwards that attended a shared prefix once per group
+        self.min_shared_tokens = cascade_threshold(device)
 
     def forward(self, layer, q, k, v, batch, pool):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
