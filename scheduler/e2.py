@@ -139,7 +139,7 @@ class E2(Policy):
         prompt_len = len(request.input_ids)
         chain = request.chain(self.page_size)
         match = self.tree.match(chain)
-        reach = self._host_reach(match, chain)
+        reach = self._host_reach(match, chain) if self.tree.host.total else {}
         cached = max(match.matched, *reach.values()) if reach else match.matched
         missed = prompt_len - cached
         holders = self._key_holders(match) if cached > missed else set()

@@ -18,23 +18,27 @@ from preble_backend.common.cache_event import CacheEvent
 class HostTierMirror:
     def __init__(self, num_instances: int) -> None:
         self.pages: list[set[int]] = [set() for _ in range(num_instances)]
+        self.total = 0  # pages over every instance: 0 (no tiers) costs E2 one test per decision
 
     def add_instance(self) -> None:
         self.pages.append(set())
 
     def apply(self, instance: int, event: CacheEvent) -> None:
-        span = event.hashes[event.start :]
+        pages, span = self.pages[instance], event.hashes[event.start :]
+        before = len(pages)
         if event.kind == "stored":
-            self.pages[instance].update(span)
+            pages.update(span)
         else:
-            self.pages[instance].difference_update(span)
+            pages.difference_update(span)
+        self.total += len(pages) - before
 
     def forget(self, instance: int) -> None:
+        self.total -= len(self.pages[instance])
         self.pages[instance].clear()
 
     def holders(self) -> list[int]:
         """The instances whose host tier holds anything (none, without tiers)."""
-        return [i for i, pages in enumerate(self.pages) if pages]
+        return [i for i, pages in enumerate(self.pages) if pages] if self.total else []
 
     def run(self, instance: int, chain: Sequence[int], start: int) -> int:
         """Pages of ``chain`` from ``start`` on that the instance's host tier holds, in a row."""

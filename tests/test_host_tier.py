@@ -170,7 +170,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
             if node.on_host:
                 path = node.path_tokens()
                 hosted.update(chain_hashes(path, PAGE)[(len(path) - len(node.key)) // PAGE :])
-        assert self.mirror.host.pages[0] == hosted
+        assert self.mirror.host.pages[0] == hosted and self.mirror.host.total == len(hosted)
 
     def teardown(self):
         self.events_mirror_both_tiers()
