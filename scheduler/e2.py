@@ -143,7 +143,8 @@ class E2(Policy):
         cached = max(match.matched, *reach.values()) if reach else match.matched
         missed = prompt_len - cached
         holders = self._key_holders(match) if cached > missed else set()
-        holders |= {i for i, tokens in reach.items() if tokens > prompt_len - tokens}
+        if reach:
+            holders |= {i for i, tokens in reach.items() if tokens > prompt_len - tokens}
         if holders and match.key is not None and self._queued_everywhere(holders, prompt_len, now):
             self._replicate(match.key, now)  # (a prefix only host tiers hold has no key portion)
             holders |= self._key_holders(match)
@@ -167,7 +168,7 @@ class E2(Policy):
         """Tiers (ours, after HiCache-aware routers): for each live instance whose host tier
         continues the prompt past its device, how far both reach (tokens); its host pages
         are noted in ``match.hosted`` for the load cost. Empty without host tiers."""
-        reach = {}
+        reach, match.hosted = {}, {}
         for i in self.tree.host.holders():
             if i in self.live:
                 device = match.cached_on(i)
@@ -252,12 +253,13 @@ class E2(Policy):
         for their own prefill go first and do not wait for it); with ``serial`` (the
         paper's), L is a DECODETIME per request and P the request's own prefill. Prompt
         tokens the instance's host tier holds cost their load-back, not a prefill."""
-        hosted = match.hosted_on(instance)  # loaded back, not recomputed
+        hosted = match.hosted_on(instance) if match.hosted else 0  # loaded back, not recomputed
         missed = prompt_len - match.cached_on(instance) - hosted
-        prefill = self.cost.prefill_time(missed) + self.cost.load_time(hosted)
+        prefill = self.cost.prefill_time(missed) + (self.cost.load_time(hosted) if hosted else 0.0)
         need = self.tree.held_tokens[instance] + missed + hosted - self.capacity[instance]
-        tiered = self.tiered[instance]
-        evicted = memory_cost(self.tree, instance, need, match, now, self.cost, tiered) if need > 0 else 0.0
+        evicted = 0.0
+        if need > 0:
+            evicted = memory_cost(self.tree, instance, need, match, now, self.cost, self.tiered[instance])
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
         history, decode_len = self.history[instance], self.decode_lengths.average(now)
@@ -272,8 +274,9 @@ class E2(Policy):
     def _record(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
         """Count the request in the instance's load and route it in the tree."""
         prompt_len = len(request.input_ids)
-        cached = match.cached_on(instance) + match.hosted_on(instance)
-        prefill = self.cost.prefill_time(prompt_len - cached) + self.cost.load_time(match.hosted_on(instance))
+        hosted = match.hosted_on(instance) if match.hosted else 0
+        cached = match.cached_on(instance) + hosted
+        prefill = self.cost.prefill_time(prompt_len - cached) + (self.cost.load_time(hosted) if hosted else 0)
         self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the

@@ -8,7 +8,7 @@ whether the whole node matches, and a partial match is a binary search (``common
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from preble_backend.common.prefix import longest_match
 
@@ -66,11 +66,11 @@ class Match:
     page_size: int
     matched: int  # tokens: the pages of ``lengths`` together
     key: GlobalNode | None
-    hosted: dict[int, int] = field(default_factory=dict)  # instance -> pages its host tier adds
+    hosted: dict[int, int] | None = None  # instance -> pages its host tier adds (None: no tiers)
 
     def hosted_on(self, instance: int) -> int:
         """Prompt tokens the instance's host tier holds right after what its device holds."""
-        return self.hosted.get(instance, 0) * self.page_size
+        return self.hosted.get(instance, 0) * self.page_size if self.hosted else 0
 
     def cached_on(self, instance: int) -> int:
         """Prompt tokens the instance holds: the matched path up to its first gap."""
