@@ -18,7 +18,7 @@ from client.triton_client import PrebleClient
 from preble_backend.common.keys import ADMIN_KEY_ENV, bearer
 from preble_backend.common.procfs import command_name, process_tree
 from preble_backend.runtime.access import Access
-from preble_backend.runtime.launcher import ServerPorts, free_port, start_server
+from preble_backend.runtime.launcher import ServerPorts, free_port, free_ports, start_server
 from preble_backend.runtime.repository import write_repository
 from preble_backend.runtime.supervisor import engine_stub
 
@@ -103,7 +103,7 @@ def metric_value(url: str, name: str, label: str = "") -> float | None:
     return None
 
 def fresh_ports() -> ServerPorts:
-    return ServerPorts(free_port(), free_port(), free_port())
+    return ServerPorts(*free_ports(3))
 
 
 def launch(repo: Path, log: Path, ready: bool = True, extra_args=None):
@@ -182,7 +182,10 @@ class Stack:
 def serve_stack(repo: Path, *args: str, env: dict | None = None, timeout: float = 300,
                 ports: ServerPorts | None = None, openai_port: int | None = None) -> Stack:  # fmt: skip
     """``preble serve`` on fresh ports (or these), read until it says ready."""
-    ports, openai_port = ports or fresh_ports(), openai_port or free_port()
+    if ports is None:
+        http, grpc, metrics, fresh_openai = free_ports(4)  # four distinct ones
+        ports, openai_port = ServerPorts(http, grpc, metrics), openai_port or fresh_openai
+    openai_port = openai_port or free_port()
     cmd = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo),
            "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port",
            str(ports.metrics), "--openai-port", str(openai_port), *args]  # fmt: skip

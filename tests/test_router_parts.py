@@ -358,3 +358,13 @@ def test_metrics_federation_merges_families_and_labels_each_engine():
                                       'lat_sum{engine="preble_engine_0"} 1.5',
                                       'lat_count{engine="preble_engine_0"} 3']  # fmt: skip
     assert 'preble_router_engines{model="preble"} 2' in lines  # the router's own, unlabelled
+
+
+def test_fresh_ports_never_repeat_within_one_call():
+    """A server given the same port for two endpoints refuses to start (a full test run hit it: HTTP
+    and gRPC both on one port); ports taken together are distinct."""
+    from preble_backend.runtime.launcher import free_ports
+
+    for _ in range(20):
+        ports = free_ports(8)
+        assert len(set(ports)) == 8 and all(p > 0 for p in ports)

@@ -28,7 +28,7 @@ import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from preble_backend.runtime.launcher import free_port
+from preble_backend.runtime.launcher import free_ports
 from preble_backend.runtime.repository import write_repository
 from preble_backend.runtime.supervisor import engine_stub
 
@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     run = Path(tempfile.mkdtemp(prefix="preble-restart-"))
     repo = write_repository(run / "repo", cpu_engines=args.engines, max_num_tokens=8192)
-    ports = [free_port() for _ in range(4)]
+    ports = free_ports(4)
     serve = subprocess.Popen(
         [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(repo), "--http-port",
          str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--openai-port",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from preble_backend.runtime.front_process import start_openai_front
-from preble_backend.runtime.launcher import ServerPorts, free_port, start_server
+from preble_backend.runtime.launcher import ServerPorts, free_ports, start_server
 from preble_backend.runtime.repository import write_repository
 
 
@@ -122,13 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="preble-bench-front-"))
     repo = write_repository(work / "repo", cpu_engines=2, compute="emulated", emulated_slowdown=0.05)
-    server = start_server(repo, ServerPorts(free_port(), free_port(), free_port()), log_path=work / "ts.log")
+    server = start_server(repo, ServerPorts(*free_ports(3)), log_path=work / "ts.log")
     front = None
     try:
         server.wait_ready()
-        grpc_port = free_port()
+        http_port, grpc_port = free_ports(2)
         front = start_openai_front(f"127.0.0.1:{server.ports.grpc}", 0, "tiny", work / "front.log",
-                                   server=server, http_port=free_port(), grpc_port=grpc_port)  # fmt: skip
+                                   server=server, http_port=http_port, grpc_port=grpc_port)  # fmt: skip
         front.wait_healthy()
         urls = {"direct": f"http://127.0.0.1:{server.ports.http}", "front": f"http://127.0.0.1:{front.http_port}"}
         grpc_urls = {"direct": f"127.0.0.1:{server.ports.grpc}", "front": f"127.0.0.1:{grpc_port}"}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from client.triton_client import infer_inputs
 from preble_backend.common.procfs import cpu_seconds, process_tree
-from preble_backend.runtime.launcher import ServerPorts, free_port, start_server
+from preble_backend.runtime.launcher import ServerPorts, free_ports, start_server
 
 CONFIG = """name: "echo"
 backend: "python"
@@ -100,7 +100,7 @@ def main() -> None:
         (model / "1").mkdir(parents=True)
         (model / "config.pbtxt").write_text(CONFIG % args.chunks)
         (model / "1" / "model.py").write_text(MODEL)
-        ports = ServerPorts(free_port(), free_port(), free_port())
+        ports = ServerPorts(*free_ports(3))
         server = start_server(tmp, ports, log_path=Path(tmp) / "server.log")
         try:
             server.wait_ready(180)

@@ -34,7 +34,7 @@ from preble_backend.runtime.launcher import (
     ServerPorts,
     TritonServer,
     check_port_free,
-    free_port,
+    free_ports,
 )
 from preble_backend.runtime.supervisor import Supervised, Supervisor, split_repository
 from preble_backend.serving.drain_signal import DRAIN_DIR_ENV, request_drain, wait_drained
@@ -90,7 +90,7 @@ def serve(args: argparse.Namespace) -> int:
             env = {ENGINE_KEY_ENV: local_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if stop:
             return 0
-        ports = ServerPorts(free_port(), free_port(), free_port())  # the public ones are the front's
+        ports = ServerPorts(*free_ports(3))  # the public ones are the front's
         print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
         router = Supervised(
             "preble", router_repo, ports, log, access=public, env=env, watch_stub=False, role="router",

@@ -10,6 +10,7 @@ virtual environment's ``bin/`` goes first; the bundled libraries and libpython g
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -161,9 +162,18 @@ def check_port_free(port: int, host: str = "127.0.0.1") -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports. Every socket stays bound until all are chosen:
+    ports taken one at a time can repeat (a server given the same port for HTTP and gRPC
+    refuses to start)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 # Every model loaded at start, and loadable again with a configuration override (how

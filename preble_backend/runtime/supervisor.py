@@ -29,7 +29,7 @@ from preble_backend.runtime.launcher import (
     LaunchError,
     ServerPorts,
     TritonServer,
-    free_port,
+    free_ports,
     start_server,
 )
 from preble_backend.serving.pbtxt import config_parameter, set_config_parameter
@@ -210,7 +210,7 @@ def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[Superv
             continue
         if not (repository / entry / "config.pbtxt").is_file():
             raise LaunchError(f"engines: model {entry!r} is not in the model repository {repository}")
-        ports = ServerPorts(free_port(), free_port(), free_port())
+        ports = ServerPorts(*free_ports(3))
         engine = Supervised(entry, run_dir / "engines" / entry, ports, run_dir / f"{entry}.log")
         _link_model(repository, entry, engine.repository)
         servers.append(engine)
