@@ -18,7 +18,7 @@ from preble_backend.common.cache_event import CacheEvent
 class HostTierMirror:
     def __init__(self, num_instances: int) -> None:
         self.pages: list[set[int]] = [set() for _ in range(num_instances)]
-        self.total = 0  # pages over every instance: 0 (no tiers) costs E2 one test per decision
+        self.total = 0  # pages over every instance: E2 looks no further while it is 0
 
     def add_instance(self) -> None:
         self.pages.append(set())
@@ -38,7 +38,7 @@ class HostTierMirror:
 
     def holders(self) -> list[int]:
         """The instances whose host tier holds anything (none, without tiers)."""
-        return [i for i, pages in enumerate(self.pages) if pages] if self.total else []
+        return [i for i, pages in enumerate(self.pages) if pages]
 
     def run(self, instance: int, chain: Sequence[int], start: int) -> int:
         """Pages of ``chain`` from ``start`` on that the instance's host tier holds, in a row."""

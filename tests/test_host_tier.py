@@ -12,7 +12,6 @@ from conftest import assert_cached_kids_counted, make_request, random_prompts
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_e2 import e2, route
 
 # The parity suite, run again below with every engine on a host tier (``make_engine``).
 from test_parity import (  # noqa: F401
@@ -29,18 +28,13 @@ from test_parity import (  # noqa: F401
 from test_radix_cache import chunked_prefill, token_lists, walk
 
 from preble_backend.common.block_hash import chain_hashes
-from preble_backend.common.cache_event import CacheEvent, EventBatch
-from preble_backend.common.cost_model import CostModel
 from preble_backend.engine import host_tier
 from preble_backend.engine.block_manager import BlockManager
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.host_tier import HostTier
 from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.model.kv_pool import KVPool
-from preble_backend.serving.protocol import decode_report, encode_report
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.policy import FinishInfo, RoundRobin
-from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
 GREEDY = {"temperature": 0}
 PAGE, DEVICE_PAGES, HOST_PAGES = 4, 24, 12
@@ -286,84 +280,6 @@ def test_host_tier_settings_are_checked():
     assert EngineConfig("tiny", page_size=16, host_kv_ratio=3.0).host_pages(10) == 30
 
 
-# ---- E2 with tiers ------------------------------------------------------------------------------
-
-# 1 ms per prefilled token and 0.05 ms per token loaded back; nothing else costs.
-TIERED = CostModel(base_ms=0, prefill_ms_per_token=1, decode_ms_per_request=0,
-                   attention_ms_per_context_token=0, decode_step_ms=0, load_ms_per_token=0.05)  # fmt: skip
-DOC = list(range(3000, 3400))  # a 400-token document
-
-
-def test_e2_exploits_a_prefix_in_a_host_tier_and_prices_its_load_back():
-    """Instance 1's host tier holds the document, instance 0 holds nothing: a request for
-    it plus 20 tokens costs 20 + 0.05 x 400 = 40 ms on instance 1 against 420 ms on
-    instance 0, and it is an exploit (400 of 420 tokens held somewhere)."""
-    policy, _ = e2(cost=TIERED, load_model="batch")
-    policy.tree.apply_events(1, [CacheEvent.of("stored", DOC, 0, 1, "host")])
-    prompt = DOC + list(range(9000, 9020))
-    m = policy.tree.match(chain_hashes(prompt, 1))
-    assert m.matched == 0  # the device tree alone sees nothing
-    assert policy._host_reach(m, chain_hashes(prompt, 1)) == {1: 400}
-    assert policy.load_cost(1, m, 420, 0.0) == pytest.approx(40.0)
-    assert policy.load_cost(0, m, 420, 0.0) == pytest.approx(420.0)
-    _, d = route(policy, prompt)
-    assert (d.instance, d.branch) == (1, "exploit")
-
-
-def test_e2_prefers_the_device_copy_to_a_host_copy():
-    """The document on instance 0's device and in instance 1's host tier: 20 ms against
-    40 ms; the host run starts where the device's ends (instance 1 holds the first 100
-    tokens on its device, the rest on its host: 20 + 0.05 x 300 = 35 ms)."""
-    policy, _ = e2(cost=TIERED, load_model="batch")
-    policy.tree.apply_events(0, [CacheEvent.of("stored", DOC, 0, 1)])
-    policy.tree.apply_events(1, [CacheEvent.of("stored", DOC[:100], 0, 1),
-                                 CacheEvent.of("stored", DOC, 100, 1, "host")])  # fmt: skip
-    prompt = DOC + list(range(9000, 9020))
-    m = policy.tree.match(chain_hashes(prompt, 1))
-    policy._host_reach(m, chain_hashes(prompt, 1))
-    assert policy.load_cost(0, m, 420, 0.0) == pytest.approx(20.0)
-    assert policy.load_cost(1, m, 420, 0.0) == pytest.approx(35.0)
-    _, d = route(policy, prompt)
-    assert (d.instance, d.branch) == (0, "exploit")
-
-
-def test_host_tier_events_cross_the_wire_and_a_dead_engine_is_forgotten():
-    events = [CacheEvent.of("stored", DOC, 0, 1), CacheEvent.of("stored", DOC + [1, 2], 400, 1, "host")]
-    batch, _ = decode_report(encode_report({}, EventBatch("log", 0, 2, events)))
-    assert batch.events == events
-    tree = GlobalPrefixTree(2, page_size=1)
-    tree.apply_events(1, batch.events)
-    assert tree.host.pages[1] == set(chain_hashes(DOC + [1, 2], 1)[400:])
-    tree.forget(1)
-    assert not tree.host.pages[1] and tree.cached_sequences(1) == set()
-
-
-# ---- the simulator ------------------------------------------------------------------------------
-
-
-def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_load_backs():
-    """Four documents that do not fit one instance's device together (1,200 tokens each
-    on 2,048), visited in turn: without a tier every visit recomputes its document; with
-    a host tier every revisit loads it back, and the iteration pays the modelled copy."""
-    docs = [list(range(10_000 * (d + 1), 10_000 * (d + 1) + 1200)) for d in range(4)]
-    requests = [SimRequest(f"r{i}", i * 5.0, docs[i % 4] + [i, i + 1], 4) for i in range(16)]
-    cost = TIERED
-    results = {}
-    for host in (0, 8192):
-        cfg = SimConfig.of(1, capacity_tokens=2048, page_size=16, host_kv_tokens=host)
-        run = simulate(requests, lambda clock: RoundRobin(1, clock), cfg, cost)
-        results[host] = metrics(run)
-        if host:
-            tier = run.instances[0].cache.host
-            assert tier.stats.pages_loaded == 12 * 75  # 12 revisits, each the document's 75 pages
-    assert results[0]["cache_hit_ratio"] == 0.0
-    assert results[8192]["cache_hit_ratio"] == pytest.approx(12 * 1200 / (16 * 1202))
-    # Alone on the instance, a request computes its 1,202 tokens in 1.202 s; a revisit
-    # loads 1,200 back (0.05 ms each: 60 ms) and prefills 2 (decodes cost nothing here).
-    assert results[0]["avg_latency_s"] == pytest.approx(1.202)
-    assert results[8192]["avg_latency_s"] == pytest.approx((4 * 1.202 + 12 * 0.062) / 16)
-
-
 # ---- served ---------------------------------------------------------------------------------------
 
 
@@ -407,18 +323,6 @@ def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
         stack.stop()
 
 
-def test_e2_with_only_host_tier_holders_queued_everywhere_routes_without_replicating():
-    """A prompt whose prefix only a host tier holds has no key portion in the device
-    tree, so there is nothing to replicate when its holder queues: E2 still routes it
-    (by cost) instead of failing."""
-    policy, clock = e2(cost=TIERED, load_model="batch", hot_queue=1.0)
-    policy.tree.apply_events(1, [CacheEvent.of("stored", DOC, 0, 1, "host")])
-    for k in range(10):  # instance 1 is full: a new request would queue behind ~8
-        policy.history[1].add(f"busy{k}", clock(), 0.0, 1.0, 5000)
-    _, d = route(policy, DOC + list(range(9000, 9020)))
-    assert d.branch == "exploit" and d.instance == 1
-
-
 def test_a_load_back_takes_what_the_device_has_room_for():
     """Six pages on the host, room for four on the device (the rest held by running
     requests): the first four come back, the request computes the other two."""
@@ -439,22 +343,3 @@ def test_a_load_back_takes_what_the_device_has_room_for():
     assert cache.cached_len(tokens) == 6 * PAGE  # the other two still on the host
     blocks.release(second)
     device.free(held)
-
-
-def test_e2_prices_what_a_tiered_engine_evicts_at_its_load_back():
-    """test_e2's eviction case on engines that report a host tier: evicting instance 0's
-    100-token node (two users) costs 2 x 0.05 x 100 = 10 ms, not 200, and instance 1's
-    (one user) 5; with instance 0's tier only, the new request goes there."""
-    policy, clock = e2(cost=TIERED, capacity=120)
-    a, e = list(range(100)), list(range(200, 300))
-    done = [route(policy, a), route(policy, e), route(policy, a)]
-    report = {"kv_host_pages_total": 64}
-    for (r, d), tiered in zip(done, (True, False, True)):
-        info = FinishInfo([CacheEvent.of("stored", r.input_ids, 0, 1)], report if tiered else {}, 0.1, 1)
-        policy.on_finish(d.instance, r, info)
-    assert policy.tiered == [True, False]
-    m = policy.tree.match(chain_hashes(list(range(400, 450)), 1))
-    assert policy.load_cost(0, m, 50, clock()) == pytest.approx(2 * 0.05 * 100 + 50)
-    assert policy.load_cost(1, m, 50, clock()) == pytest.approx(1 * 100 + 50)
-    _, d = route(policy, list(range(400, 450)))
-    assert (d.instance, d.branch) == (0, "explore")
