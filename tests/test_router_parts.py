@@ -360,11 +360,17 @@ def test_metrics_federation_merges_families_and_labels_each_engine():
     assert 'preble_router_engines{model="preble"} 2' in lines  # the router's own, unlabelled
 
 
-def test_fresh_ports_never_repeat_within_one_call():
-    """A server given the same port for two endpoints refuses to start (a full test run hit it: HTTP
-    and gRPC both on one port); ports taken together are distinct."""
+def test_fresh_ports_never_repeat():
+    """A server given a port another one was given refuses to start, or, worse, answers the
+    other's probes (a full run hit both: HTTP and gRPC on one port; then one engine's
+    readiness probe reached another engine's gRPC). Ports from one call, and from every
+    call of one process, are distinct, and none is one the caller said to avoid."""
     from preble_backend.runtime.launcher import free_ports
 
-    for _ in range(20):
-        ports = free_ports(8)
-        assert len(set(ports)) == 8 and all(p > 0 for p in ports)
+    seen: set[int] = set()
+    for _ in range(100):
+        avoid = free_ports(2)
+        ports = free_ports(6, avoid)
+        assert len(set(ports)) == 6 and all(p > 0 for p in ports)
+        assert not seen & set(ports + avoid) and not set(avoid) & set(ports)
+        seen |= set(ports + avoid)

@@ -63,9 +63,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if admin_key == api_key:
             raise LaunchError(f"{ADMIN_KEY_ENV} equals the API key: the admin key must be one no client has")
-        for port in (args.http_port, args.grpc_port, args.metrics_port, args.openai_port):
-            if port:
-                check_port_free(port, args.host)
+        public_ports = [p for p in (args.http_port, args.grpc_port, args.metrics_port, args.openai_port) if p]
+        for port in public_ports:
+            check_port_free(port, args.host)
         if not repository.is_dir():
             raise LaunchError(f"model repository {repository} does not exist")
         if not (repository / "preble" / "config.pbtxt").is_file():
@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> int:
             raise LaunchError(f"{ENGINE_KEY_ENV} equals the API key: no client may hold the engine key")
         env = {ENGINE_KEY_ENV: engine_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if args.layout == "split":
-            router_repo, engines = split_repository(repository, run_dir)
+            router_repo, engines = split_repository(repository, run_dir, public_ports)
             for engine in engines:
                 engine.log_path = log.with_suffix(f".{engine.model}.log")
             engine_access = Access(host=LOOPBACK, api_key=engine_key)  # its admin key: nobody's
@@ -90,7 +90,7 @@ def serve(args: argparse.Namespace) -> int:
             env = {ENGINE_KEY_ENV: local_key, ADMIN_KEY_ENV: admin_key, DRAIN_DIR_ENV: str(run_dir)}
         if stop:
             return 0
-        ports = ServerPorts(*free_ports(3))  # the public ones are the front's
+        ports = ServerPorts(*free_ports(3, avoid=public_ports))  # the public ones are the front's
         print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
         router = Supervised(
             "preble", router_repo, ports, log, access=public, env=env, watch_stub=False, role="router",

@@ -11,6 +11,7 @@ virtual environment's ``bin/`` goes first; the bundled libraries and libpython g
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +68,7 @@ class TritonServer:
             url = f"http://{self.access.client_host}:{self.ports.http}/v2/health/ready"
             with urllib.request.urlopen(url, timeout=1) as resp:
                 return resp.status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not answering, or not as tritonserver
             return False
 
     def wait_ready(self, timeout: float = 300.0) -> None:
@@ -165,15 +167,26 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports. Every socket stays bound until all are chosen:
-    ports taken one at a time can repeat (a server given the same port for HTTP and gRPC
-    refuses to start)."""
+def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct free loopback ports, none in ``avoid`` and none this process has
+    handed out before. Every socket stays bound until all are chosen, and a port once
+    handed out is never handed out again: the server it went to may not have bound it yet,
+    and the kernel offers a just-released port again (two engines of one ``preble serve``
+    were given one port, and one's readiness probe reached the other's gRPC)."""
+    taken = _HANDED_OUT | set(avoid)
+    ports: list[int] = []
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
             s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+            if (port := s.getsockname()[1]) not in taken:
+                ports.append(port)
+                taken.add(port)
+    _HANDED_OUT.update(ports)
+    return ports
+
+
+_HANDED_OUT: set[int] = set()
 
 
 # Every model loaded at start, and loadable again with a configuration override (how

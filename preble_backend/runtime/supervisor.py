@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,12 +194,14 @@ class Supervisor:
 # ---- the layout: the repository split into one per engine and the router's ----------------
 
 
-def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[Supervised]]:
+def split_repository(
+    repository: Path, run_dir: Path, avoid: Iterable[int] = ()
+) -> tuple[Path, list[Supervised]]:
     """The router's repository and one per local engine under ``run_dir``, from a
     repository that holds them together: each engine model alone in its own, the router
-    forwarding to it at ``grpc://127.0.0.1:port``. Version directories are links to the
-    originals; each ``config.pbtxt`` is copied with relative ``model_path`` values made
-    absolute (the originals are relative to ``repository``)."""
+    forwarding to it at ``grpc://127.0.0.1:port`` (no port in ``avoid``). Version
+    directories are links to the originals; each ``config.pbtxt`` is copied with relative
+    ``model_path`` values made absolute (the originals are relative to ``repository``)."""
     router_config = (repository / "preble" / "config.pbtxt").read_text()
     entries = [e.strip() for e in (config_parameter(router_config, "engines") or "").split(",") if e.strip()]
     servers: list[Supervised] = []
@@ -210,7 +212,7 @@ def split_repository(repository: Path, run_dir: Path) -> tuple[Path, list[Superv
             continue
         if not (repository / entry / "config.pbtxt").is_file():
             raise LaunchError(f"engines: model {entry!r} is not in the model repository {repository}")
-        ports = ServerPorts(*free_ports(3))
+        ports = ServerPorts(*free_ports(3, avoid))
         engine = Supervised(entry, run_dir / "engines" / entry, ports, run_dir / f"{entry}.log")
         _link_model(repository, entry, engine.repository)
         servers.append(engine)
