@@ -1,6 +1,6 @@
 """Extend attention: each request's chunk of new queries attends to its paged prefix (no
-mask) and to itself (causal) in one online-softmax pass. Decodes ride along as chunks of
-length one.
+mask) and to itself (causal) in one online-softmax pass; a tile masks only the key blocks
+on its diagonal. Decodes ride along as chunks of length one (no masked block at all).
 
 The launch is driven by *work items*, one row of ``ITEM_FIELDS`` per item: which query
 rows, which context range, where the output goes. A plain batch has one item per request;
@@ -66,17 +66,22 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # The prefix: every key is before every query, so only the range bound masks.
-    for start in range(kv_start, prefix_end, BLOCK_N):
+    # Every key before the tile's first query position is visible to all its rows: the
+    # prefix and the chunk's own keys up to that point run unmasked, and only the few
+    # blocks on the tile's diagonal pay for the causal mask. (A cascade item has no chunk
+    # part: kv_end == prefix_end bounds it.)
+    first_tok = (pid_m * BLOCK_M) // GROUP
+    open_end = tl.minimum(prefix_end + first_tok + 1, kv_end)
+    for start in range(kv_start, open_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, q_pos, pos, pos < prefix_end, KCache, VCache, page_row, kv_head,
+            acc, m_i, l_i, q, q_pos, pos, pos < open_end, KCache, VCache, page_row, kv_head,
             stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, False, UPCAST, PRECISION,
         )  # fmt: skip
-    # The chunk itself, causally, up to the last query row of this tile.
+    # The diagonal, causally, up to the last query row of this tile.
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     self_end = tl.minimum(kv_end, prefix_end + last_tok + 1)
-    for start in range(prefix_end, self_end, BLOCK_N):
+    for start in range(open_end, self_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = attend_block(
             acc, m_i, l_i, q, q_pos, pos, pos < self_end, KCache, VCache, page_row, kv_head,
