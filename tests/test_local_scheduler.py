@@ -105,3 +105,36 @@ def test_out_of_pages_preempts_the_newest_request():
     assert new in list(sched.waiting) and new.num_computed == 0
     for r in (old, new):
         sched.finish(r)
+
+
+@pytest.mark.parametrize("waiting", [True, False])
+def test_eviction_spares_the_prefix_a_waiting_request_will_reuse(waiting):
+    """Two cached documents, A older than B, and a fresh prompt's chunked prefill that
+    takes the whole token budget and needs two pages more than are free. With a request
+    for A waiting behind it, B's tail goes; with nobody waiting, LRU takes A's."""
+    sched = make_scheduler(chunk_size=8, num_pages=12)  # pages of 4 tokens
+    doc_a, doc_b, fresh = list(range(100, 116)), list(range(200, 216)), list(range(300, 324))
+    for rid, prompt in (("a", doc_a + [1]), ("b", doc_b + [1])):  # each leaves 4 pages cached
+        req = make_request(prompt, rid)
+        sched.add(req)
+        while req.num_computed < len(prompt):
+            sched.advance(sched.schedule())
+        sched.finish(req)
+    cache = sched.blocks.cache
+    assert cache.cached_len(doc_a) == cache.cached_len(doc_b) == 16 and sched.blocks.pool.num_free == 4
+    running, reader = make_request(fresh, "fresh"), make_request(doc_a + [2], "reader")
+    sched.add(running)
+    for i in range(3):  # 8 tokens each: the third needs two pages the pool no longer has
+        batch = sched.schedule()
+        assert batch.requests == [running]
+        sched.advance(batch)
+        if i == 0:  # the reader arrives behind a running prefill that takes the whole budget
+            sched.add(reader)
+            if not waiting:
+                sched.finish(reader)
+    spared, evicted = (doc_a, doc_b) if waiting else (doc_b, doc_a)
+    assert cache.cached_len(spared) == 16 and cache.cached_len(evicted) == 8
+    sched.finish(running)
+    if waiting:
+        batch = sched.schedule()
+        assert batch.requests == [reader] and reader.num_cached_tokens == 16

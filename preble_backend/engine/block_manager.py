@@ -11,6 +11,8 @@ The three moments of a request's memory life:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.engine.request import Request
 from preble_backend.model.kv_pool import KVPool
@@ -22,6 +24,7 @@ class BlockManager:
         self.cache = cache  # None: prefix caching off
         self.page_size = pool.page_size
         self.loaded_tokens = 0  # brought back from the host tier, in all
+        self.before_evict: Callable[[], None] | None = None  # the local scheduler's (it knows who waits)
 
     def admit(self, req: Request) -> int:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
@@ -47,6 +50,8 @@ class BlockManager:
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
         need = self.pages_needed(req, num_new_tokens)
         if need > self.pool.num_free and self.cache is not None:
+            if self.before_evict is not None:
+                self.before_evict()
             self.pool.free(self.cache.evict(need - self.pool.num_free))
         if need > self.pool.num_free:
             return False

@@ -3,8 +3,8 @@
 Each iteration gets a token budget (``chunk_size``, Sarathi-style). Running requests go
 first, oldest first: a decode costs one token, an unfinished prefill takes the next chunk
 that fits. Then waiting requests are admitted from the priority wait queue while budget,
-pages and the running cap allow. When pages run out, unreferenced cache is evicted; if
-that is not enough, the newest running request is preempted: its computed pages go to the
+pages and the running cap allow. When pages run out, unreferenced cache is evicted, what
+waiting requests would reuse last; if that is not enough, the newest running request is preempted: its computed pages go to the
 cache, and it waits at the front of its group to be recomputed.
 """
 
@@ -20,6 +20,8 @@ from preble_backend.engine.priority_queue import PriorityWaitQueue
 from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.engine.request import Request, Status
 from preble_backend.model.kv_pool import KVPool
+
+MAX_TOUCHED = 128  # waiting requests whose prefixes an eviction spares, the first in line
 
 
 @dataclass
@@ -75,6 +77,8 @@ class LocalScheduler:
         self.chunk_size = chunk_size
         self.max_running = max_running_requests
         self.stats = SchedulerStats()
+        self._waiting_touched = False
+        blocks.before_evict = self._keep_waiting_prefixes
 
     def add(self, req: Request, front: bool = False) -> None:
         cache = self.blocks.cache
@@ -87,6 +91,7 @@ class LocalScheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._waiting_touched = False
         loaded = self.blocks.loaded_tokens
         budget = self.chunk_size
         for req in list(self.running):
@@ -127,6 +132,20 @@ class LocalScheduler:
             self.running.append(req)
             batch.add(req, n)
             budget -= n
+
+    def _keep_waiting_prefixes(self) -> None:
+        """Before an iteration's first eviction, mark the cached prefixes of the requests
+        waiting here as just used (the highest priority group last), so LRU eviction takes
+        what nobody waits for first. Without it a running chunked prefill, which takes the
+        whole token budget while it runs, evicted the document the requests queued behind
+        it were routed here to reuse (LooGLE with two documents' worth of KV: half the
+        requests E2 sent to a holder missed). SGLang's scheduler touches them the same way
+        when it matches its waiting queue each step; like it, at most ``MAX_TOUCHED``."""
+        if self._waiting_touched or self.blocks.cache is None:
+            return
+        self._waiting_touched = True
+        for req in list(self.waiting)[-MAX_TOUCHED:]:
+            self.blocks.cache.touch(req.tokens(0, req.num_tokens - 1))
 
     def advance(self, batch: ScheduledBatch) -> None:
         """Account for an iteration that computed ``batch``; share finished prefill pages."""

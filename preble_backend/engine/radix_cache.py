@@ -98,6 +98,10 @@ class RadixCache:
         nodes = self._walk(tokens, on_host=False, node=self.root, pos=0)
         return [p for n in nodes for p in n.pages], nodes[-1] if nodes else self.root
 
+    def touch(self, tokens: list[int]) -> None:
+        """Mark the device prefix of ``tokens`` just used, so LRU eviction takes it last."""
+        self._walk(tokens, on_host=False, node=self.root, pos=0)
+
     def _walk(self, tokens: list[int], on_host: bool, node: TreeNode, pos: int) -> list[TreeNode]:
         """The nodes of one tier that match ``tokens`` from ``node`` at token ``pos`` on,
         the last split to fit; each touched for the LRU."""
