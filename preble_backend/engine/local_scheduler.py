@@ -3,9 +3,10 @@
 Each iteration gets a token budget (``chunk_size``, Sarathi-style). Running requests go
 first, oldest first: a decode costs one token, an unfinished prefill takes the next chunk
 that fits. Then waiting requests are admitted from the priority wait queue while budget,
-pages and the running cap allow. When pages run out, unreferenced cache is evicted, what
-waiting requests would reuse last; if that is not enough, the newest running request is preempted: its computed pages go to the
-cache, and it waits at the front of its group to be recomputed.
+pages and the running cap allow. When pages run out, unreferenced cache is evicted (what
+waiting requests would reuse last); if that is not enough, the newest running request is
+preempted: its computed pages go to the cache, and it waits at the front of its group to
+be recomputed.
 """
 
 from __future__ import annotations
