@@ -27,8 +27,9 @@ class GpuSample:
         return self.memory_used / self.memory_total if self.memory_total else 0.0
 
 
-def nvml_source() -> Callable[[int], GpuSample] | None:
-    """A sampler reading GPU ``i`` through nvidia-ml-py, or None when NVML is unavailable."""
+def nvml_source() -> Callable[[int | str], GpuSample] | None:
+    """A sampler reading a GPU through nvidia-ml-py, named by its UUID or its index, or
+    None when NVML is unavailable."""
     try:
         import pynvml
 
@@ -37,8 +38,11 @@ def nvml_source() -> Callable[[int], GpuSample] | None:
         log.info("NVML unavailable (%s): load view uses engine reports only", exc)
         return None
 
-    def read(gpu: int) -> GpuSample:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+    def read(gpu: int | str) -> GpuSample:
+        if isinstance(gpu, str):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(gpu)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(gpu)
         util = pynvml.nvmlDeviceGetUtilizationRates(handle)
         mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
         return GpuSample(util.gpu / 100.0, int(mem.used), int(mem.total))
@@ -49,7 +53,7 @@ def nvml_source() -> Callable[[int], GpuSample] | None:
 class LoadView:
     """Per instance: the latest GPU sample (if any) and the latest engine report."""
 
-    def __init__(self, gpus: list[int | None], source: Callable[[int], GpuSample] | None = None,
+    def __init__(self, gpus: list[int | str | None], source: Callable[[int | str], GpuSample] | None = None,
                  interval_s: float = 0.5) -> None:  # fmt: skip
         self.gpus = gpus
         self.interval_s = interval_s
@@ -101,6 +105,16 @@ class LoadView:
 
     def report(self, instance: int, load: dict) -> None:
         self.reports[instance] = load
+
+    def learn_gpu(self, instance: int, load: dict, on_this_host: bool) -> None:
+        """Sample the GPU an engine on this host reports (its ``gpu_uuid``, which names it
+        whatever ``CUDA_VISIBLE_DEVICES`` renumbered; else the index of its ``cuda:N``)
+        from now on. An engine elsewhere has no GPU here to sample."""
+        device = str(load.get("device", ""))
+        if not on_this_host or not device.startswith("cuda") or self.gpus[instance] is not None:
+            return
+        self.gpus[instance] = load.get("gpu_uuid") or int(device.partition(":")[2] or 0)
+        self.start()
 
     def snapshot(self, instance: int) -> dict:
         """Engine report plus ``gpu_utilization`` and ``gpu_memory_fraction`` when sampled."""

@@ -8,6 +8,9 @@ import json
 import re
 import sys
 
+import pytest
+import torch
+
 from client.azure_trace import azure_trace
 from client.workloads import generate, mix, poisson_arrivals
 from preble_backend.cli import main
@@ -38,6 +41,52 @@ def test_load_view_without_gpus_never_samples():
     view.sample_once()
     view.stop()
     assert view.snapshot(0) == {}
+
+
+def test_load_view_samples_the_gpus_of_engines_on_this_host_by_uuid_first():
+    """An engine's report names its device; the view samples a GPU of an engine on this
+    host from then on: by the UUID the engine reports (NVML's own name for it) where it
+    does, else by its cuda index. A CPU engine, or one on another host, is never sampled."""
+    seen = []
+    view = LoadView([None] * 5, source=lambda gpu: seen.append(gpu) or GpuSample(0.5, 1, 4), interval_s=60)
+    view.learn_gpu(0, {"device": "cuda:3", "gpu_uuid": "GPU-5f2c"}, on_this_host=True)
+    view.learn_gpu(1, {"device": "cuda:2"}, on_this_host=True)
+    view.learn_gpu(2, {"device": "cuda"}, on_this_host=True)
+    view.learn_gpu(3, {"device": "cuda:1", "gpu_uuid": "GPU-77"}, on_this_host=False)
+    view.learn_gpu(4, {"device": "cpu"}, on_this_host=True)
+    view.learn_gpu(0, {"device": "cuda:0"}, on_this_host=True)  # learnt once: a later report changes nothing
+    assert view.gpus == ["GPU-5f2c", 2, 0, None, None]
+    view.sample_once()
+    view.stop()
+    assert seen == ["GPU-5f2c", 2, 0] and view.snapshot(1)["gpu_memory_fraction"] == 0.25
+    assert "gpu_utilization" not in view.snapshot(3) and "gpu_utilization" not in view.snapshot(4)
+
+
+def test_engines_at_loopback_addresses_are_on_this_host():
+    """``preble serve`` puts each engine in a tritonserver of its own, reached at 127.0.0.1:
+    their GPUs are this host's. An engine at any other address is not."""
+    from preble_backend.router.engine_client import LocalEngine, RemoteEngine
+
+    here = ["127.0.0.1:8001", "127.3.4.5:9000", "localhost:8001", "[::1]:8001"]
+    elsewhere = ["10.0.0.5:8001", "engines.example:8001", "[2001:db8::1]:8001"]
+    assert [RemoteEngine(url, "m").on_this_host for url in here + elsewhere] == [True] * 4 + [False] * 3
+    assert LocalEngine.on_this_host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_engine_names_its_gpu_as_nvml_does():
+    """The UUID an engine reports is one NVML knows, and the router's sampler reads it."""
+    import pynvml
+
+    from preble_backend.engine.model_runner import device_facts
+    from scheduler.nvml_load import nvml_source
+
+    read = nvml_source()
+    facts = device_facts(torch.device("cuda:0"))
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    assert facts["gpu_uuid"] in {pynvml.nvmlDeviceGetUUID(h) for h in handles}
+    assert read(facts["gpu_uuid"]).memory_total > 0
 
 
 def test_azure_trace_replay_keeps_timestamps_and_lengths(tmp_path):

@@ -26,7 +26,7 @@ from preble_backend.engine.emulated_runner import EmulatedRunner
 from preble_backend.engine.event_log import EventLog
 from preble_backend.engine.guided import GuidedDecoding
 from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
-from preble_backend.engine.model_runner import ModelRunner
+from preble_backend.engine.model_runner import ModelRunner, device_facts
 from preble_backend.engine.request import Request, RequestOutput, Status
 from preble_backend.engine.sampling import SamplerState, sample_one, token_logprobs
 from preble_backend.engine.stop_checker import StopChecker
@@ -369,7 +369,7 @@ class Engine:
     def stats(self) -> dict[str, int]:
         s, cache = self.scheduler.stats, self.cache
         return {
-            "device": str(self.runner.device), "page_size": self.pool.page_size,
+            **device_facts(self.runner.device), "page_size": self.pool.page_size,
             "kv_pages_total": self.pool.num_pages, "kv_pages_used": self.pool.num_used,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_cached": cache.num_pages if cache else 0,

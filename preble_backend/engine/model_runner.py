@@ -18,6 +18,16 @@ from preble_backend.model.model_config import ModelConfig
 from preble_backend.model.tensor_parallel import TPGroup, head_split
 
 
+def device_facts(device: torch.device) -> dict[str, str]:
+    """The device, as an engine reports it; a GPU's also by its UUID, NVML's name for it
+    whatever ``CUDA_VISIBLE_DEVICES`` renumbered (the router samples it by that)."""
+    facts = {"device": str(device)}
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None
+    if uuid is not None:
+        facts["gpu_uuid"] = f"GPU-{uuid}"
+    return facts
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: fp32 on CPU (bf16 matmuls there are slow and lossy), bf16 on CUDA."""
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -7,6 +7,7 @@ loop) and take the same control operations."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, closing, contextmanager
@@ -79,6 +80,7 @@ class EngineClient:
     when the router has one: engines serve only the router."""
 
     wait_for_ready = False  # a server that does not listen fails the call at once
+    on_this_host = False  # whether its GPUs are this host's (the router samples them through NVML)
 
     def __init__(self, url: str, model: str, name: str) -> None:
         self.url, self.model, self.name = url, model, name
@@ -220,6 +222,16 @@ class RemoteEngine(EngineClient):
     def __init__(self, url: str, model: str, name: str | None = None) -> None:
         super().__init__(url, model, name or f"grpc://{url}/{model}")
 
+    @property
+    def on_this_host(self) -> bool:
+        """At a loopback address: ``preble serve``'s own engine servers are (their GPUs are
+        this host's, so the router samples them through NVML)."""
+        host = self.url.rpartition(":")[0].strip("[]")
+        try:
+            return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name
+            return False
+
 
 class LocalEngine(EngineClient):
     """An engine model in the router's own tritonserver, reached over that server's gRPC
@@ -234,6 +246,7 @@ class LocalEngine(EngineClient):
     the request), and the endpoint may start a moment after its models loaded."""
 
     wait_for_ready = True
+    on_this_host = True
 
     def __init__(self, model: str, server_url: str) -> None:
         super().__init__(server_url, model, model)

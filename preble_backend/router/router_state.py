@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.router.answer import Answer
 from preble_backend.router.config import RouterConfig
-from preble_backend.router.engine_client import EngineClient, LocalEngine
+from preble_backend.router.engine_client import EngineClient
 from preble_backend.router.engine_monitor import EngineMonitor
 from preble_backend.router.event_feed import EventFeed
 from preble_backend.router.flights import Flight, Flights
@@ -105,15 +105,16 @@ class RouterState:
         return events
 
     def _learn(self, instance: int, engine: EngineClient, load: dict) -> None:
-        """A report's load snapshot; a local engine on ``cuda:N`` gets its GPU sampled through NVML."""
+        """A report's load snapshot; the GPU of an engine on this host is sampled through
+        NVML from then on, and what the router last sampled is exported as gauges."""
         self.monitor.learn_pid(instance, load)
         self.load_view.report(instance, load)
-        self.loads[instance].reported = self.load_view.snapshot(instance)
-        device = str(load.get("device", ""))
-        local = isinstance(engine, LocalEngine)
-        if local and device.startswith("cuda") and self.load_view.gpus[instance] is None:
-            self.load_view.gpus[instance] = int(device.partition(":")[2] or 0)
-            self.load_view.start()
+        self.load_view.learn_gpu(instance, load, engine.on_this_host)
+        snapshot = self.loads[instance].reported = self.load_view.snapshot(instance)
+        if "gpu_utilization" in snapshot:
+            labels = {"engine": engine.name}
+            self.metrics.gauge("preble_router_gpu_utilization", snapshot["gpu_utilization"], labels)
+            self.metrics.gauge("preble_router_gpu_memory_fraction", snapshot["gpu_memory_fraction"], labels)
 
     def gauge_cached(self, instance: int) -> None:
         cached = self.policy.cached_tokens(instance)
