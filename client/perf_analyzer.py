@@ -47,9 +47,10 @@ def write_input_data(
 
 
 def _libraries() -> dict[str, Path]:
-    """The two libraries perf_analyzer needs, as the wheels ship them."""
+    """The two libraries perf_analyzer needs, as the wheels ship them (installed, or
+    unpacked onto ``PYTHONPATH`` as on a device machine)."""
     found = {}
-    for sp in site.getsitepackages():
+    for sp in dict.fromkeys([*site.getsitepackages(), *sys.path]):
         cudart = Path(sp) / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12"
         if cudart.exists():
             found["libcudart.so.12"] = cudart

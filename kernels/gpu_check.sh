@@ -2,10 +2,12 @@
 # Every check that needs a CUDA GPU, in one command, each step bounded so one hang leaves
 # the others standing. Run from the repository root on a GPU host:
 #
-#     kernels/gpu_check.sh [STEP ...]     # steps: tests bench backends parity (default: all)
+#     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench backends parity (default: all)
 #
 # Logs and the kernel table go to $OUT (default gpu-out/); summary.txt has one line per
-# step. Wheels in .whl/ (FlashInfer, for a host that cannot reach PyPI) are installed first.
+# step. What the device image lacks comes from .device/ (`python -m kernels.device_bundle`
+# builds it here: tritonserver, the front's packages, perf_analyzer) and .whl/ (FlashInfer),
+# unpacked into /tmp/site first: the device cannot reach PyPI.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -18,9 +20,14 @@ export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+mkdir -p /tmp/site
+export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
+[ -f .device/site.tar.xz ] && tar -xJf .device/site.tar.xz -C /tmp/site
+WHEELS=$(compgen -G ".whl/*.whl"; compgen -G ".device/wheels/*.whl")
+if [ -n "$WHEELS" ]; then
+    # shellcheck disable=SC2086
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+        --target /tmp/site $WHEELS
 fi
 
 # pytest-xdist where it is installed: each kernel variant compiles once per test, on its own core.
@@ -40,18 +47,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
     | tee "$OUT/machine.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/machine.txt"
+# The Python backend stub links this Python's libpython: a missing one is the stack step's first suspect.
+for stub in /tmp/site/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub; do
+    [ -f "$stub" ] && { echo "$stub:"; LD_LIBRARY_PATH=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \
+        ldd "$stub" | grep -E "python|not found"; } | tee -a "$OUT/machine.txt"
+done
 
-for s in "${@:-tests bench backends parity}"; do
+for s in "${@:-stack tests bench backends parity}"; do
     for name in $s; do
         case $name in
+            stack) step stack 480 python3 -m preble_backend.benchmarks.gpu_stack --out "$OUT/stack" ;;
             tests) step tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short $XDIST tests/test_kernels.py \
-                tests/test_triton_backend.py tests/test_attention_sdpa.py ;;
+                tests/test_triton_backend.py tests/test_attention_sdpa.py tests/test_load_and_traces.py ;;
             bench) cp docs/KERNELS.md "$OUT/KERNELS.md"
                 step bench 300 python3 -m kernels.benchmark --out "$OUT/KERNELS.md" ;;
             backends) step backends 400 python3 -m preble_backend.benchmarks.attention_backends ;;
             parity) PREBLE_TEST_DEVICE=cuda step parity 400 python3 -m pytest -q -p no:cacheprovider $XDIST \
                 tests/test_parity.py ;;
-            *) echo "unknown step $name (tests bench backends parity)" >&2; exit 2 ;;
+            *) echo "unknown step $name (stack tests bench backends parity)" >&2; exit 2 ;;
         esac
     done
 done

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib.util
 import os
 import re
 import shutil
@@ -120,12 +121,14 @@ class TritonServer:
         return self.process.returncode
 
 
-def _wheel_root() -> Path | None:
-    try:
-        import pytriton
-    except ImportError:
+def wheel_root() -> Path | None:
+    """The ``nvidia-pytriton`` wheel's server, found without importing the package (whose
+    own imports need packages the server does not: a GPU host given only the server's
+    files has none of them)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    root = Path(pytriton.__file__).parent / "tritonserver"
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
     return root if (root / "bin" / "tritonserver").is_file() else None
 
 
@@ -219,7 +222,7 @@ def start_server(
     for port in (ports.http, ports.grpc, ports.metrics):
         check_port_free(port, access.host)
     workdir = Path(tempfile.mkdtemp(prefix="preble-triton-"))
-    wheel = _wheel_root()
+    wheel = wheel_root()
     if wheel is not None:
         binary = str(wheel / "bin" / "tritonserver")
         backend_args = [f"--backend-directory={_backend_dir(wheel, workdir)}"]

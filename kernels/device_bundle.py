@@ -1,0 +1,109 @@
+"""What a lent GPU machine lacks to serve the stack, built here into ``.device/`` and carried.
+
+    python -m kernels.device_bundle            # writes .device/, prints its size against the limit
+
+The device image has PyTorch, Triton, numpy, grpcio, protobuf and nvidia-ml-py but no
+tritonserver and none of the front's packages, and nothing can be fetched there
+(``/work/.library/device/KINDS.md``, read 2026-11-17). So this writes:
+
+- ``.device/site.tar.xz``: the ``nvidia-pytriton`` wheel's server as this environment has
+  it installed (the ``pytriton`` package and its bundled libraries), with the Python
+  backend stub of the device's Python only and without the libpython the wheel bundles
+  for another version's stub (a third of its size);
+- ``.device/wheels/``: the packages below for the device's Python, at the versions
+  installed here (``tritonclient``'s manylinux wheel carries ``perf_analyzer``).
+
+``kernels/gpu_check.sh`` unpacks both into ``/tmp/site`` on the device. A device call
+carries at most 64 MiB in all, the repository's tracked files included: the total is
+printed and checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+DEVICE_PYTHON = "3.12"  # python3 of the device image (KINDS.md)
+LACKING = [  # what the front, the router's client and the benchmarks import that the image lacks
+    "tritonclient", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
+    "typing-inspection", "uvicorn", "llguidance", "nvidia-cuda-runtime-cu12",
+]  # fmt: skip
+# the newest is nvidia-pytriton's own (glibc 2.35): the device runs that wheel's server already
+PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in (35, 34, 31, 28, 17)] + ["manylinux2014_x86_64"]
+CARRY_LIMIT = 64 << 20
+
+
+def server_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> Path:
+    """The installed ``nvidia-pytriton`` server, trimmed to ``python``'s stub, as tar.xz
+    (``preset``: xz's, 0 fast and 9 small)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None:
+        raise SystemExit("nvidia-pytriton is not installed here: pip install nvidia-pytriton")
+    package = Path(next(iter(spec.submodule_search_locations)))
+    libs = package.parent / "nvidia_pytriton.libs"
+    stubs = package / "tritonserver" / "python_backend_stubs"
+    if not (stubs / python / "triton_python_backend_stub").is_file():
+        raise SystemExit(f"nvidia-pytriton ships no Python backend stub for Python {python}")
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        parts = Path(info.name).parts
+        if "__pycache__" in parts or Path(info.name).name.startswith("libpython3"):
+            return None
+        if len(parts) > 3 and parts[1:3] == ("tritonserver", "python_backend_stubs") and parts[3] != python:
+            return None
+        return info
+
+    path = out / "site.tar.xz"
+    with tarfile.open(path, "w:xz", preset=preset) as tar:
+        tar.add(package, arcname="pytriton", filter=keep)
+        tar.add(libs, arcname="nvidia_pytriton.libs", filter=keep)
+    return path
+
+
+def wheels(out: Path, python: str = DEVICE_PYTHON) -> list[Path]:
+    """``LACKING`` at the versions installed here, downloaded for the device's Python."""
+    target = out / "wheels"
+    target.mkdir(parents=True, exist_ok=True)
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in LACKING]
+    platforms = [f"--platform={p}" for p in PLATFORMS]
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--python-version", python, "--dest", str(target), *platforms, *pins]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return sorted(target.glob("*.whl"))
+
+
+def tracked_bytes(root: Path) -> int:
+    """What a device call copies of the repository: its tracked files."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    return sum((root / n).stat().st_size for n in names.decode().split("\0") if n and (root / n).is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".device")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [server_archive(out), *wheels(out)]
+    sizes = {str(f.relative_to(out)): f.stat().st_size for f in files}
+    repo = tracked_bytes(Path.cwd())
+    total = repo + sum(sizes.values())
+    manifest = {"python": DEVICE_PYTHON, "files": sizes, "repository_bytes": repo, "total_bytes": total,
+                "limit_bytes": CARRY_LIMIT}  # fmt: skip
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    for name, size in sizes.items():
+        print(f"{size / 2**20:8.1f} MiB  {name}")
+    print(f"{repo / 2**20:8.1f} MiB  the repository's tracked files")
+    print(f"{total / 2**20:8.1f} MiB  in all (a device call carries at most {CARRY_LIMIT >> 20} MiB)")
+    return 0 if total <= CARRY_LIMIT else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The device script's stack step, dry-run on the CPU: the server the device will get from
+``.device/`` (the wheel's, trimmed by ``kernels.device_bundle``) serves the whole stack, and
+every answer through Triton gRPC and the OpenAI front is the in-process engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from kernels.device_bundle import server_archive
+
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def test_the_server_archive_keeps_one_stub_and_no_bundled_libpython(tmp_path):
+    with tarfile.open(server_archive(tmp_path, PYTHON, preset=0)) as tar:
+        names = tar.getnames()
+    stubs = {n.split("/")[3] for n in names if "/python_backend_stubs/" in n and n.count("/") >= 3}
+    assert stubs == {PYTHON}
+    assert "pytriton/tritonserver/bin/tritonserver" in names
+    assert any(n.startswith("nvidia_pytriton.libs/libtritonserver") for n in names)
+    assert not [n for n in names if Path(n).name.startswith("libpython3") or "__pycache__" in n]
+
+
+@pytest.mark.server
+def test_the_stack_step_dry_run_on_the_cpu_from_the_trimmed_server(tmp_path):
+    """``gpu_stack --device cpu`` with the archive unpacked first on ``PYTHONPATH``, as
+    ``gpu_check.sh`` does on the device: every step succeeds, the server is the unpacked
+    one, the answers are the reference's (not empty), and the shared prefix is reused."""
+    site = tmp_path / "site"
+    site.mkdir()
+    with tarfile.open(server_archive(tmp_path, PYTHON, preset=0)) as tar:
+        tar.extractall(site, filter="tar")
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "preble_backend.benchmarks.gpu_stack", "--device", "cpu", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    results = json.loads((out / "stack.json").read_text())
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert results["tritonserver"] == str(site / "pytriton" / "tritonserver")
+    steps = results["steps"]
+    for front in ("grpc", "openai"):
+        assert steps[front]["identical"] and steps[front]["of"] == 8 and min(steps[front]["answer_chars"]) > 0
+    assert steps["ttft"]["router_ms"] > 0 and steps["ttft"]["engine_ms"] > 0
+    assert steps["load"]["requests"] == 32 and steps["load"]["hit_ratio"] > 0.5
+    assert steps["nvml"]["gauges"] == {}  # a CPU engine has no GPU to sample
+    assert (out / "tritonserver.preble_engine_0.log").is_file()
