@@ -378,8 +378,9 @@ class Materializer:
             rng = random.Random(_stable_seed(seg.id))
             words = [rng.choice(_WORDS) for _ in range(max(1, seg.length))]
             text = " " + " ".join(words)
-            if self.tokenizer is not None:  # trim to the wanted number of tokens
-                ids = self.tokenizer(text, add_special_tokens=False).input_ids[: seg.length]
+            if self.tokenizer is not None:  # trim to the wanted number of tokens (a segment may
+                # pass the tokenizer's model_max_length: it is sized here, not sent whole)
+                ids = self.tokenizer(text, add_special_tokens=False, verbose=False).input_ids[: seg.length]
                 text = self.tokenizer.decode(ids)
             self._text[seg.id] = text
         return self._text[seg.id]
