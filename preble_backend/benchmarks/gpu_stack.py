@@ -227,6 +227,15 @@ def compare(answers: list[str], expected: list[str]) -> dict:
             "answer_chars": [len(e) for e in expected], "first_differences": diff}  # fmt: skip
 
 
+def has_perf_analyzer() -> bool:
+    from client.perf_analyzer import perf_analyzer_binary
+
+    try:
+        return bool(perf_analyzer_binary())
+    except FileNotFoundError:
+        return False
+
+
 def perf_analyzer(stack: Stack) -> dict:
     from client.perf_analyzer import run
 
@@ -288,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             step("ttft", lambda: ttft(stack, texts[0], work / "model"))
             step("load", lambda: load(stack, prompts(32)))
             step("nvml", lambda: {"gauges": metric_lines(stack, "preble_router_gpu_")})
-            if shutil.which("perf_analyzer") or (Path(sys.executable).parent / "perf_analyzer").exists():
+            if has_perf_analyzer():
                 step("perf_analyzer", lambda: perf_analyzer(stack))
         finally:
             stack.stop()

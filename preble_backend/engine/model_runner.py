@@ -4,6 +4,7 @@ page tables; returns the logits of the requests that sample this iteration."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -18,9 +19,11 @@ from preble_backend.model.model_config import ModelConfig
 from preble_backend.model.tensor_parallel import TPGroup, head_split
 
 
+@functools.cache
 def device_facts(device: torch.device) -> dict[str, str]:
     """The device, as an engine reports it; a GPU's also by its UUID, NVML's name for it
-    whatever ``CUDA_VISIBLE_DEVICES`` renumbered (the router samples it by that)."""
+    whatever ``CUDA_VISIBLE_DEVICES`` renumbered (the router samples it by that). Found
+    once per device, not on every report; callers copy it (``**``), never change it."""
     facts = {"device": str(device)}
     uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None) if device.type == "cuda" else None
     if uuid is not None:

@@ -221,16 +221,16 @@ class RemoteEngine(EngineClient):
 
     def __init__(self, url: str, model: str, name: str | None = None) -> None:
         super().__init__(url, model, name or f"grpc://{url}/{model}")
+        self.on_this_host = _is_loopback(url.rpartition(":")[0].strip("[]"))
 
-    @property
-    def on_this_host(self) -> bool:
-        """At a loopback address: ``preble serve``'s own engine servers are (their GPUs are
-        this host's, so the router samples them through NVML)."""
-        host = self.url.rpartition(":")[0].strip("[]")
-        try:
-            return host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name
-            return False
+
+def _is_loopback(host: str) -> bool:
+    """``preble serve``'s own engine servers are at a loopback address: their GPUs are this
+    host's, so the router samples them through NVML."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 class LocalEngine(EngineClient):

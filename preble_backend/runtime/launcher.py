@@ -170,6 +170,9 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
+_HANDED_OUT: set[int] = set()  # every port free_ports gave this process
+
+
 def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
     """``n`` distinct free loopback ports, none in ``avoid`` and none this process has
     handed out before. Every socket stays bound until all are chosen, and a port once
@@ -187,9 +190,6 @@ def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
                 taken.add(port)
     _HANDED_OUT.update(ports)
     return ports
-
-
-_HANDED_OUT: set[int] = set()
 
 
 # Every model loaded at start, and loadable again with a configuration override (how
