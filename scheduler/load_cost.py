@@ -7,7 +7,8 @@
   running sums, so reading it is O(1) (the paper's scalable realization).
 - ``M``: what the instance would have to evict to make room for this request's missed
   tokens, found by a virtual LRU eviction over the global tree; each evicted node costs
-  PREFILLTIME(its tokens) × the requests that used it there within W.
+  PREFILLTIME(its tokens) × the requests that used it there within W (Algorithm 2), or,
+  under the batch load model, one PREFILLTIME for a node used within W.
 - ``P``: PREFILLTIME(this request's missed tokens on that instance) (the reference code
   leaves ``P`` out; we don't); under the batch model paid also by each request decoding
   beside it (``InstanceHistory.decoding``).
@@ -160,18 +161,28 @@ def batch_load(
 
 
 def memory_cost(
-    tree: GlobalPrefixTree, instance: int, need: int, match: Match, now: float, cost: CostModel, tiered=False
+    tree: GlobalPrefixTree,
+    instance: int,
+    need: int,
+    match: Match,
+    now: float,
+    cost: CostModel,
+    tiered: bool = False,
+    per_user: bool = True,
 ) -> float:
     """M of Algorithm 2: the recompute cost of what an LRU eviction on ``instance`` would
     remove to free ``need`` tokens. Each evicted node costs PREFILLTIME(its tokens) × the
-    requests that used it there within W. Two kinds of node are never evicted, as in the
-    engine: those this request reuses (its matched path) and those requests still running
-    there hold (the engine locks them). Both are closed towards the root (a request holds
-    its whole path), so skipping them leaves the order of the rest unchanged. Walked
-    afresh per request, and only when the request does not fit: the walk stops as soon as
-    enough is freed, so it visits the oldest few nodes. On an engine with a host tier
-    (``tiered``) what the device evicts moves down and comes back by a load-back, so a node
-    costs its load-back time instead (ours, with the tiers)."""
+    requests that used it there within W, or (``per_user`` false, the batch load model's
+    reading) PREFILLTIME(its tokens) once if any did: the next request that wants it
+    recomputes it and those after it hit again, and L and P are then one request's cost,
+    not a window's (docs/SCHEDULER.md, "M under the batch load model"). Two kinds of node
+    are never evicted, as in the engine: those this request reuses (its matched path) and
+    those requests still running there hold (the engine locks them). Both are closed
+    towards the root (a request holds its whole path), so skipping them leaves the order
+    of the rest unchanged. Walked afresh per request, and only when the request does not
+    fit: the walk stops as soon as enough is freed, so it visits the oldest few nodes. On
+    an engine with a host tier (``tiered``) what the device evicts moves down and comes
+    back by a load-back, so a node costs its load-back time instead (ours, with the tiers)."""
     price = cost.load_time if tiered else cost.prefill_time
     reused = set(match.nodes)
     freed, spent = 0, 0.0
@@ -182,6 +193,7 @@ def memory_cost(
             continue
         tokens = node.held_pages(instance) * tree.page_size
         users = tree.requests_in_window(node, instance, now)
-        spent += price(tokens) * users if users else 0.0
+        if users:
+            spent += price(tokens) * (users if per_user else 1)
         freed += tokens
     return spent

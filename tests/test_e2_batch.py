@@ -5,11 +5,12 @@ every expected choice computed by hand (helpers from ``test_e2``)."""
 from __future__ import annotations
 
 import pytest
-from test_e2 import AVG_DECODE, e2, route
+from test_e2 import AVG_DECODE, e2, route, stored
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.cost_model import CostModel
+from scheduler.load_cost import memory_cost
 
 # A batch's proportions: a request in flight lengthens each decoding iteration by 1 ms (its
 # share of the batch), against a 10 ms step at a typical batch (DECODETIME) and 1 ms per
@@ -75,6 +76,32 @@ def test_a_full_batch_makes_the_request_wait_for_part_of_it():
     m = policy.tree.match(chain_hashes(range(20000, 21000), 1))
     wait = 96 / 2064 * 32 * 2
     assert policy.load_cost(0, m, 1000, 0.0) == pytest.approx(64 + 32 + wait + 1000 * 3)
+
+
+def test_an_evicted_prefix_costs_one_recompute_however_many_used_it():
+    """KV capacity 120. Instance 0 caches A (100 tokens), used by three requests within W,
+    and is idle; instance 1 caches E (100 tokens), used by one, and runs a cached 10-token
+    request. A new 50-token prompt must evict the 100-token node on either. Under the batch
+    model M is one recompute of it on both (100): the idle instance costs 100 + 50; the
+    busy one 48 (L: 32 steps 1 ms longer, and 16 of its steps lengthened) + 4/42 · 32 (the
+    KV over capacity) + 100 + 50 · 2 (its prefill, paid by the decoding request too). So
+    the request goes to the idle instance; priced per user as Algorithm 2 does, M would be
+    300 there and the busy instance would win."""
+    a, e = list(range(100)), list(range(200, 300))
+    policy, clock = e2(cost=BATCH, load_model="batch", capacity=120)
+    for tokens, instance in ((a, 0), (e, 1), (a, 0), (a, 0)):
+        r, d = route(policy, tokens)
+        assert d.instance == instance
+        policy.on_finish(d.instance, r, stored(tokens))
+    policy.history[1].add("busy", clock(), 0.0, 1.0, 10)
+    new = list(range(400, 450))
+    m = policy.tree.match(chain_hashes(new, 1))
+    busy = 48 + 4 / 42 * 32 + 100 + 50 * 2
+    assert policy.load_cost(0, m, 50, clock()) == 100 + 50
+    assert policy.load_cost(1, m, 50, clock()) == pytest.approx(busy)
+    assert memory_cost(policy.tree, 0, 30, m, clock(), BATCH, per_user=True) == 300 > busy - 50
+    _, d = route(policy, new)
+    assert (d.instance, d.branch) == (0, "explore")
 
 
 def test_rebalancing_moves_only_what_the_cost_model_says_pays_for_its_recompute():
