@@ -21,7 +21,7 @@ Per request:
    window's requests than its holders' share of the cluster, while each holder carries
    over ``hot_load_factor`` × the mean load), the least loaded instance that lacks it
    becomes a replica; its exploiting requests then split over the holders and replicas by
-   load cost.
+   load cost. The replicas retire when it cools (its holders' share carries it again).
 
 The load model: ``batch`` (the default) prices L and P as a batching engine pays them
 (``load_cost.batch_load``), so load and recompute are weighed on one scale; ``serial`` is
@@ -34,7 +34,6 @@ import functools
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 
 from preble_backend.common.cost_model import CostModel
@@ -42,37 +41,10 @@ from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
-from scheduler.tree_node import GlobalNode, Match
+from scheduler.tree_node import NO_REPLICAS, GlobalNode, Match
+from scheduler.ttft_history import TTFTHistory
 
 log = logging.getLogger("preble.e2")
-
-
-class TTFTHistory:
-    """A key portion's times to first token within the window, split at its midpoint into
-    two FIFOs with running sums, so each completion costs O(1)."""
-
-    def __init__(self) -> None:
-        self.older: deque[tuple[float, float]] = deque()
-        self.recent: deque[tuple[float, float]] = deque()
-        self.older_sum = self.recent_sum = 0.0
-
-    def add(self, now: float, ttft: float, window_s: float) -> None:
-        self.recent.append((now, ttft))
-        self.recent_sum += ttft
-        half, horizon = now - window_s / 2, now - window_s
-        while self.recent and self.recent[0][0] < half:
-            sample = self.recent.popleft()
-            self.recent_sum -= sample[1]
-            self.older.append(sample)
-            self.older_sum += sample[1]
-        while self.older and self.older[0][0] < horizon:
-            self.older_sum -= self.older.popleft()[1]
-
-    def doubled(self, min_samples: int) -> bool:
-        """Whether the recent half's mean is at least twice the older half's."""
-        if len(self.older) < min_samples or len(self.recent) < min_samples:
-            return False
-        return self.recent_sum / len(self.recent) >= 2 * self.older_sum / len(self.older)
 
 
 class E2(Policy):
@@ -342,6 +314,20 @@ class E2(Policy):
         history.add(now, ttft, self.tree.window_s)
         if history.doubled(self.autoscale_min_samples) or self._too_hot(key, now):
             self._replicate(key, now)
+        elif key.replicas and self._cooled(key, now):
+            log.info("autoscale: replicas %s of a key portion retired", sorted(key.replicas))
+            key.replicas = NO_REPLICAS
+
+    def _cooled(self, key: GlobalNode, now: float) -> bool:
+        """A key portion's replicas retire when it has cooled (ours): its requests within W
+        are no more than the share of the cluster's requests that the instances holding it
+        (caching it, or running a request on it) carry without them — the too-hot rule's
+        first condition, turned round. A retired replica that still caches the prefix
+        serves it on as a holder; one that evicted it no longer draws its requests, each
+        of which would compute it again there."""
+        uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
+        routed = sum(self.history[i].routed_in_window(now) for i in self.live)
+        return uses * len(self.live) <= routed * len(key.holders() & self.live)
 
     def _too_hot(self, key: GlobalNode, now: float) -> bool:
         """A key portion's load is too high for its holders (§4.2, autoscaling) when it drew

@@ -195,7 +195,9 @@ def test_decode_heavy_instance_takes_the_prefill_heavy_request(threshold, expect
     assert (d.instance, d.branch) == expected
 
 
-def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
+def replicated_by_ttft():
+    """A 100-token prefix on instance 0 whose time to first token triples (1 s, then 3 s)
+    within a 10 s window: instance 1 becomes its replica at the eighth answer, at t = 9."""
     policy, clock = e2(window_s=10.0, autoscale_min_samples=4, th_bal=float("inf"))  # no rebalancing
     prefix = list(range(100))
     r0, _ = route(policy, prefix)  # explore -> 0 (no key portion yet)
@@ -207,6 +209,36 @@ def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
         assert d.instance == 0
         events = [CacheEvent.of("stored", prefix + [k], 0, 1)]
         policy.on_finish(0, r, FinishInfo(events, {}, 1.0 if k < 4 else 3.0, AVG_DECODE))
+        assert policy.tree.match(chain_hashes(prefix + [99], 1)).key.replicas == (set() if k < 7 else {1})
+    return policy, clock, prefix
+
+
+@pytest.mark.parametrize("others, retired", [(2, True), (1, True), (0, False)])
+def test_a_replica_retires_when_its_prefix_cools(others, retired):
+    """At t = 25 every earlier request has left the 10 s window. One request for the prefix
+    (to holder 0, where it misses 1 token, not to the replica, which never computed the
+    100) and ``others`` unrelated ones: as it finishes, it is 1 of 1 + others requests
+    against its one holder's share of 1/2. Cooled when 1 · 2 <= (1 + others) · 1: with one
+    other or more. A retired replica draws nothing more: with ten requests in flight on 0
+    (L0 = 10 · (1 + 32) = 330), the next request goes to the replica while there is one
+    (at most 82 of load and 101 of prefill there) and to the holder once it retired."""
+    policy, clock, prefix = replicated_by_ttft()
+    clock.t = 25.0
+    r, d = route(policy, prefix + [500])
+    assert (d.instance, d.branch) == (0, "exploit")
+    for k in range(others):
+        route(policy, range(7000 + 100 * k, 7050 + 100 * k))
+    policy.on_finish(0, r, FinishInfo([CacheEvent.of("stored", prefix + [500], 0, 1)], {}, 1.0, AVG_DECODE))
+    key = policy.tree.match(chain_hashes(prefix + [99], 1)).key
+    assert key.replicas == (set() if retired else {1})
+    for k in range(10):
+        policy.history[0].add(f"busy{k}", clock(), 1.0, 1.0, 101)
+    _, d = route(policy, prefix + [501])
+    assert (d.instance, d.branch) == ((0, "exploit") if retired else (1, "exploit"))
+
+
+def test_autoscale_replicates_a_key_portion_whose_ttft_doubles():
+    policy, clock, prefix = replicated_by_ttft()
     key = policy.tree.match(chain_hashes(prefix + [99], 1)).key
     assert key.replicas == {1}
     # Candidates are now holder 0 and replica 1. Each request in flight on 0 costs it
