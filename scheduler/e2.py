@@ -117,7 +117,7 @@ class E2(Policy):
         holders = self._key_holders(match) if cached > missed else set()
         if reach:
             holders |= {i for i, tokens in reach.items() if tokens > prompt_len - tokens}
-        if holders and match.key is not None and self._queued_everywhere(holders, prompt_len, now):
+        if holders and match.key is not None and self._queued_everywhere(match.key, holders, prompt_len, now):
             self._replicate(match.key, now)  # (a prefix only host tiers hold has no key portion)
             holders |= self._key_holders(match)
         if holders:  # exploit: among the instances holding the key portion
@@ -351,26 +351,39 @@ class E2(Policy):
         mean = sum(load.values()) / len(load)
         return all(load[i] > self.hot_load_factor * mean for i in serving)
 
-    def _queued_everywhere(self, holders: set[int], prompt_len: int, now: float) -> bool:
+    def _queued_everywhere(self, key: GlobalNode, holders: set[int], prompt_len: int, now: float) -> bool:
         """Autoscaling while a prefix is hot (ours): every instance serving it would queue
-        the request behind at least ``hot_queue`` requests its KV cannot hold. The TTFT
-        rule waits for a window's newer half to be slow, the too-hot rule for a request to
-        finish; a hot document in a chat trace drew a third of the requests onto its holder
-        before either fired."""
+        the request behind at least ``hot_queue`` requests its KV cannot hold, and the
+        instance that would become its replica would not. The TTFT rule waits for a
+        window's newer half to be slow, the too-hot rule for a request to finish; a hot
+        document in a chat trace drew a third of the requests onto its holder before either
+        fired. Where every instance queues alike (KV short of the working set) a replica
+        relieves nobody: it copies the prefix into a KV that is already evicting."""
         if self.hot_queue is None:
             return False
         d = self.decode_lengths.average(now)
-        return all(self.history[i].queued(d, prompt_len, self.capacity[i]) >= self.hot_queue for i in holders)
+
+        def queued(i: int) -> float:
+            return self.history[i].queued(d, prompt_len, self.capacity[i])
+
+        if any(queued(i) < self.hot_queue for i in holders):
+            return False
+        replica = self._replica_for(key, now)
+        return replica is not None and queued(replica) < self.hot_queue
 
     def _serving(self, key: GlobalNode) -> set[int]:
         """The live instances that hold the key portion or replicate it."""
         return (key.holders() | key.replicas) & self.live
 
+    def _replica_for(self, key: GlobalNode, now: float) -> int | None:
+        """The least loaded instance that lacks the key portion (None: every one has it)."""
+        lacking = sorted(self.live - self._serving(key))
+        return min(lacking, key=lambda i: self.load(i, now, self.load_signal)) if lacking else None
+
     def _replicate(self, key: GlobalNode, now: float) -> None:
         """The least loaded instance that lacks the key portion becomes a replica."""
-        lacking = sorted(self.live - self._serving(key))
-        if lacking:
-            replica = min(lacking, key=lambda i: self.load(i, now, self.load_signal))
+        replica = self._replica_for(key, now)
+        if replica is not None:
             key.replicas = key.replicas | {replica}
             key.ttft = None  # measure afresh with the replica serving
             log.info(

@@ -134,3 +134,20 @@ def test_a_hot_prefix_gets_a_replica_when_its_holders_queue_reaches_the_bound():
     for k in range(6):
         route(e2_off, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
     assert not e2_off.tree.match(chain_hashes(doc + [1], 1)).key.replicas
+
+
+@pytest.mark.parametrize("b1, replicas", [(4, {1}), (5, set())])
+def test_no_replica_where_the_replica_would_queue_too(b1, replicas):
+    """The same document and questions, instance 1 now running ``b1`` requests of 1,020
+    prompt tokens: it would queue a question behind b1 - 3.75 of them. With four (0.25)
+    it has room and becomes the replica at the sixth question, as above; with five (1.25)
+    it queues as the holder does, and no replica is made."""
+    policy, _ = e2(cost=BATCH, load_model="batch", capacity=5000)
+    doc = list(range(20000, 21000))
+    policy.tree.apply_events(0, [CacheEvent.of("stored", doc, 0, 1)])
+    for k in range(b1):
+        policy.history[1].add(f"busy{k}", 0.0, 0.0, 1.0, 1020)
+    for k in range(6):
+        _, d = route(policy, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
+        assert (d.instance, d.branch) == (0, "exploit")
+    assert policy.tree.match(chain_hashes(doc + [1], 1)).key.replicas == replicas
