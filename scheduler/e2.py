@@ -16,12 +16,13 @@ Per request:
    default: in the simulator it never helped and cost up to 7% on the embodied agent
    (docs/SCHEDULER.md gives the measurements and why).
 4. **Autoscale**: when every instance serving a key portion would queue its next request
-   behind ``hot_queue`` requests its KV cannot hold, when the time to first token of its
-   requests doubles over the window, or when it is *too hot for its holders* (more of the
-   window's requests than its holders' share of the cluster, while each holder carries
-   over ``hot_load_factor`` × the mean load), the least loaded instance that lacks it
-   becomes a replica; its exploiting requests then split over the holders and replicas by
-   load cost. The replicas retire when it cools (its holders' share carries it again).
+   behind ``hot_queue`` requests its KV cannot hold (and the would-be replica would not),
+   when the time to first token of its requests doubles over the window, or when it is
+   *too hot for its holders* (more of the window's requests than its holders' share of
+   the cluster, while each holder carries over ``hot_load_factor`` × the mean load), the
+   least loaded instance that lacks it becomes a replica; its exploiting requests then
+   split over the holders and replicas by load cost. The replicas retire when it cools
+   (its holders' share carries it again).
 
 The load model: ``batch`` (the default) prices L and P as a batching engine pays them
 (``load_cost.batch_load``), so load and recompute are weighed on one scale; ``serial`` is
