@@ -320,15 +320,17 @@ class E2(Policy):
             key.replicas = NO_REPLICAS
 
     def _cooled(self, key: GlobalNode, now: float) -> bool:
-        """A key portion's replicas retire when it has cooled (ours): its requests within W
-        are no more than the share of the cluster's requests that the instances holding it
-        (caching it, or running a request on it) carry without them — the too-hot rule's
-        first condition, turned round. A retired replica that still caches the prefix
-        serves it on as a holder; one that evicted it no longer draws its requests, each
-        of which would compute it again there."""
-        uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
-        routed = sum(self.history[i].routed_in_window(now) for i in self.live)
+        """Replicas retire when the key portion has cooled (ours): its requests within W fit
+        the share of the cluster's that its holders carry without them (the too-hot rule's
+        first condition, turned round). A retired replica still caching it serves it as a
+        holder; one that evicted it stops drawing requests that would recompute it."""
+        uses, routed = self._window_share(key, now)
         return uses * len(self.live) <= routed * len(key.holders() & self.live)
+
+    def _window_share(self, key: GlobalNode, now: float) -> tuple[int, int]:
+        """The key portion's requests within W on the live instances, and all of theirs."""
+        uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
+        return uses, sum(self.history[i].routed_in_window(now) for i in self.live)
 
     def _too_hot(self, key: GlobalNode, now: float) -> bool:
         """A key portion's load is too high for its holders (§4.2, autoscaling) when it drew
@@ -342,10 +344,9 @@ class E2(Policy):
         if sum(map(len, key.hits.values())) < self.hot_min_requests:  # a bound, before trimming
             return False
         serving = self._serving(key)
-        uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
+        uses, routed = self._window_share(key, now)
         if not serving or uses < self.hot_min_requests:
             return False
-        routed = sum(self.history[i].routed_in_window(now) for i in self.live)
         if uses * len(self.live) <= routed * len(serving):  # no more than the servers' share
             return False
         load = {i: self.load(i, now, "history") for i in self.live}
