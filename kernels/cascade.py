@@ -86,6 +86,20 @@ def plan_cascade(q, k_cache, q_lens, prefix_lens, groups) -> CascadePlan:
     )
 
 
+def decode_plan(kv_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> CascadePlan:
+    """A pure decode batch whose lengths live in device buffers (``seq_lens`` [B] int32,
+    ``kv_starts`` [B] int32) that a CUDA graph reads at each replay: nothing here depends
+    on their values, and the split count comes from ``max_seq_len``, the longest context
+    the plan serves (a shorter one leaves splits empty), so one launch grid fits every
+    replay."""
+    empty = torch.empty((0, len(ITEM_FIELDS)), dtype=torch.int32, device=seq_lens.device)
+    return CascadePlan(
+        decode_only=True, kv_starts=kv_starts, seq_lens=seq_lens, max_seq_len=max_seq_len,
+        suffix_items=empty, max_q_len=1, shared_rows=torch.empty(0, dtype=torch.long, device=seq_lens.device),
+        shared_items=empty, max_group_rows=0, num_splits=1,
+    )  # fmt: skip
+
+
 def cascade_attention_planned(q, k_cache, v_cache, page_table, page_size, plan: CascadePlan, sm_scale=None):
     """Returns (out [T, H, D] in q's dtype, lse [T, H] fp32). Without groups this is plain
     extend (or split-KV decode) attention; with groups the suffix output stays fp32 until

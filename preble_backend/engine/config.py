@@ -45,6 +45,11 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", doc="auto (sdpa on CPU, triton on GPU) | torch (the reference) | sdpa | triton | flashinfer"
     )
+    cuda_graph_max_batch: int = setting(
+        64,
+        doc="decode batches up to this size replay CUDA graphs captured at load (CUDA, one rank, "
+        "the triton backend; else eager); 0 = always eager",
+    )
     cpu_cores: str = setting(
         "", doc="CPU engines: the cores this engine runs on, e.g. 0-1 (its torch threads = their count)"
     )
@@ -81,6 +86,7 @@ class EngineConfig:
         check(1 <= self.priority_groups <= 100, "priority_groups", "an integer in [1, 100]")
         check(self.priority_quota >= 1, "priority_quota", "an integer >= 1")
         check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "an integer in [1, 64]")
+        check(0 <= self.cuda_graph_max_batch <= 1024, "cuda_graph_max_batch", "an integer in [0, 1024]")
         if self.tensor_parallel_size > 1 and (self.host_kv_tokens or self.host_kv_ratio):
             raise ValueError(
                 "host_kv_tokens / host_kv_ratio is invalid with tensor_parallel_size > 1: the host "
@@ -105,6 +111,10 @@ class EngineConfig:
         if self.host_kv_tokens:
             return self.host_kv_tokens // self.page_size
         return int(device_pages * self.host_kv_ratio)
+
+    def graph_batch(self) -> int:
+        """The largest decode batch captured: no batch runs more than ``max_running_requests``."""
+        return min(self.cuda_graph_max_batch, self.max_running_requests)
 
     def cores(self) -> list[int]:
         return parse_cores(self.cpu_cores)

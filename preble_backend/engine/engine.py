@@ -52,7 +52,7 @@ class Engine:
         else:
             c = config
             self.runner = ModelRunner(c.model_path, c.dtype, c.device, c.attention_backend,
-                                      c.tensor_parallel_size)  # fmt: skip
+                                      c.tensor_parallel_size, graph_batch=c.graph_batch())  # fmt: skip
         self.model_config = self.runner.cfg
         self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
         host_pages = config.host_pages(self.pool.num_pages)

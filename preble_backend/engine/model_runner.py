@@ -13,6 +13,7 @@ from preble_backend.engine.local_scheduler import ScheduledBatch
 from preble_backend.engine.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
 from preble_backend.model.attention_backends import make_attention_backend
+from preble_backend.model.decode_graphs import DecodeGraphs
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.llama import LlamaForCausalLM
 from preble_backend.model.model_config import ModelConfig
@@ -43,10 +44,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     """``tensor_parallel_size`` > 1: this process is rank 0 and starts the other ranks
-    (``tp_ranks.py``), which hold the rest of the model and follow each forward pass."""
+    (``tp_ranks.py``), which hold the rest of the model and follow each forward pass.
+    ``graph_batch``: decode batches up to this size replay CUDA graphs (``decode_graphs``),
+    captured with the device's KV pool; on CUDA at one rank with a backend that can be
+    captured, else every pass runs eagerly."""
 
     def __init__(self, model_path: str | Path, dtype: str, device: str, attention_backend: str,
-                 tensor_parallel_size: int = 1, group: Group | None = None) -> None:  # fmt: skip
+                 tensor_parallel_size: int = 1, group: Group | None = None,
+                 graph_batch: int = 0) -> None:  # fmt: skip
         rank = group.rank if group is not None else 0
         self.device = torch.device(rank_device(device, rank))
         self.dtype = resolve_dtype(dtype, self.device)
@@ -62,6 +67,8 @@ class ModelRunner:
         self.cfg = self.model.cfg
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.backend = make_attention_backend(attention_backend, self.device)
+        self.graph_batch = graph_batch if tensor_parallel_size == 1 and self.device.type == "cuda" else 0
+        self.graphs: DecodeGraphs | None = None
 
     def make_pool(self, num_pages: int, page_size: int, host: bool = False) -> KVPool:
         """The device's KV pool, or (``host``) the host tier's: in host memory, pinned when
@@ -69,8 +76,14 @@ class ModelRunner:
         if self.ranks is not None:
             self.ranks.send(("pool", num_pages, page_size))
         cfg, gpu = self.cfg, self.device.type == "cuda"
-        return KVPool(num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype,
+        pool = KVPool(num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype,
                       "cpu" if host else self.device, pin_memory=host and gpu)  # fmt: skip
+        if not host and self.graph_batch and self.backend.capturable:
+            longest = min(cfg.max_context, pool.capacity_tokens)
+            self.graphs = DecodeGraphs(
+                self.model, self.backend, pool, self.graph_batch, longest, capture=True
+            )
+        return pool
 
     def kv_bytes_per_token(self) -> int:
         """This rank's: its KV heads only."""
@@ -82,7 +95,7 @@ class ModelRunner:
         nothing to do)."""
 
     def stats(self) -> dict[str, float]:
-        return {}
+        return {} if self.graphs is None else {"decode_graph_steps": self.graphs.replays}
 
     def close(self) -> None:
         """Stop the other ranks (a single-device runner has none)."""
@@ -106,6 +119,8 @@ class ModelRunner:
     def run(self, inputs: tuple, pool: KVPool, logit_rows: list[int]) -> torch.Tensor:
         ids, positions, attn = inputs
         dev = self.device
+        if self.graphs is not None and self.graphs.accepts(attn):
+            return self.graphs.run(ids, positions, attn)[logit_rows]
         attn = dataclasses.replace(attn, slot_mapping=attn.slot_mapping.to(dev),
                                    page_table=attn.page_table.to(dev))  # fmt: skip
         return self.model(ids.to(dev), positions.to(dev), attn, pool, self.backend,

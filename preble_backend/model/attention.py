@@ -41,6 +41,7 @@ class AttentionBackend(ABC):
     # Fill ``shared_prefixes`` with groups sharing at least this many tokens (None: don't
     # group; it costs host time that only a cascade-capable backend recovers).
     min_shared_tokens: int | None = None
+    capturable = False  # its decode steps can be captured in CUDA graphs (``decode_plan``)
 
     @abstractmethod
     def forward(
@@ -53,6 +54,12 @@ class AttentionBackend(ABC):
         pool: KVPool,
     ) -> torch.Tensor:  # [T, H, D]
         """Write the new K/V into their pages, then attend."""
+
+    def decode_plan(self, kv_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> Any:
+        """The plan of a decode batch that a CUDA graph replays (``decode_graphs.py``): its
+        lengths in fixed device buffers, read afresh at each replay. Only a backend with
+        ``capturable`` has one; the others plan from host lists on every forward."""
+        raise NotImplementedError(f"attention_backend {self.name!r} cannot be captured in a CUDA graph")
 
 
 class TorchAttention(AttentionBackend):

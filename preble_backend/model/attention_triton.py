@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cascade import cascade_attention_planned, plan_cascade
+from kernels.cascade import cascade_attention_planned, decode_plan, plan_cascade
 from kernels.kv_write import kv_write
 from kernels.tuning import interpreting
 from preble_backend.model.attention import AttentionBackend
@@ -34,6 +34,7 @@ def cascade_threshold(device: torch.device) -> int:
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    capturable = True
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" and not interpreting():
@@ -52,3 +53,6 @@ class TritonAttention(AttentionBackend):
             self.cascade_forwards += bool(batch.shared_prefixes)
         out, _ = cascade_attention_planned(q, k_cache, v_cache, batch.page_table, batch.page_size, batch.plan)
         return out
+
+    def decode_plan(self, kv_starts, seq_lens, max_seq_len):
+        return decode_plan(kv_starts, seq_lens, max_seq_len)

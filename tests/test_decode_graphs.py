@@ -1,0 +1,123 @@
+"""Decode steps through CUDA graphs' fixed buffers (``model/decode_graphs.py``). On the CPU
+there is nothing to capture, so the same padded, buffer-reading step runs eagerly under
+Triton's interpreter: its tokens must be transformers', its logits and KV the eager
+path's, whatever bucket a batch pads to. On a GPU the graphs are captured and replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from preble_backend.model.attention import AttentionBatch
+from preble_backend.model.decode_graphs import DecodeGraphs, batch_buckets
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Requests of several lengths, prefilled in one forward, that finish at different steps: the
+# decode batch shrinks 5 -> 4 -> 3 -> 2, padded to buckets 8 and 4 on the way.
+LENGTHS = (7, 30, 19, 44, 12)
+MAX_TOKENS = (3, 9, 6, 9, 4)
+
+
+def test_batch_sizes_captured():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+
+
+def run(engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+    """Each prompt with its own ``MAX_TOKENS``, greedy: the outputs, every forward's sampled
+    logits, and the sizes of the batches that were decodes alone."""
+    seen, decodes, forward = [], [], engine.runner.forward
+
+    def recording(batch, pool):
+        logits, rows = forward(batch, pool)
+        seen.append(logits.detach().clone().cpu())
+        if all(n == 1 for n in batch.num_new_tokens):
+            decodes.append(len(batch.requests))
+        return logits, rows
+
+    engine.runner.forward = recording
+    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for i, (prompt, n) in enumerate(zip(prompts, MAX_TOKENS)):
+        params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        collect = lambda out: outputs[int(out.request_id)].extend(out.token_ids)  # noqa: E731
+        engine.add_request(str(i), prompt, params, collect)
+    while engine.has_work():
+        engine.step()
+    return [outputs[i] for i in range(len(prompts))], seen, decodes
+
+
+@pytest.mark.parametrize("model", ["qwen2_gqa_model", "llama3_tied_model"])
+def test_padded_decode_steps_give_the_eager_steps_and_transformers_tokens(request, make_engine, hf_reference,
+                                                                          model):  # fmt: skip
+    path = request.getfixturevalue(model)
+    vocab = 384
+    prompts = random_prompts(LENGTHS, vocab, seed=5)
+    config = {"attention_backend": "triton", "device": DEVICE, "chunk_size": 128, "cuda_graph_max_batch": 0}
+    eager = make_engine(path, **config)
+    assert eager.runner.graphs is None
+    expected, eager_logits, decodes = run(eager, prompts)
+    padded = make_engine(path, **config)
+    runner = padded.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, padded.pool, 8, 1024, capture=DEVICE == "cuda")
+    got, padded_logits, _ = run(padded, prompts)
+    reference = hf_reference(path)
+    assert got == expected == [reference.greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)]
+    # Every batch of decodes went through the buffers (the prefill did not), padded or not.
+    assert decodes == [5, 5, 4, 3, 3, 2, 2, 2] and runner.graphs.replays == len(decodes)
+    assert padded.stats()["decode_graph_steps"] == runner.graphs.replays
+    assert len(padded_logits) == len(eager_logits)
+    for a, b in zip(eager_logits, padded_logits):
+        assert a.shape == b.shape
+        if a.numel():  # fp32: the split counts differ, so the sums' order, and nothing else
+            assert (a - b).abs().max() / a.abs().max() < 1e-5
+    # Padding rows wrote no KV: the same slots were written, with the same values.
+    for side in ("k_cache", "v_cache"):
+        a, b = getattr(eager.pool, side), getattr(padded.pool, side)
+        assert torch.equal(a.abs().sum((-2, -1)) == 0, b.abs().sum((-2, -1)) == 0)
+        assert (a - b).abs().max() / a.abs().max() < 1e-5
+
+
+def test_only_plain_decode_batches_fit_the_buffers(qwen2_gqa_model, make_engine):
+    engine = make_engine(qwen2_gqa_model, attention_backend="triton", device=DEVICE, page_size=16)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.backend, engine.pool, 4, 1024, capture=False)
+
+    def batch(q_lens, prefix_lens, width=2, groups=()):
+        slots = torch.zeros(sum(q_lens), dtype=torch.long)
+        table = torch.zeros((len(q_lens), width), dtype=torch.int32)
+        return AttentionBatch(list(q_lens), list(prefix_lens), slots, table, 16, list(groups))
+
+    assert graphs.accepts(batch([1, 1, 1], [20, 5, 30]))
+    assert not graphs.accepts(batch([1, 3], [20, 5]))  # a prefill chunk rides along
+    assert not graphs.accepts(batch([1] * 5, [20] * 5))  # more than the largest bucket
+    assert not graphs.accepts(batch([1, 1], [20, 20], groups=[([0, 1], 16)]))  # a cascade group
+    assert not graphs.accepts(batch([1], [1024]))  # past the longest context captured
+    assert not graphs.accepts(batch([1], [20], width=65))  # a page table wider than the buffer's
+
+
+def test_the_graph_setting_is_checked_and_off_on_the_cpu(qwen2_gqa_model, make_engine):
+    from preble_backend.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cuda_graph_max_batch=-1 is invalid"):
+        EngineConfig(model_path=qwen2_gqa_model, cuda_graph_max_batch=-1)
+    config = EngineConfig(model_path=qwen2_gqa_model, cuda_graph_max_batch=64, max_running_requests=16)
+    assert config.graph_batch() == 16
+    engine = make_engine(qwen2_gqa_model, attention_backend="triton", device="cpu")
+    assert engine.runner.graphs is None and "decode_graph_steps" not in engine.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_captured_graphs_replay_on_the_gpu(qwen2_gqa_model, make_engine):
+    """The engine's own capture at load (the default setting): replays serve the decode
+    steps and the tokens are the eager engine's."""
+    prompts = random_prompts(LENGTHS, 384, seed=5)
+    eager = make_engine(qwen2_gqa_model, attention_backend="triton", device="cuda", cuda_graph_max_batch=0)
+    captured = make_engine(qwen2_gqa_model, attention_backend="triton", device="cuda")
+    assert sorted(captured.runner.graphs.graphs) == batch_buckets(64)
+    assert run(captured, prompts)[0] == run(eager, prompts)[0]
+    assert captured.runner.graphs.replays >= 8
