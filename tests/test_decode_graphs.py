@@ -110,6 +110,21 @@ def test_the_graph_setting_is_checked_and_off_on_the_cpu(qwen2_gqa_model, make_e
     assert engine.runner.graphs is None and "decode_graph_steps" not in engine.stats()
 
 
+def test_the_graph_benchmark_runs_and_both_modes_give_the_same_tokens(capsys, tmp_path):
+    """The GPU benchmark's code paths on tiny shapes: here the graph side is the buffers run
+    eagerly, and every request's tokens equal the eager engine's."""
+    import json
+
+    from preble_backend.benchmarks.decode_graphs import main
+
+    assert main(["--smoke", "--json", str(tmp_path / "graphs.json")]) == 0
+    table = capsys.readouterr().out.split("| dtype |")[1]
+    assert "| float32 | 1 |" in table and "| float32 | 3 |" in table
+    record = json.loads((tmp_path / "graphs.json").read_text())
+    assert record["float32/1"]["same_tokens"] == 1 and record["float32/3"]["same_tokens"] == 3
+    assert record["float32/replays"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_captured_graphs_replay_on_the_gpu(qwen2_gqa_model, make_engine):
