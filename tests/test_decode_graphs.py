@@ -136,3 +136,25 @@ def test_captured_graphs_replay_on_the_gpu(qwen2_gqa_model, make_engine):
     assert sorted(captured.runner.graphs.graphs) == batch_buckets(64)
     assert run(captured, prompts)[0] == run(eager, prompts)[0]
     assert captured.runner.graphs.replays >= 8
+
+
+def test_a_capture_that_fails_leaves_the_engine_eager_and_says_so(qwen2_gqa_model, make_engine, monkeypatch,
+                                                                   caplog):  # fmt: skip
+    """The capture path of ``make_pool`` (forced here: on the CPU nothing is captured):
+    when capturing raises, the pool is still made, decode runs eagerly, and the log names
+    the failure and the setting that skips it."""
+    engine = make_engine(qwen2_gqa_model, attention_backend="triton", device=DEVICE, cuda_graph_max_batch=0)
+    runner = engine.runner
+
+    def fail(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", fail)
+    runner.graph_batch = 4
+    with caplog.at_level("ERROR", logger="preble.engine"):
+        pool = runner.make_pool(8, 16)
+    assert pool.num_pages == 8 and runner.graphs is None
+    assert "capturing its CUDA graphs failed (RuntimeError: operation not permitted" in caplog.text
+    assert "cuda_graph_max_batch = 0" in caplog.text
+    params = {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    assert engine.generate(random_prompts([9], 384, seed=8), params)[0]  # the engine still serves

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.llama import LlamaForCausalLM
 from preble_backend.model.model_config import ModelConfig
 from preble_backend.model.tensor_parallel import TPGroup, head_split
+
+log = logging.getLogger("preble.engine")
 
 
 @functools.cache
@@ -79,11 +82,21 @@ class ModelRunner:
         pool = KVPool(num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype,
                       "cpu" if host else self.device, pin_memory=host and gpu)  # fmt: skip
         if not host and self.graph_batch and self.backend.capturable:
-            longest = min(cfg.max_context, pool.capacity_tokens)
-            self.graphs = DecodeGraphs(
-                self.model, self.backend, pool, self.graph_batch, longest, capture=True
-            )
+            self._capture_graphs(pool)
         return pool
+
+    def _capture_graphs(self, pool: KVPool) -> None:
+        """A capture that fails leaves the engine serving eagerly, said in the log: the
+        graphs are an optimization, and a lent GPU's minutes are better spent measuring the
+        stack than watching it refuse to load (the engine's stats have no
+        ``decode_graph_steps`` then)."""
+        longest = min(self.cfg.max_context, pool.capacity_tokens)
+        try:
+            self.graphs = DecodeGraphs(self.model, self.backend, pool, self.graph_batch, longest, True)
+        except Exception as exc:  # noqa: BLE001 - any failure to capture falls back to eager
+            self.graphs = None
+            log.error("decode runs eagerly: capturing its CUDA graphs failed (%s: %s); "
+                      "cuda_graph_max_batch = 0 skips the capture", type(exc).__name__, exc)  # fmt: skip
 
     def kv_bytes_per_token(self) -> int:
         """This rank's: its KV heads only."""
