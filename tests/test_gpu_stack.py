@@ -51,3 +51,14 @@ def test_the_stack_step_dry_run_on_the_cpu_from_the_trimmed_server(tmp_path):
     assert steps["load"]["requests"] == 32 and steps["load"]["hit_ratio"] > 0.5
     assert steps["nvml"]["gauges"] == {}  # a CPU engine has no GPU to sample
     assert (out / "tritonserver.preble_engine_0.log").is_file()
+    assert results["decode_graphs"] == "no capture failure logged"  # a CPU engine captures nothing
+
+
+def test_the_stack_step_reports_a_failed_graph_capture_from_the_engines_log(tmp_path):
+    from preble_backend.benchmarks.gpu_stack import graph_capture
+
+    (tmp_path / "tritonserver.preble_engine_0.log").write_text("I1127 loading\nI1127 ready\n")
+    assert graph_capture(tmp_path) == "no capture failure logged"
+    line = "E1127 decode runs eagerly: capturing its CUDA graphs failed (RuntimeError: boom); ..."
+    (tmp_path / "tritonserver.preble_engine_1.log").write_text(f"I1127 loading\n{line}\n")
+    assert graph_capture(tmp_path) == f"capture failed (tritonserver.preble_engine_1.log): {line}"

@@ -246,6 +246,16 @@ def perf_analyzer(stack: Stack) -> dict:
     return {"returncode": done.returncode, "summary": tail[-6:], "stderr": done.stderr[-400:]}
 
 
+def graph_capture(out: Path) -> str:
+    """Whether the engine inside tritonserver captured its decode graphs: a failed capture
+    leaves it serving eagerly, and only its log says so."""
+    for log in sorted(out.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "capturing its CUDA graphs failed" in line:
+                return f"capture failed ({log.name}): {line.strip()[-400:]}"
+    return "no capture failure logged"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -302,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stack.stop()
             shutil.copytree(work / "repo", out / "repo", dirs_exist_ok=True)
+            results["decode_graphs"] = graph_capture(out)
+            (out / "stack.json").write_text(json.dumps(results, indent=1))
     shutil.rmtree(work, ignore_errors=True)
     failed = [name for name, s in results["steps"].items() if not s["ok"]]
     print(f"stack: {len(results['steps']) - len(failed)} steps ok; failed: {', '.join(failed) or 'none'}")

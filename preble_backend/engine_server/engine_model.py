@@ -63,6 +63,7 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "host_bytes_moved": "preble_engine_host_bytes_moved_total",
     "host_load_s": "preble_engine_host_load_seconds_total",
     "host_pages_short": "preble_engine_host_pages_short_total",
+    "decode_graph_steps": "preble_engine_decode_graph_steps_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
