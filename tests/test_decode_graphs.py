@@ -62,7 +62,7 @@ def test_padded_decode_steps_give_the_eager_steps_and_transformers_tokens(reques
     expected, eager_logits, decodes = run(eager, prompts)
     padded = make_engine(path, **config)
     runner = padded.runner
-    runner.graphs = DecodeGraphs(runner.model, runner.backend, padded.pool, 8, 1024, capture=DEVICE == "cuda")
+    runner.use_decode_graphs(padded.pool, 8, capture=DEVICE == "cuda")
     got, padded_logits, _ = run(padded, prompts)
     reference = hf_reference(path)
     assert got == expected == [reference.greedy(p, n) for p, n in zip(prompts, MAX_TOKENS)]

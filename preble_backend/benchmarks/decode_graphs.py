@@ -24,7 +24,6 @@ import torch
 from preble_backend.benchmarks.attention_backends import GPU, SMOKE, Shape, write_model
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
-from preble_backend.model.decode_graphs import DecodeGraphs
 
 
 def engine_for(path: str, device: str, dtype: str, graphs: bool, max_batch: int) -> Engine:
@@ -33,10 +32,7 @@ def engine_for(path: str, device: str, dtype: str, graphs: bool, max_batch: int)
         page_size=16, cuda_graph_max_batch=max_batch if graphs and device == "cuda" else 0,
     ))  # fmt: skip
     if graphs and device != "cuda":  # nothing to capture: the same buffers, run eagerly
-        runner = engine.runner
-        runner.graphs = DecodeGraphs(
-            runner.model, runner.backend, engine.pool, max_batch, 4096, capture=False
-        )
+        engine.runner.use_decode_graphs(engine.pool, max_batch, capture=False)
     return engine
 
 

@@ -82,17 +82,19 @@ class ModelRunner:
         pool = KVPool(num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype,
                       "cpu" if host else self.device, pin_memory=host and gpu)  # fmt: skip
         if not host and self.graph_batch and self.backend.capturable:
-            self._capture_graphs(pool)
+            self.use_decode_graphs(pool, self.graph_batch)
         return pool
 
-    def _capture_graphs(self, pool: KVPool) -> None:
-        """A capture that fails leaves the engine serving eagerly, said in the log: the
-        graphs are an optimization, and a lent GPU's minutes are better spent measuring the
-        stack than watching it refuse to load (the engine's stats have no
-        ``decode_graph_steps`` then)."""
+    def use_decode_graphs(self, pool: KVPool, max_batch: int, capture: bool = True) -> None:
+        """Serve decode batches up to ``max_batch`` through ``DecodeGraphs`` over ``pool``,
+        for the longest context the model and pool allow; without ``capture`` (the CPU:
+        tests, the benchmark's smoke run) the same buffers run eagerly. A capture that fails
+        leaves the engine serving eagerly, said in the log: the graphs are an optimization,
+        and a lent GPU's minutes are better spent measuring the stack than watching it
+        refuse to load (the engine's stats have no ``decode_graph_steps`` then)."""
         longest = min(self.cfg.max_context, pool.capacity_tokens)
         try:
-            self.graphs = DecodeGraphs(self.model, self.backend, pool, self.graph_batch, longest, True)
+            self.graphs = DecodeGraphs(self.model, self.backend, pool, max_batch, longest, capture)
         except Exception as exc:  # noqa: BLE001 - any failure to capture falls back to eager
             self.graphs = None
             log.error("decode runs eagerly: capturing its CUDA graphs failed (%s: %s); "
