@@ -16,6 +16,7 @@ real tokenizer (``text``, for live servers). Table 1's statistics over a trace a
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable
@@ -237,19 +238,19 @@ def multi_tenant(n: int, seed: int = 0, scale: float = 1.0, num_tenants: int = 0
     return out
 
 
-def shifting_docs(n: int, seed: int = 0, scale: float = 1.0) -> list[WorkloadRequest]:
+def shifting_docs(n: int, seed: int = 0, scale: float = 1.0, epoch: int = 0) -> list[WorkloadRequest]:
     """Retrieval over documents whose popularity shifts abruptly, as news, a launch or a
     viral document makes it: questions over one long document each (a 300-token system
     prompt, a document of ~6,000 tokens, a ~60-token question, ~120-token answers), the
-    document drawn by Zipf-1.2 over a popularity order that is drawn anew every ``n / 10``
-    requests (an epoch: about a minute at the stress rate), so the few hot documents of
-    one epoch are cold in the next; 30% of requests are a background of unshared
-    prompts (~900 tokens, ~200-token answers)."""
+    document drawn by Zipf-1.2 over a popularity order that is drawn anew every ``epoch``
+    requests (default ``n / 10``: ~4 s at four instances' stress rate for 1,000), so the
+    few hot documents of one epoch are cold in the next; 30% of requests are a background
+    of unshared prompts (~900 tokens, ~200-token answers)."""
     rng = random.Random(seed)
     num_docs = max(40, n // 25)
     docs = [_lognormal(random.Random(seed * 43 + k), 6000 * scale, 3000 * scale, 1000 * scale, 16000 * scale)
             for k in range(num_docs)]  # fmt: skip
-    epoch_len, order, out = max(1, n // 10), list(range(num_docs)), []
+    epoch_len, order, out = epoch or max(1, n // 10), list(range(num_docs)), []
     system = Segment("sd-system", int(300 * scale) or 1)
     for i in range(n):
         if i % epoch_len == 0:
@@ -308,6 +309,8 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "chat": chat,
     "multi_tenant": multi_tenant,
     "shifting_docs": shifting_docs,
+    # popularity that holds for ~a minute at four instances' stress rate (1,400 requests)
+    "shifting_docs_minute": functools.partial(shifting_docs, epoch=1400),
     "agentic": agentic,
 }
 

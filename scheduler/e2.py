@@ -22,7 +22,9 @@ Per request:
    the cluster, while each holder carries over ``hot_load_factor`` × the mean load), the
    least loaded instance that lacks it becomes a replica; its exploiting requests then
    split over the holders and replicas by load cost. The replicas retire when it cools
-   (its holders' share carries it again).
+   (its holders' share carries it again). And while it is hot, the request itself makes
+   a replica where that is cheaper than its holder once the recompute is shared by the
+   requests that would follow it there (``autoscale.py``).
 
 The load model: ``batch`` (the default) prices L and P as a batching engine pays them
 (``load_cost.batch_load``), so load and recompute are weighed on one scale; ``serial`` is
@@ -39,16 +41,16 @@ from collections.abc import Callable
 
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from scheduler.autoscale import Autoscaling
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
-from scheduler.tree_node import NO_REPLICAS, GlobalNode, Match
-from scheduler.ttft_history import TTFTHistory
+from scheduler.tree_node import GlobalNode, Match
 
 log = logging.getLogger("preble.e2")
 
 
-class E2(Policy):
+class E2(Autoscaling, Policy):
     name = "e2"
 
     def __init__(
@@ -70,6 +72,7 @@ class E2(Policy):
         load_signal: str = "in_flight",
         rebalance_signal: str = "history",
         load_model: str = "batch",
+        amortized_replicas: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(num_instances, clock)
@@ -100,6 +103,7 @@ class E2(Policy):
         self.load_signal = load_signal
         self.load_model = load_model
         self.rebalance_signal = rebalance_signal
+        self.amortized_replicas = amortized_replicas
         self._routed: dict[str, tuple[GlobalNode, GlobalNode | None]] = {}  # id -> (end, key portion)
         self._next = 0  # where round-robin tie-breaking starts
         self._decisions = 0
@@ -124,10 +128,14 @@ class E2(Policy):
         if holders:  # exploit: among the instances holding the key portion
             choice = self._cheapest(holders, match, prompt_len, loads, now)
             lighter = self._rebalance_target(choice, match, prompt_len, loads, now)
-            if lighter is None:
-                decision = Decision(choice, "exploit")
-            else:
+            replica = None if lighter is not None else self._replica_that_pays(match, choice, prompt_len, now)
+            if lighter is not None:
                 decision = Decision(lighter, "rebalance")
+            elif replica is not None:
+                self._replicate(match.key, now, replica)
+                decision = Decision(replica, "replicate")
+            else:
+                decision = Decision(choice, "exploit")
         else:  # explore
             decode_heavy = self._decode_heavy_instance()
             if decode_heavy is not None:
@@ -307,92 +315,6 @@ class E2(Policy):
         self.decode_lengths.add(now, info.num_output_tokens)
         if key is not None and info.ttft_s is not None:
             self._autoscale(self.tree.live(key), info.ttft_s, now)
-
-    def _autoscale(self, key: GlobalNode, ttft: float, now: float) -> None:
-        if key.ttft is None:
-            key.ttft = TTFTHistory()
-        history: TTFTHistory = key.ttft
-        history.add(now, ttft, self.tree.window_s)
-        if history.doubled(self.autoscale_min_samples) or self._too_hot(key, now):
-            self._replicate(key, now)
-        elif key.replicas and self._cooled(key, now):
-            log.info("autoscale: replicas %s of a key portion retired", sorted(key.replicas))
-            key.replicas = NO_REPLICAS
-
-    def _cooled(self, key: GlobalNode, now: float) -> bool:
-        """Replicas retire when the key portion has cooled (ours): its requests within W fit
-        the share of the cluster's that its holders carry without them (the too-hot rule's
-        first condition, turned round). A retired replica still caching it serves it as a
-        holder; one that evicted it stops drawing requests that would recompute it."""
-        uses, routed = self._window_share(key, now)
-        return uses * len(self.live) <= routed * len(key.holders() & self.live)
-
-    def _window_share(self, key: GlobalNode, now: float) -> tuple[int, int]:
-        """The key portion's requests within W on the live instances, and all of theirs."""
-        uses = sum(self.tree.requests_in_window(key, i, now) for i in self.live)
-        return uses, sum(self.history[i].routed_in_window(now) for i in self.live)
-
-    def _too_hot(self, key: GlobalNode, now: float) -> bool:
-        """A key portion's load is too high for its holders (§4.2, autoscaling) when it drew
-        more of the window's requests than its holders' share of the cluster and each
-        holder's load over the window exceeds ``hot_load_factor`` × the mean. The TTFT
-        rule misses a prefix that is hot from the start (its TTFT never doubles: its
-        holder's decoding slows instead), and rebalancing waits for ``Th_bal`` × the
-        *lightest* load. The second condition spares a key portion whose traffic its
-        holder carries well (an agent's episode is 1/8 of the traffic while eight run at
-        once)."""
-        if sum(map(len, key.hits.values())) < self.hot_min_requests:  # a bound, before trimming
-            return False
-        serving = self._serving(key)
-        uses, routed = self._window_share(key, now)
-        if not serving or uses < self.hot_min_requests:
-            return False
-        if uses * len(self.live) <= routed * len(serving):  # no more than the servers' share
-            return False
-        load = {i: self.load(i, now, "history") for i in self.live}
-        mean = sum(load.values()) / len(load)
-        return all(load[i] > self.hot_load_factor * mean for i in serving)
-
-    def _queued_everywhere(self, key: GlobalNode, holders: set[int], prompt_len: int, now: float) -> bool:
-        """Autoscaling while a prefix is hot (ours): every instance serving it would queue
-        the request behind at least ``hot_queue`` requests its KV cannot hold, and the
-        instance that would become its replica would not. The TTFT rule waits for a
-        window's newer half to be slow, the too-hot rule for a request to finish; a hot
-        document in a chat trace drew a third of the requests onto its holder before either
-        fired. Where every instance queues alike (KV short of the working set) a replica
-        relieves nobody: it copies the prefix into a KV that is already evicting."""
-        if self.hot_queue is None:
-            return False
-        d = self.decode_lengths.average(now)
-
-        def queued(i: int) -> float:
-            return self.history[i].queued(d, prompt_len, self.capacity[i])
-
-        if any(queued(i) < self.hot_queue for i in holders):
-            return False
-        replica = self._replica_for(key, now)
-        return replica is not None and queued(replica) < self.hot_queue
-
-    def _serving(self, key: GlobalNode) -> set[int]:
-        """The live instances that hold the key portion or replicate it."""
-        return (key.holders() | key.replicas) & self.live
-
-    def _replica_for(self, key: GlobalNode, now: float) -> int | None:
-        """The least loaded instance that lacks the key portion (None: every one has it)."""
-        lacking = sorted(self.live - self._serving(key))
-        return min(lacking, key=lambda i: self.load(i, now, self.load_signal)) if lacking else None
-
-    def _replicate(self, key: GlobalNode, now: float) -> None:
-        """The least loaded instance that lacks the key portion becomes a replica."""
-        replica = self._replica_for(key, now)
-        if replica is not None:
-            key.replicas = key.replicas | {replica}
-            key.ttft = None  # measure afresh with the replica serving
-            log.info(
-                "autoscale: key portion of %d tokens replicated on instance %d",
-                len(key.hashes) * self.page_size,
-                replica,
-            )
 
 
 def _busy(loads: list[InstanceLoad], instance: int) -> float:

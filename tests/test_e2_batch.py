@@ -5,7 +5,7 @@ every expected choice computed by hand (helpers from ``test_e2``)."""
 from __future__ import annotations
 
 import pytest
-from test_e2 import AVG_DECODE, e2, route, stored
+from test_e2 import AVG_DECODE, e2, req, route, stored
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
@@ -151,3 +151,55 @@ def test_no_replica_where_the_replica_would_queue_too(b1, replicas):
         _, d = route(policy, doc + list(range(30000 + 20 * k, 30020 + 20 * k)))
         assert (d.instance, d.branch) == (0, "exploit")
     assert policy.tree.match(chain_hashes(doc + [1], 1)).key.replicas == replicas
+
+
+def hot_document(n: int, b1: int, threads: int = 0, own: bool = False, **kw):
+    """A 1,000-token document cached on instance 0 with ``n`` questions on it in flight
+    there (each the document, then with ``threads`` one of that many 50-token threads
+    below it, round-robin, then 10 tokens of question); ``b1`` unrelated 10-token
+    requests in flight on instance 1. Returns the policy and the next question: in the
+    first thread (``own``) or straight after the document."""
+    policy, _ = e2(cost=BATCH, load_model="batch", capacity=100_000, **kw)
+    doc = list(range(20000, 21000))
+    thread = [list(range(40000 + 100 * t, 40050 + 100 * t)) for t in range(threads)] or [[]]
+    policy.tree.apply_events(0, [CacheEvent.of("stored", doc + t, 0, 1) for t in [[], *thread]])
+    for k in range(n):
+        policy.record(req(doc + thread[k % len(thread)] + list(range(30000 + 10 * k, 30010 + 10 * k))), 0)
+    for k in range(b1):
+        policy.record(req(range(50000 + 10 * k, 50010 + 10 * k)), 1)
+    return policy, doc + (thread[0] if own else []) + list(range(60000, 60010))
+
+
+@pytest.mark.parametrize(
+    "n, b1, threads, own, expected",
+    [
+        (16, 4, 0, False, (1, "replicate")),  # amortized 890.7 < 1,093.2 at the holder
+        (15, 4, 0, False, (0, "exploit")),  # under hot_min_requests (16): not hot yet
+        (16, 6, 0, False, (0, "exploit")),  # holder 928 against 1.5 x the mean 638: not overloaded
+        (20, 4, 1, True, (0, "exploit")),  # all 20 in the request's own thread: none would follow
+        (20, 4, 2, False, (0, "exploit")),  # two threads of ten: two would follow, not 20
+    ],
+)
+def test_a_hot_prefix_is_replicated_when_its_recompute_pays_over_those_it_draws(
+    n, b1, threads, own, expected
+):
+    """A new question costs the holder L + P = 58·n + 10·(1 + 32n/33) (n = 16: 1,093.2);
+    instance 1, 58·b1 + 1,010·(1 + 32·b1/33) (b1 = 4: 5,159.6), too much for the
+    rebalancer. Made a replica, instance 1 pays the document's 1,000 tokens once for the
+    questions that follow it there: with its holder it would serve the n in flight, so
+    the recompute is counted 2/n: 5,159.6 - 1,000·(1 + 32·4/33)·(1 - 2/16) = 890.7, below
+    the holder's. A thread below the document keeps its later requests with its own
+    cache, so it counts once, and the request's own thread not at all; counted request by
+    request, the 20 would make the replica pay (768.7 or 1,012.6 against 1,363.9)."""
+    policy, question = hot_document(n, b1, threads, own)
+    if not threads:
+        m = policy.tree.match(chain_hashes(question, 1))
+        assert policy.load_cost(0, m, 1010, 0.0) == pytest.approx(58 * n + 10 * (1 + 32 * n / 33))
+        assert policy.load_cost(1, m, 1010, 0.0) == pytest.approx(58 * b1 + 1010 * (1 + 32 * b1 / 33))
+    _, d = route(policy, question)
+    assert (d.instance, d.branch) == expected
+    key = policy.tree.match(chain_hashes(question[:1000] + [1], 1)).key
+    assert key.replicas == ({1} if expected[0] == 1 else set())
+    if expected[0] == 1:  # the rule off: the holder keeps it
+        policy, question = hot_document(n, b1, amortized_replicas=False)
+        assert route(policy, question)[1].branch == "exploit"

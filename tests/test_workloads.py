@@ -95,6 +95,17 @@ def test_shifting_docs_popularity_is_concentrated_within_an_epoch_and_moves_betw
     assert 4000 < sum(r.segments[1].length for r in doc_requests) / len(doc_requests) < 9000
 
 
+def test_shifting_docs_minute_keeps_its_hot_documents_for_1400_requests():
+    """The same generator with epochs of 1,400 requests: the hottest document of the first
+    1,400 holds across them (its two halves agree) and gives way at the 1,401st."""
+    reqs = generate("shifting_docs_minute", 3000, seed=0)
+
+    def hottest(lo: int, hi: int) -> str:
+        return Counter(r.group for r in reqs[lo:hi] if r.group != "background").most_common(1)[0][0]
+
+    assert hottest(0, 700) == hottest(700, 1400) != hottest(1400, 2800)
+
+
 def test_agentic_trajectories_grow_by_each_action_and_tool_output_while_the_tool_runs():
     reqs = generate("agentic", 600, seed=2)
     followers = [r for r in reqs if r.after is not None]
