@@ -16,7 +16,10 @@ from preble_backend.model.pypi_models import MODELS
 from preble_backend.router.config import RouterConfig
 from scheduler.policies import ALL_POLICIES, POLICIES
 
-WORKLOAD_HELP = "one of the paper's five, or chat (multi-turn) or multi_tenant (system prompts)"
+WORKLOAD_HELP = (
+    "one of the paper's five, or chat (multi-turn), multi_tenant (system prompts), shifting_docs / "
+    "shifting_docs_minute (document popularity that shifts) or agentic (tool-using trajectories)"
+)
 
 
 def _names(known, allow_all: bool = False):
@@ -86,8 +89,10 @@ def _port(low: int):
     return parse
 
 
-COST_MODEL_HELP = ("a shipped fit (tiny_cpu, mistral7b_a6000, llama3_70b_h100_tp4: one 4-GPU instance) "
-                   "or a JSON file from preble profile")
+COST_MODEL_HELP = (
+    "a shipped fit (tiny_cpu, mistral7b_a6000, llama3_70b_h100_tp4 / _tp2: one 4- or 2-GPU instance) "
+    "or a JSON file from preble profile"
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
