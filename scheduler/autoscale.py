@@ -51,10 +51,10 @@ class Autoscaling:
         key = match.key
         if not self.amortized_replicas or key is None or self.load_model != "batch":
             return None
-        serving, others = self._serving(key), sorted(self.live - self._serving(key))
+        serving = self._serving(key)
         least = max(self.hot_min_requests, len(serving) + 2)
-        if not others or sum(key.pending.get(i, 0) for i in serving) < least:  # a bound on n
-            return None
+        if sum(key.pending.get(i, 0) for i in serving) < least or len(serving) == len(self.live):
+            return None  # (the sum bounds n)
         d = self.decode_lengths.average(now)
         load = {i: batch_load(self.history[i], self.cost, d, prompt_len, self.capacity[i]) for i in self.live}
         if load[choice] <= self.hot_load_factor * sum(load.values()) / len(load):
@@ -77,7 +77,7 @@ class Autoscaling:
             decoding = self.history[i].decoding(self.cost.decode_time(d))
             return self.load_cost(i, match, prompt_len, now) - recompute * (1 + decoding) * shared_by
 
-        best = min(others, key=amortized)
+        best = min(sorted(self.live - serving), key=amortized)
         return best if amortized(best) < self.load_cost(choice, match, prompt_len, now) else None
 
     def _autoscale(self, key: GlobalNode, ttft: float, now: float) -> None:
