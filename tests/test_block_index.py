@@ -41,6 +41,17 @@ def test_chain_values_are_equal_exactly_while_the_pages_are(page_size):
         assert chain_hashes(np.asarray(a, dtype=np.int64), page_size) == ha  # arrays as lists
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_runs_of_one_token_name_each_prefix_apart(page_size):
+    """Repeated tokens, 0 among them (a run of token 0 once hashed to 0 at every length):
+    every page of a run has its own value, and runs of different tokens share none."""
+    seen: dict[int, tuple[int, int]] = {}
+    for token in (0, 1, 2, 255, 50_000, 2**31 - 1):
+        hashes = chain_hashes([token] * (page_size * 20), page_size)
+        for k, h in enumerate(hashes):
+            assert seen.setdefault(h, (token, k)) == (token, k)
+
+
 def test_cache_events_travel_as_hashes():
     events = [
         CacheEvent.of("stored", list(range(40)), 16, 16),

@@ -12,6 +12,10 @@ misroute a request (the engine matches tokens exactly), never corrupt an answer.
 
 The hash is polynomial over mixed tokens, so a whole prompt is hashed by a few vectorized
 numpy operations: ``H(t[:n]) = Σ_{j<n} mix(t_j) · B^j  (mod 2^64)``, finalized per page.
+``mix(t)`` is a bijection of ``t + 1``: no token adds nothing. Mixing ``t`` itself made
+token 0 add a zero term, so a run of token 0 hashed to 0 at every length and a prompt of
+them named all its own prefixes alike (the host-tier state machine found the router's
+mirror losing a page to it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _BASE = np.uint64(0x100000001B3)
 _FINAL = np.uint64(0xBF58476D1CE4E5B9)
+_ONE = np.uint64(1)
 _powers = np.ones(1, dtype=np.uint64)
 
 
@@ -45,9 +50,9 @@ def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> array:
         return array("Q")
     n = pages * page_size
     if isinstance(tokens, list):  # the tokenizer's output: array("q") unboxes it fastest
-        x = np.frombuffer(array("q", tokens), dtype=np.uint64)[:n] * _MIX
+        x = (np.frombuffer(array("q", tokens), dtype=np.uint64)[:n] + _ONE) * _MIX
     else:
-        x = np.asarray(tokens[:n], dtype=np.uint64) * _MIX
+        x = (np.asarray(tokens[:n], dtype=np.uint64) + _ONE) * _MIX
     x ^= x >> np.uint64(31)
     x *= _base_powers(n)
     h = np.cumsum(x, dtype=np.uint64)[page_size - 1 :: page_size]
