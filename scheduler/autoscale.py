@@ -52,29 +52,32 @@ class Autoscaling:
         if not self.amortized_replicas or key is None or self.load_model != "batch":
             return None
         serving = self._serving(key)
-        least = max(self.hot_min_requests, len(serving) + 2)
-        if sum(key.pending.get(i, 0) for i in serving) < least or len(serving) == len(self.live):
-            return None  # (the sum bounds n)
+        least, in_flight = (
+            max(self.hot_min_requests, len(serving) + 2),
+            sum(key.pending.get(i, 0) for i in serving),
+        )
+        if in_flight < least or len(serving) == len(self.live):
+            return None  # (in_flight bounds n)
         d = self.decode_lengths.average(now)
         load = {i: batch_load(self.history[i], self.cost, d, prompt_len, self.capacity[i]) for i in self.live}
         if load[choice] <= self.hot_load_factor * sum(load.values()) / len(load):
             return None
         at = match.nodes.index(key)
         own = match.nodes[at + 1] if at + 1 < len(match.nodes) else None
-        n = sum(key.pending.get(i, 0) for i in serving)
+        n = in_flight
         for child in key.children.values():
             running = sum(child.pending.get(i, 0) for i in serving)
             n -= running if child is own else max(0, running - 1)
         if n < least:
             return None
         key_tokens = min(self.page_size * sum(match.lengths[: at + 1]), match.cached_on(choice))
-        shared_by = 1 - (len(serving) + 1) / n
+        shared_by, decode_ms = 1 - (len(serving) + 1) / n, self.cost.decode_time(d)
 
         def amortized(i: int) -> float:
             cached = match.cached_on(i)
             missed, shared = prompt_len - cached, max(0, key_tokens - cached)
             recompute = self.cost.prefill_time(missed) - self.cost.prefill_time(missed - shared)
-            decoding = self.history[i].decoding(self.cost.decode_time(d))
+            decoding = self.history[i].decoding(decode_ms)
             return self.load_cost(i, match, prompt_len, now) - recompute * (1 + decoding) * shared_by
 
         best = min(sorted(self.live - serving), key=amortized)

@@ -128,10 +128,9 @@ class E2(Autoscaling, Policy):
         if holders:  # exploit: among the instances holding the key portion
             choice = self._cheapest(holders, match, prompt_len, loads, now)
             lighter = self._rebalance_target(choice, match, prompt_len, loads, now)
-            replica = None if lighter is not None else self._replica_that_pays(match, choice, prompt_len, now)
             if lighter is not None:
                 decision = Decision(lighter, "rebalance")
-            elif replica is not None:
+            elif (replica := self._replica_that_pays(match, choice, prompt_len, now)) is not None:
                 self._replicate(match.key, now, replica)
                 decision = Decision(replica, "replicate")
             else:
