@@ -32,6 +32,7 @@ DEVICE_PYTHON = "3.12"  # python3 of the device image (KINDS.md)
 LACKING = [  # what the front, the router's client and the benchmarks import that the image lacks
     "tritonclient", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
     "typing-inspection", "uvicorn", "llguidance", "nvidia-cuda-runtime-cu12",
+    "python-rapidjson", "protobuf",  # tritonclient.grpc's JSON, and the protobuf its stubs were built for
 ]  # fmt: skip
 # the newest is nvidia-pytriton's own (glibc 2.35): the device runs that wheel's server already
 PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in (35, 34, 31, 28, 17)] + ["manylinux2014_x86_64"]

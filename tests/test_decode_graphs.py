@@ -99,6 +99,12 @@ def test_only_plain_decode_batches_fit_the_buffers(qwen2_gqa_model, make_engine)
     assert not graphs.accepts(batch([1], [20], width=65))  # a page table wider than the buffer's
 
 
+ON_THE_CPU = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="Triton runs on the GPU here, not in the interpreter on the CPU"
+)
+
+
+@ON_THE_CPU
 def test_the_graph_setting_is_checked_and_off_on_the_cpu(qwen2_gqa_model, make_engine):
     from preble_backend.engine.config import EngineConfig
 
@@ -110,6 +116,7 @@ def test_the_graph_setting_is_checked_and_off_on_the_cpu(qwen2_gqa_model, make_e
     assert engine.runner.graphs is None and "decode_graph_steps" not in engine.stats()
 
 
+@ON_THE_CPU
 def test_the_graph_benchmark_runs_and_both_modes_give_the_same_tokens(capsys, tmp_path):
     """The GPU benchmark's code paths on tiny shapes: here the graph side is the buffers run
     eagerly, and every request's tokens equal the eager engine's."""

@@ -54,6 +54,46 @@ def test_the_stack_step_dry_run_on_the_cpu_from_the_trimmed_server(tmp_path):
     assert results["decode_graphs"] == "no capture failure logged"  # a CPU engine captures nothing
 
 
+PROBE_MODEL = """
+import only_on_pythonpath  # the load fails here unless the stub sees the launcher's import path
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return []
+"""
+PROBE_CONFIG = """
+backend: "python"
+input [ { name: "X", data_type: TYPE_FP32, dims: [ 1 ] } ]
+output [ { name: "Y", data_type: TYPE_FP32, dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+"""
+
+
+@pytest.mark.server
+def test_a_model_imports_what_only_the_import_path_of_its_launcher_holds(tmp_path, monkeypatch):
+    """The wheel's stub ignores ``PYTHONPATH``: on the first lent GPU the router failed to
+    load (no ``tritonclient``, unpacked onto ``PYTHONPATH`` there). The server's models now
+    import what the process that started the server can."""
+    from server_utils import fresh_ports
+
+    from preble_backend.runtime.launcher import start_server
+
+    package = tmp_path / "extra" / "only_on_pythonpath"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    model = tmp_path / "repo" / "probe"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(PROBE_MODEL)
+    (model / "config.pbtxt").write_text(PROBE_CONFIG)
+    monkeypatch.syspath_prepend(str(package.parent))
+    server = start_server(tmp_path / "repo", fresh_ports(), log_path=tmp_path / "server.log")
+    try:
+        server.wait_ready(120)
+    finally:
+        server.stop()
+
+
 def test_the_stack_step_reports_a_failed_graph_capture_from_the_engines_log(tmp_path):
     from preble_backend.benchmarks.gpu_stack import graph_capture
 

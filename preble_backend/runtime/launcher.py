@@ -3,9 +3,10 @@
 Outside an NGC container the server comes from the ``nvidia-pytriton`` wheel. Its Python
 backend needs a backend directory holding ``libtriton_python.so``, the utils module and
 the stub built for the running interpreter's version; the stub's embedded Python ignores
-``PYTHONPATH`` and finds site-packages through the first ``python3`` on ``PATH``, so the
-virtual environment's ``bin/`` goes first; the bundled libraries and libpython go on
-``LD_LIBRARY_PATH``. Inside an NGC container the ``tritonserver`` on ``PATH`` is used.
+``PYTHONPATH`` and finds site-packages through the first ``python3`` on ``PATH``, so a
+virtual environment of the server's own goes first, one whose ``.pth`` gives the stub this
+interpreter's import path (``PYTHONPATH`` and every site directory); the bundled libraries
+and libpython go on ``LD_LIBRARY_PATH``. Inside an NGC container the ``tritonserver`` on ``PATH`` is used.
 """
 
 from __future__ import annotations
@@ -146,9 +147,29 @@ def _backend_dir(wheel: Path, workdir: Path) -> Path:
     return workdir / "backends"
 
 
-def server_environment(wheel: Path | None) -> dict[str, str]:
+def stub_python(workdir: Path) -> Path:
+    """A virtual environment over this interpreter whose one ``.pth`` adds this process's
+    import path: packages found only through ``PYTHONPATH`` (a source checkout, a lent GPU
+    machine's unpacked wheels) import in the stub as here. Returns its ``bin/``."""
+    env = workdir / "python"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python3").symlink_to(sys.executable)
+    home = Path(getattr(sys, "_base_executable", sys.executable)).parent
+    (env / "pyvenv.cfg").write_text(f"home = {home}\ninclude-system-site-packages = false\n")
+    site_packages = env / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site_packages.mkdir(parents=True)
+    paths = [str(Path(p).resolve()) for p in sys.path if p and Path(p).is_dir()]
+    # addsitedir also runs each directory's own .pth files (editable installs' finders)
+    (site_packages / "preble_import_path.pth").write_text(
+        f"import site; list(map(site.addsitedir, {paths!r}))\n"  # a .pth line runs at module level
+    )
+    return env / "bin"
+
+
+def server_environment(wheel: Path | None, workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    python = stub_python(workdir) if wheel is not None else Path(sys.executable).parent
+    env["PATH"] = f"{python}{os.pathsep}{env.get('PATH', '')}"
     if wheel is not None:  # the wheel's bundled libraries sit beside its package
         libs = [str(wheel.parents[1] / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([*libs, env.get("LD_LIBRARY_PATH", "")])
@@ -244,7 +265,7 @@ def start_server(
         *backend_args,
         *(extra_args or []),
     ]
-    environment = {**server_environment(wheel), **(env or {})}
+    environment = {**server_environment(wheel, workdir), **(env or {})}
     with open(log, "ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment,
                                    start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
