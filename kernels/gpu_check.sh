@@ -2,7 +2,7 @@
 # Every check that needs a CUDA GPU, in one command, each step bounded so one hang leaves
 # the others standing. Run from the repository root on a GPU host:
 #
-#     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench graphs backends parity tp (default: all)
+#     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench graphs backends parity tp tier (default: all)
 #
 # Logs and the kernel table go to $OUT (default gpu-out/); summary.txt has one line per
 # step. What the device image lacks comes from .device/ (`python -m kernels.device_bundle`
@@ -53,7 +53,7 @@ for stub in /tmp/site/pytriton/tritonserver/python_backend_stubs/*/triton_python
         ldd "$stub" | grep -E "python|not found"; } | tee -a "$OUT/machine.txt"
 done
 
-for s in "${@:-stack tests bench graphs backends parity tp}"; do
+for s in "${@:-stack tests bench graphs backends parity tp tier}"; do
     for name in $s; do
         case $name in
             stack) step stack 480 python3 -m preble_backend.benchmarks.gpu_stack --out "$OUT/stack" ;;
@@ -63,10 +63,12 @@ for s in "${@:-stack tests bench graphs backends parity tp}"; do
                 step bench 300 python3 -m kernels.benchmark --out "$OUT/KERNELS.md" ;;
             graphs) step graphs 240 python3 -m preble_backend.benchmarks.decode_graphs --json "$OUT/graphs.json" ;;
             backends) step backends 400 python3 -m preble_backend.benchmarks.attention_backends ;;
+            tier) step tier 240 python3 -m preble_backend.benchmarks.host_tier --model-path 8b-shape \
+                --device cuda --dtype bfloat16 --prefix-lens 1024,4096 --rounds 3 ;;
             tp) step tp 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py ;;
             parity) PREBLE_TEST_DEVICE=cuda step parity 400 python3 -m pytest -q -p no:cacheprovider $XDIST \
                 tests/test_parity.py ;;
-            *) echo "unknown step $name (stack tests bench graphs backends parity tp)" >&2; exit 2 ;;
+            *) echo "unknown step $name (stack tests bench graphs backends parity tp tier)" >&2; exit 2 ;;
         esac
     done
 done

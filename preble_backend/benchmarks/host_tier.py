@@ -9,6 +9,11 @@ answer is checked equal. Usage (the defaults: the embedded model on this host):
 
     python -m preble_backend.benchmarks.host_tier --prefix-lens 1024,4096 --rounds 3
     python -m preble_backend.benchmarks.host_tier --model-path smollm2 --device cuda
+    python -m preble_backend.benchmarks.host_tier --model-path 8b-shape --device cuda --dtype bfloat16
+
+``8b-shape``: random weights with Llama-3-8B's layer shape (4 layers, written to a temporary
+directory), issue 41's GPU measurement: recompute and load-back both scale per layer, so
+their ratio is the full model's.
 
 ``--copy-volume WORKLOAD`` instead counts the copies write-back and write-through make on
 a simulated trace (``copy_volume``): the measurement behind the choice of write-back.
@@ -20,6 +25,7 @@ import argparse
 import json
 import platform
 import statistics
+import tempfile
 import time
 
 import torch
@@ -105,7 +111,9 @@ def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, ho
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-path", default="tiny", help="HF model dir, 'tiny' or a preble model name")
+    parser.add_argument(
+        "--model-path", default="tiny", help="HF model dir, 'tiny', '8b-shape' or a preble model name"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--prefix-lens", default="1024,4096")
@@ -120,10 +128,17 @@ def main(argv: list[str] | None = None) -> None:
         return
     lens = [int(n) for n in args.prefix_lens.split(",")]
     device_tokens = max(lens) + 4 * args.page_size  # holds one prefix: the filler pushes it down
-    model = str(resolve_model(args.model_path))
+    if args.model_path == "8b-shape":
+        from preble_backend.benchmarks.attention_backends import GPU, write_model
+
+        model = write_model(GPU, tempfile.mkdtemp(prefix="preble-8b-shape-"))
+    else:
+        model = str(resolve_model(args.model_path))
     engine = Engine(EngineConfig(model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                                  max_num_tokens=device_tokens, host_kv_tokens=4 * device_tokens,
                                  chunk_size=2048))  # fmt: skip
+    if engine.runner.device.type == "cuda":
+        engine.warm_up()  # Triton compiles at first use: not a recompute's cost
     vocab = engine.model_config.vocab_size
     print(json.dumps({"model": args.model_path, "device": str(engine.runner.device), "host": platform.node(),
                       "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds}))  # fmt: skip
