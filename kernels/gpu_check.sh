@@ -4,12 +4,15 @@
 #
 #     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench graphs backends parity tp tier (default: all)
 #
-# Logs and the kernel table go to $OUT (default gpu-out/); summary.txt has one line per
-# step. What the device image lacks comes from .device/ (`python -m kernels.device_bundle`
+# Logs and the kernel table go to gpu-out/ (or $CHECK_DIR); summary.txt has one line per
+# step. Where $OUT is set (the device tool's folder that comes back, at most 8 files), the
+# folder is packed into $OUT/gpu-check.tar.gz after every step, beside summary.txt and
+# stack.json, so a call cut off at its limit still returns what finished. What the device image lacks comes from .device/ (`python -m kernels.device_bundle`
 # builds it here: tritonserver, the front's packages, perf_analyzer) and .whl/ (FlashInfer),
 # unpacked into /tmp/site first: the device cannot reach PyPI.
 set -u
-OUT=${OUT:-gpu-out}
+BACK=${OUT:-}  # the device tool's return folder, if any
+OUT=${CHECK_DIR:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # FlashInfer compiles its kernels at first use: for this card only, on every core, into a
@@ -41,6 +44,10 @@ step() {  # name, seconds, command...
     rc=$?
     echo "$name: exit $rc in $(($(date +%s) - start)) s" | tee -a "$OUT/summary.txt"
     tail -n 40 "$OUT/$name.log"
+    if [ -n "$BACK" ] && [ "$BACK" != "$OUT" ]; then
+        tar -czf "$BACK/gpu-check.tar.gz" -C "$OUT" . && cp "$OUT/summary.txt" "$BACK/"
+        [ -f "$OUT/stack/stack.json" ] && cp "$OUT/stack/stack.json" "$BACK/"
+    fi
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
