@@ -13,9 +13,11 @@ tritonserver and none of the front's packages, and nothing can be fetched there
 - ``.device/wheels/``: the packages below for the device's Python, at the versions
   installed here (``tritonclient``'s manylinux wheel carries ``perf_analyzer``).
 
-``kernels/gpu_check.sh`` unpacks both into ``/tmp/site`` on the device. A device call
-carries at most 64 MiB in all, the repository's tracked files included: the total is
-printed and checked.
+Before building, every requirement of what travels, and of the project, for the device's
+Python must travel too or be on the image (``unmet_requirements``, against the image's
+package list in ``DEVICE_IMAGE``). ``kernels/gpu_check.sh`` unpacks both into ``/tmp/site``
+on the device. A device call carries at most 64 MiB in all, the repository's tracked files
+included: the total is printed and checked.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -33,7 +36,44 @@ LACKING = [  # what the front, the router's client and the benchmarks import tha
     "tritonclient", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
     "typing-inspection", "uvicorn", "llguidance", "nvidia-cuda-runtime-cu12",
     "python-rapidjson", "protobuf",  # tritonclient.grpc's JSON, and the protobuf its stubs were built for
+    "opentelemetry-api",  # fastapi imports it
 ]  # fmt: skip
+# The device image's packages (KINDS.md, "Python packages already there", read 2026-11-17):
+# where LACKING's requirements may come from without travelling.
+DEVICE_IMAGE = frozenset(
+    """
+    absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
+    build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage
+    cuda-bindings cuda-core cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn
+    einops equinox etils execnet filelock flatbuffers flax fonttools formulaic frozenlist fsspec
+    gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize hypothesis idna imageio
+    iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib
+    kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml
+    markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack
+    multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda
+    numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+    nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse
+    nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13
+    nvidia-nvtx onnx onnx-ir onnxruntime onnxscript opencv-python-headless opt-einsum opt-einsum-fx
+    optax optimistix orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy
+    portalocker prometheus-client propcache protobuf psutil py-cpuinfo pyarrow pybind11 pygments
+    pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock
+    pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich
+    sacrebleu safetensors scikit-build-core scikit-image scikit-learn scipy seaborn
+    sentence-transformers sentencepiece setuptools shellingham simplejson six sortedcontainers
+    statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl
+    tifffile tiktoken timm tokenizers toolz torch torch-geometric torchaudio torchdiffeq
+    torchmetrics torchvision tqdm transformers treescope triton typer typing-extensions
+    typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
+    """.split()
+)
+USED_EXTRAS = {"tritonclient": ("grpc",)}  # the project imports tritonclient.grpc only
+# The project's own requirements that need not travel as wheels, and why.
+NOT_AS_WHEELS = {
+    "nvidia-pytriton": "its server travels as site.tar.xz",
+    "gguf": "only `preble model` imports it",
+}
+PROJECT = "preble-triton"
 # the newest is nvidia-pytriton's own (glibc 2.35): the device runs that wheel's server already
 PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in (35, 34, 31, 28, 17)] + ["manylinux2014_x86_64"]
 CARRY_LIMIT = 64 << 20
@@ -80,6 +120,36 @@ def wheels(out: Path, python: str = DEVICE_PYTHON) -> list[Path]:
     return sorted(target.glob("*.whl"))
 
 
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def unmet_requirements(
+    lacking: list[str] = LACKING, image: frozenset[str] = DEVICE_IMAGE
+) -> dict[str, list[str]]:
+    """For each package that travels, and for the project itself, its requirements for the
+    device's Python (with the extras the project uses) that neither travel nor are on the
+    image: each is an import that fails there. (The first lent H200 lacked ``python-rapidjson``, which
+    ``tritonclient.grpc`` imports: the router could not load.)"""
+    from packaging.requirements import Requirement
+
+    have = {_normal(n) for n in (*lacking, *image)}
+    device = {"python_version": DEVICE_PYTHON, "sys_platform": "linux", "platform_system": "Linux",
+              "platform_machine": "x86_64"}  # fmt: skip
+    unmet: dict[str, list[str]] = {}
+    for name in (*lacking, PROJECT):
+        for text in importlib.metadata.requires(name) or []:
+            req = Requirement(text)
+            extras = ("", *USED_EXTRAS.get(name, ()))
+            if req.marker and not any(req.marker.evaluate({**device, "extra": e}) for e in extras):
+                continue
+            if name == PROJECT and req.name in NOT_AS_WHEELS:
+                continue
+            if _normal(req.name) not in have and req.name not in unmet.get(name, []):
+                unmet.setdefault(name, []).append(req.name)
+    return unmet
+
+
 def tracked_bytes(root: Path) -> int:
     """What a device call copies of the repository: its tracked files."""
     names = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
@@ -90,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".device")
     args = ap.parse_args(argv)
+    if unmet := unmet_requirements():
+        print(f"not on the device image and not carried: {unmet} (add them to LACKING)", file=sys.stderr)
+        return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     files = [server_archive(out), *wheels(out)]

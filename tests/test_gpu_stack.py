@@ -28,6 +28,19 @@ def test_the_server_archive_keeps_one_stub_and_no_bundled_libpython(tmp_path):
     assert not [n for n in names if Path(n).name.startswith("libpython3") or "__pycache__" in n]
 
 
+def test_every_requirement_of_what_travels_is_carried_or_on_the_device_image():
+    """The first lent H200 lacked ``python-rapidjson`` (``tritonclient.grpc`` imports it) and
+    would have lacked ``opentelemetry-api`` (``fastapi`` imports it): the bundle now checks
+    the requirements of what it carries, and of the project, before building."""
+    from kernels.device_bundle import LACKING, unmet_requirements
+
+    assert unmet_requirements() == {}
+    without = [n for n in LACKING if n not in ("python-rapidjson", "opentelemetry-api", "pydantic-core")]
+    assert unmet_requirements(without) == {
+        "tritonclient": ["python-rapidjson"], "fastapi": ["opentelemetry-api"], "pydantic": ["pydantic-core"]
+    }  # fmt: skip
+
+
 @pytest.mark.server
 def test_the_stack_step_dry_run_on_the_cpu_from_the_trimmed_server(tmp_path):
     """``gpu_stack --device cpu`` with the archive unpacked first on ``PYTHONPATH``, as
