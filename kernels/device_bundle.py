@@ -129,8 +129,8 @@ def unmet_requirements(
 ) -> dict[str, list[str]]:
     """For each package that travels, and for the project itself, its requirements for the
     device's Python (with the extras the project uses) that neither travel nor are on the
-    image: each is an import that fails there. (The first lent H200 lacked ``python-rapidjson``, which
-    ``tritonclient.grpc`` imports: the router could not load.)"""
+    image: each is an import that fails there. (The first lent H200 lacked
+    ``python-rapidjson``, which ``tritonclient.grpc`` imports: the router could not load.)"""
     from packaging.requirements import Requirement
 
     have = {_normal(n) for n in (*lacking, *image)}

@@ -7,9 +7,10 @@
 # Logs and the kernel table go to gpu-out/ (or $CHECK_DIR); summary.txt has one line per
 # step. Where $OUT is set (the device tool's folder that comes back, at most 8 files), the
 # folder is packed into $OUT/gpu-check.tar.gz after every step, beside summary.txt and
-# stack.json, so a call cut off at its limit still returns what finished. What the device image lacks comes from .device/ (`python -m kernels.device_bundle`
-# builds it here: tritonserver, the front's packages, perf_analyzer) and .whl/ (FlashInfer),
-# unpacked into /tmp/site first: the device cannot reach PyPI.
+# stack.json, so a call cut off at its limit still returns what finished. What the device
+# image lacks comes from .device/ (`python -m kernels.device_bundle` builds it here:
+# tritonserver, the front's packages, perf_analyzer) and .whl/ (FlashInfer), unpacked into
+# /tmp/site first: the device cannot reach PyPI.
 set -u
 BACK=${OUT:-}  # the device tool's return folder, if any
 OUT=${CHECK_DIR:-gpu-out}

@@ -6,7 +6,8 @@ the stub built for the running interpreter's version; the stub's embedded Python
 ``PYTHONPATH`` and finds site-packages through the first ``python3`` on ``PATH``, so a
 virtual environment of the server's own goes first, one whose ``.pth`` gives the stub this
 interpreter's import path (``PYTHONPATH`` and every site directory); the bundled libraries
-and libpython go on ``LD_LIBRARY_PATH``. Inside an NGC container the ``tritonserver`` on ``PATH`` is used.
+and libpython go on ``LD_LIBRARY_PATH``. Inside an NGC container the ``tritonserver`` on
+``PATH`` is used.
 """
 
 from __future__ import annotations
@@ -159,10 +160,10 @@ def stub_python(workdir: Path) -> Path:
     site_packages = env / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     site_packages.mkdir(parents=True)
     paths = [str(Path(p).resolve()) for p in sys.path if p and Path(p).is_dir()]
-    # addsitedir also runs each directory's own .pth files (editable installs' finders)
-    (site_packages / "preble_import_path.pth").write_text(
-        f"import site; list(map(site.addsitedir, {paths!r}))\n"  # a .pth line runs at module level
-    )
+    # addsitedir also runs each directory's own .pth files (editable installs' finders); map,
+    # since site.py execs the line where a comprehension cannot see ``site``
+    line = f"import site; list(map(site.addsitedir, {paths!r}))\n"
+    (site_packages / "preble_import_path.pth").write_text(line)
     return env / "bin"
 
 
