@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
-import re
 import subprocess
 import sys
 import tarfile
@@ -120,10 +119,6 @@ def wheels(out: Path, python: str = DEVICE_PYTHON) -> list[Path]:
     return sorted(target.glob("*.whl"))
 
 
-def _normal(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def unmet_requirements(
     lacking: list[str] = LACKING, image: frozenset[str] = DEVICE_IMAGE
 ) -> dict[str, list[str]]:
@@ -132,11 +127,12 @@ def unmet_requirements(
     image: each is an import that fails there. (The first lent H200 lacked
     ``python-rapidjson``, which ``tritonclient.grpc`` imports: the router could not load.)"""
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
 
-    have = {_normal(n) for n in (*lacking, *image)}
+    have = {canonicalize_name(n) for n in (*lacking, *image)}
     device = {"python_version": DEVICE_PYTHON, "sys_platform": "linux", "platform_system": "Linux",
               "platform_machine": "x86_64"}  # fmt: skip
-    unmet: dict[str, list[str]] = {}
+    unmet: dict[str, set[str]] = {}
     for name in (*lacking, PROJECT):
         for text in importlib.metadata.requires(name) or []:
             req = Requirement(text)
@@ -145,9 +141,9 @@ def unmet_requirements(
                 continue
             if name == PROJECT and req.name in NOT_AS_WHEELS:
                 continue
-            if _normal(req.name) not in have and req.name not in unmet.get(name, []):
-                unmet.setdefault(name, []).append(req.name)
-    return unmet
+            if canonicalize_name(req.name) not in have:
+                unmet.setdefault(name, set()).add(req.name)
+    return {name: sorted(missing) for name, missing in unmet.items()}
 
 
 def tracked_bytes(root: Path) -> int:

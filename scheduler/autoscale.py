@@ -52,26 +52,24 @@ class Autoscaling:
         if not self.amortized_replicas or key is None or self.load_model != "batch":
             return None
         serving = self._serving(key)
-        least, in_flight = (
-            max(self.hot_min_requests, len(serving) + 2),
-            sum(key.pending.get(i, 0) for i in serving),
-        )
-        if in_flight < least or len(serving) == len(self.live):
-            return None  # (in_flight bounds n)
+        least = max(self.hot_min_requests, len(serving) + 2)
+        n = sum(key.pending.get(i, 0) for i in serving)  # counted per thread below
+        if n < least or not self.live - serving:
+            return None
         d = self.decode_lengths.average(now)
         load = {i: batch_load(self.history[i], self.cost, d, prompt_len, self.capacity[i]) for i in self.live}
         if load[choice] <= self.hot_load_factor * sum(load.values()) / len(load):
             return None
         at = match.nodes.index(key)
         own = match.nodes[at + 1] if at + 1 < len(match.nodes) else None
-        n = in_flight
         for child in key.children.values():
             running = sum(child.pending.get(i, 0) for i in serving)
             n -= running if child is own else max(0, running - 1)
         if n < least:
             return None
         key_tokens = min(self.page_size * sum(match.lengths[: at + 1]), match.cached_on(choice))
-        shared_by, decode_ms = 1 - (len(serving) + 1) / n, self.cost.decode_time(d)
+        shared_by = 1 - (len(serving) + 1) / n
+        decode_ms = self.cost.decode_time(d)
 
         def amortized(i: int) -> float:
             cached = match.cached_on(i)
