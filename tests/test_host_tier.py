@@ -32,6 +32,8 @@ from preble_backend.engine import host_tier
 from preble_backend.engine.block_manager import BlockManager
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.host_tier import HostTier
+from preble_backend.engine.local_scheduler import LocalScheduler
+from preble_backend.engine.priority_queue import PriorityWaitQueue
 from preble_backend.engine.radix_cache import RadixCache
 from preble_backend.model.kv_pool import KVPool
 from scheduler.global_tree import GlobalPrefixTree
@@ -343,3 +345,43 @@ def test_a_load_back_takes_what_the_device_has_room_for():
     assert cache.cached_len(tokens) == 6 * PAGE  # the other two still on the host
     blocks.release(second)
     device.free(held)
+
+
+def test_a_prefix_on_the_host_waits_for_room_to_come_back_whole():
+    """Six pages of a prefix on the host, and while another request runs the device can
+    free only three: the reader waits, and nothing is evicted or copied for it (before,
+    each iteration pushed the device's cache down and brought part of the prefix up for a
+    request that was then not admitted). Once the running request is done, it all comes
+    back and the reader computes none of it."""
+    device, host = pool(12), pool(16)
+    cache = RadixCache(PAGE, HostTier(device, host))
+    sched = LocalScheduler(BlockManager(device, cache), PriorityWaitQueue(10, 10), 8, 8)
+    doc_a, doc_b = list(range(100, 100 + 6 * PAGE)), list(range(200, 200 + 2 * PAGE))
+    for rid, prompt in (("a", doc_a + [1]), ("b", doc_b + [1])):
+        req = make_request(prompt, rid)
+        sched.add(req)
+        while req.num_computed < len(prompt):
+            sched.advance(sched.schedule())
+        sched.finish(req)
+        if rid == "a":
+            device.free(cache.evict(cache.num_evictable_pages))  # all of A moves down
+    assert cache.num_host_pages == 6 and cache.num_pages == 2  # A on the host, B on the device
+    running = make_request(list(range(300, 300 + 2 * PAGE + 1)), "running")
+    sched.add(running)
+    sched.advance(sched.schedule())  # its first chunk: two pages, one token left to compute
+    held = device.alloc(device.num_free - 2)  # other requests' pages: two stay free
+    reader = make_request(doc_a + [2], "reader")
+    sched.add(reader)
+    offloaded = cache.host.stats.pages_offloaded
+    batch = sched.schedule()  # room: one free page after the running request's, B's two
+    assert batch.requests == [running] and reader in list(sched.waiting)
+    assert len(cache.match_prefix(doc_b)[0]) == 2 and cache.num_host_pages == 6  # B kept, A untouched
+    stats = cache.host.stats
+    assert (stats.pages_loaded, stats.pages_offloaded, stats.pages_short) == (0, offloaded, 0)
+    sched.advance(batch)
+    sched.finish(running)
+    device.free(held)
+    batch = sched.schedule()
+    assert batch.requests == [reader] and reader.num_cached_tokens == 6 * PAGE
+    assert (stats.pages_loaded, stats.pages_short) == (6, 0)
+    sched.finish(reader)

@@ -138,3 +138,22 @@ def test_eviction_spares_the_prefix_a_waiting_request_will_reuse(waiting):
     if waiting:
         batch = sched.schedule()
         assert batch.requests == [reader] and reader.num_cached_tokens == 16
+
+
+def test_a_reserve_no_eviction_can_satisfy_keeps_the_cache():
+    """Five pages asked for where two are free and two cached: no eviction makes the room,
+    so none happens (the cached document stays for the requests that will want it)."""
+    sched = make_scheduler(chunk_size=64, num_pages=8)
+    doc = make_request(list(range(100, 108)) + [1], "doc")  # leaves two pages cached
+    sched.add(doc)
+    sched.advance(sched.schedule())
+    sched.finish(doc)
+    blocks, cache = sched.blocks, sched.blocks.cache
+    held = blocks.pool.alloc(blocks.pool.num_free - 2)
+    big = make_request(list(range(300, 324)), "big")
+    assert not blocks.reserve(big, 20)
+    assert cache.num_pages == 2 and cache.cached_len(list(range(100, 108))) == 8
+    assert blocks.reserve(big, 8)  # two pages: the free ones, the cache still whole
+    assert cache.num_pages == 2
+    blocks.release(big)
+    blocks.pool.free(held)

@@ -26,14 +26,21 @@ class BlockManager:
         self.loaded_tokens = 0  # brought back from the host tier, in all
         self.before_evict: Callable[[], None] | None = None  # the local scheduler's (it knows who waits)
 
-    def admit(self, req: Request) -> int:
+    def admit(self, req: Request, first_chunk: int = 0, wait: bool = False) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
-        always left to compute, since sampling needs its logits."""
+        always left to compute, since sampling needs its logits. What the host tier holds
+        of it comes back leaving room for the pages of its ``first_chunk`` tokens; with
+        ``wait``, all of it or (None: not admitted, nothing touched) none."""
         if self.cache is None:
             return 0
         tokens = req.tokens(0, req.num_tokens - 1)
         pages, node = self.cache.match_prefix(tokens)
-        loaded, node = self.cache.load_back(tokens, node, len(pages) * self.page_size, self.pool)
+        pos = len(pages) * self.page_size
+        keep = KVPool.pages_for(min(first_chunk, req.num_tokens - pos), self.page_size)
+        back = self.cache.load_back(tokens, node, pos, self.pool, keep, wait)
+        if back is None:
+            return None
+        loaded, node = back
         pages += loaded
         self.loaded_tokens += len(loaded) * self.page_size
         self.cache.lock(node)
@@ -49,6 +56,8 @@ class BlockManager:
 
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
         need = self.pages_needed(req, num_new_tokens)
+        if need > self.pool.num_free + (self.cache.num_evictable_pages if self.cache else 0):
+            return False  # no eviction could make the room: the cache stays whole
         if need > self.pool.num_free and self.cache is not None:
             if self.before_evict is not None:
                 self.before_evict()

@@ -119,7 +119,10 @@ class LocalScheduler:
         for req in self.waiting.candidates():
             if budget <= 0 or len(self.running) >= self.max_running:
                 return
-            cached = self.blocks.admit(req)
+            # while others run, a prefix on the host waits for room to come back whole
+            cached = self.blocks.admit(req, budget, wait=bool(self.running))
+            if cached is None:
+                return
             n = min(req.num_uncomputed, budget)
             if not self.blocks.reserve(req, n):
                 self.blocks.release(req)

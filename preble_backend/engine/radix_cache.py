@@ -195,12 +195,15 @@ class RadixCache:
     # ---- the host tier ----------------------------------------------------------------------
 
     def load_back(
-        self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool
-    ) -> tuple[list[int], TreeNode]:
+        self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool, keep: int = 0, wait: bool = False
+    ) -> tuple[list[int], TreeNode] | None:
         """Bring the host tier's continuation of a device prefix (ending at ``node``, token
-        ``pos``) back into ``pool``, as much of it as the pool can make room for; its device
-        pages and new end node. The request computes what stays behind, and all of it when
-        the copy fails."""
+        ``pos``) back into ``pool``, as much of it as the pool can make room for while
+        ``keep`` pages stay free (the request's first chunk); its device pages and new end
+        node. The request computes what stays behind, and all of it when the copy fails.
+        With ``wait``, a continuation that cannot come back whole is not touched (None):
+        the request waits for room rather than recompute what the host holds, and nothing
+        is evicted or copied for a request that is not admitted."""
         chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
         if not chain:
             return [], node
@@ -208,12 +211,15 @@ class RadixCache:
         self.lock(node)  # neither the device path nor the pages coming up may go to make room
         self._loading.update(chain)
         try:
-            if pool.num_free < need:
-                pool.free(self.evict(need - pool.num_free))
+            room = min(need, pool.num_free + self.num_evictable_pages - keep)
+            if wait and room < need:
+                return None
+            if room > 0 and pool.num_free < room + keep:
+                pool.free(self.evict(room + keep - pool.num_free))
         finally:
             self._loading.difference_update(chain)
             self.unlock(node)
-        chain = self._fit(chain, pool.num_free)
+        chain = self._fit(chain, min(room, pool.num_free - keep))
         fitted = sum(len(c.pages) for c in chain)
         self.host.stats.pages_short += need - fitted
         pages = pool.alloc(fitted)
