@@ -56,14 +56,15 @@ class BlockManager:
 
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
         need = self.pages_needed(req, num_new_tokens)
-        if need > self.pool.num_free + (self.cache.num_evictable_pages if self.cache else 0):
-            return False  # no eviction could make the room: the cache stays whole
-        if need > self.pool.num_free and self.cache is not None:
+        short = need - self.pool.num_free
+        if short > 0:
+            if self.cache is None or short > self.cache.num_evictable_pages:
+                return False  # no eviction could make the room: the cache stays whole
             if self.before_evict is not None:
                 self.before_evict()
-            self.pool.free(self.cache.evict(need - self.pool.num_free))
-        if need > self.pool.num_free:
-            return False
+            self.pool.free(self.cache.evict(short))
+            if need > self.pool.num_free:
+                return False
         req.page_table.extend(self.pool.alloc(need))
         return True
 
