@@ -136,14 +136,18 @@ class TieredCacheMachine(RuleBasedStateMachine):
             assert node.lock_ref == 0 or not node.on_host
             path = node.path_tokens()
             start = len(path) - len(node.key)
+            assert not node.host_copy or (len(node.host_copy) == len(node.pages) and not node.on_host)
             store = self.host if node.on_host else self.device
             for i, page in enumerate(node.pages):
                 assert content(store, page) == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
+            for i, page in enumerate(node.host_copy):
+                assert content(self.host, page) == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
         device = [n for n in nodes if not n.on_host]
         assert self.cache.leaves == {n for n in device if not n.has_device_child()}
         assert self.cache.host_leaves == {n for n in nodes if n.on_host and not n.children}
+        assert self.cache.copies == {n for n in device if n.host_copy}
         assert self.cache.num_pages == sum(len(n.pages) for n in device)
-        assert self.cache.num_host_pages == sum(len(n.pages) for n in nodes if n.on_host)
+        assert self.cache.num_host_pages == len(host_pages(nodes))
         assert self.cache.num_locked_pages == sum(len(n.pages) for n in device if n.lock_ref > 0)
 
     @invariant()
@@ -152,8 +156,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         private = [p for r in self.held for p in r.page_table[r.num_tree_pages :]]
         device = self.device._free + [p for n in nodes if not n.on_host for p in n.pages] + private
         assert sorted(device) == list(range(DEVICE_PAGES))
-        host = self.host._free + [p for n in nodes if n.on_host for p in n.pages]
-        assert sorted(host) == list(range(HOST_PAGES))
+        assert sorted(self.host._free + host_pages(nodes)) == list(range(HOST_PAGES))
 
     @rule()
     def events_mirror_both_tiers(self):
@@ -161,11 +164,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert_cached_kids_counted(self.mirror)
         device = {tuple(chain_hashes(leaf.path_tokens(), PAGE)) for leaf in self.cache.leaves}
         assert self.mirror.cached_sequences(0) == device
-        hosted = set()
-        for node in walk(self.cache.root):
-            if node.on_host:
-                path = node.path_tokens()
-                hosted.update(chain_hashes(path, PAGE)[(len(path) - len(node.key)) // PAGE :])
+        hosted = hosted_hashes(self.cache, PAGE)
         assert self.mirror.host.pages[0] == hosted and self.mirror.host.total == len(hosted)
 
     def teardown(self):
@@ -180,6 +179,11 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert self.device.num_free == DEVICE_PAGES and self.host.num_free == HOST_PAGES
         self.mirror.apply_events(0, self.cache.drain_events())
         assert self.mirror.cached_sequences(0) == set() and not self.mirror.host.pages[0]
+
+
+def host_pages(nodes: list) -> list[int]:
+    """The host pool's pages the tree holds: host nodes' pages and device nodes' copies."""
+    return [p for n in nodes for p in (n.pages if n.on_host else n.host_copy)]
 
 
 TestTieredCacheMachine = TieredCacheMachine.TestCase
@@ -216,9 +220,10 @@ def test_a_prefix_pushed_to_the_host_comes_back_with_the_same_tokens(any_model, 
 
 
 def hosted_hashes(cache: RadixCache, page: int) -> set[int]:
+    """What the host pool holds, by chain hash: host nodes and device nodes' copies."""
     out = set()
     for node in walk(cache.root):
-        if node.on_host:
+        if node.on_host or node.host_copy:
             path = node.path_tokens()
             out.update(chain_hashes(path, page)[(len(path) - len(node.key)) // page :])
     return out
@@ -341,10 +346,44 @@ def test_a_load_back_takes_what_the_device_has_room_for():
     held = device.alloc(4)  # running requests' pages: four remain free
     second = make_request(tokens + [2], "b")
     assert blocks.admit(second) == 4 * PAGE
-    assert cache.num_host_pages == 2 and cache.host.stats.pages_short == 2
+    assert cache.host.stats.pages_short == 2
+    assert cache.num_host_pages == 6 and sum(len(n.host_copy) for n in cache.copies) == 4  # kept
     assert cache.cached_len(tokens) == 6 * PAGE  # the other two still on the host
     blocks.release(second)
     device.free(held)
+
+
+def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
+    """As HiCache keeps a loaded-back node's host value: evicting a prefix that came back
+    from the host copies nothing (write-back copied it down again each time, 2.6 times the
+    pages write-through would on chat), and a host that needs room drops such copies
+    before a page only it holds, even an older one."""
+    device, host = pool(8), pool(6)
+    cache = RadixCache(PAGE, HostTier(device, host))
+    blocks = BlockManager(device, cache)
+    doc_a, doc_b, doc_c = (list(range(s, s + n * PAGE)) for s, n in ((100, 4), (200, 2), (300, 2)))
+
+    def compute(tokens: list[int], rid: str) -> None:
+        req = make_request(tokens + [1], rid)
+        blocks.admit(req)
+        assert chunked_prefill(blocks, req, 4)
+        blocks.release(req)
+
+    for doc in (doc_b, doc_a):
+        compute(doc, f"first {doc[0]}")
+        device.free(cache.evict(cache.num_evictable_pages))  # down to the host
+    stats = cache.host.stats
+    assert (stats.pages_offloaded, cache.num_host_pages, host.num_free) == (6, 6, 0)
+    compute(doc_a, "again")  # A comes back, and the host keeps its copy
+    assert (stats.pages_loaded, cache.num_host_pages) == (4, 6)
+    device.free(cache.evict(cache.num_evictable_pages))  # A goes down again: nothing copied
+    assert (stats.pages_offloaded, stats.pages_reused, cache.num_host_pages) == (6, 4, 6)
+    compute(doc_a, "third")
+    compute(doc_c, "c")
+    cache.touch(doc_a)
+    device.free(cache.evict(2))  # C goes down: the host makes room by dropping A's copy
+    assert cache.cached_len(doc_b) == 2 * PAGE and len(cache.match_prefix(doc_a)[0]) == 4
+    assert (cache.num_host_pages, stats.pages_offloaded, cache.copies) == (4, 8, set())
 
 
 def test_a_prefix_on_the_host_waits_for_room_to_come_back_whole():

@@ -34,6 +34,7 @@ log = logging.getLogger("preble.engine")
 @dataclass
 class HostTierStats:
     pages_offloaded: int = 0  # device -> host
+    pages_reused: int = 0  # evicted with no copy: the host had kept theirs since a load-back
     pages_loaded: int = 0  # host -> device
     loadbacks: int = 0  # requests whose prefix came back from the host
     pages_short: int = 0  # left on the host (and recomputed) for want of device room
@@ -59,7 +60,7 @@ class HostTier:
                 "host_pages_offloaded": s.pages_offloaded, "host_pages_loaded": s.pages_loaded,
                 "host_loadbacks": s.loadbacks, "host_bytes_moved": s.bytes_moved,
                 "host_load_s": round(s.load_s, 6), "host_copy_failures": s.copy_failures,
-                "host_pages_short": s.pages_short}  # fmt: skip
+                "host_pages_short": s.pages_short, "host_pages_reused": s.pages_reused}  # fmt: skip
 
     def offload(self, device_pages: list[int]) -> list[int] | None:
         """Copy device pages down; their host pages, or None when the host pool lacks the

@@ -14,10 +14,13 @@ leaves in least-recently-used order, and only the tail of a leaf when that is en
 
 With a host tier (``host_tier.py``) an evicted node is copied down instead of dropped: it
 stays in the tree, its pages now host pages (``on_host``), and a request that matches it
-loads it back (``load_back``). A node is in one tier. Along every path the device's nodes
-come first, so device eviction takes nodes with no device child, and the host tier evicts
-its own leaves by its own LRU to make room. Every page added, moved or removed is reported
-as a ``CacheEvent`` naming its tier, so a global scheduler can mirror both tiers exactly.
+loads it back (``load_back``). A node loaded back keeps its host pages as a copy
+(``host_copy``, as HiCache keeps a loaded-back node's host value), so evicting it again
+copies nothing; the host drops those copies first, least recently used first, when it
+needs room, and then its own leaves by its own LRU. Along every path the device's nodes
+come first, so device eviction takes nodes with no device child. Every page added, moved
+or removed is reported as a ``CacheEvent`` naming its tier, so a global scheduler can
+mirror both tiers exactly (a copy is a host store over the device node's span).
 """
 
 from __future__ import annotations
@@ -25,39 +28,18 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.prefix import longest_match
 from preble_backend.engine.cache_changes import Change, coalesce
 from preble_backend.engine.host_tier import HostTier
-from preble_backend.model.kv_pool import KVPool
+from preble_backend.engine.radix_node import TreeNode
+from preble_backend.engine.tier_moves import TierMoves
 
 _clock = itertools.count(1)
 
 
-@dataclass(eq=False)
-class TreeNode:
-    key: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # in the device pool, or the host pool
-    parent: TreeNode | None = None
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
-    lock_ref: int = 0
-    last_access: int = 0
-    on_host: bool = False
-
-    def path_tokens(self) -> list[int]:
-        parts, node = [], self
-        while node is not None:
-            parts.append(node.key)
-            node = node.parent
-        return list(itertools.chain.from_iterable(reversed(parts)))
-
-    def has_device_child(self) -> bool:
-        return any(not c.on_host for c in self.children.values())
-
-
-class RadixCache:
+class RadixCache(TierMoves):
     def __init__(self, page_size: int, host: HostTier | None = None) -> None:
         self.page_size = page_size
         self.host = host  # None: evicted pages are dropped
@@ -68,6 +50,7 @@ class RadixCache:
         self.num_host_pages = 0
         self.leaves: set[TreeNode] = set()  # device nodes without a device child: eviction candidates
         self.host_leaves: set[TreeNode] = set()  # host nodes without children
+        self.copies: set[TreeNode] = set()  # device nodes whose pages the host also holds
         self._loading: set[TreeNode] = set()  # host nodes a load-back is bringing up
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -129,9 +112,13 @@ class RadixCache:
             lock_ref=node.lock_ref,
             last_access=node.last_access,
             on_host=node.on_host,
+            host_copy=node.host_copy[:n_pages],
         )
         node.parent.children[self._first(upper.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
+        if upper.host_copy:
+            node.host_copy = node.host_copy[n_pages:]
+            self.copies.add(upper)
         upper.children[self._first(node.key, 0)] = node
         return upper
 
@@ -192,116 +179,6 @@ class RadixCache:
     def num_evictable_pages(self) -> int:
         return self.num_pages - self.num_locked_pages
 
-    # ---- the host tier ----------------------------------------------------------------------
-
-    def load_back(
-        self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool, keep: int = 0, wait: bool = False
-    ) -> tuple[list[int], TreeNode] | None:
-        """Bring the host tier's continuation of a device prefix (ending at ``node``, token
-        ``pos``) back into ``pool``, as much of it as the pool can make room for while
-        ``keep`` pages stay free (the request's first chunk); its device pages and new end
-        node. The request computes what stays behind, and all of it when the copy fails.
-        With ``wait``, a continuation that cannot come back whole is not touched (None):
-        the request waits for room rather than recompute what the host holds, and nothing
-        is evicted or copied for a request that is not admitted."""
-        chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
-        if not chain:
-            return [], node
-        need = sum(len(c.pages) for c in chain)
-        self.lock(node)  # neither the device path nor the pages coming up may go to make room
-        self._loading.update(chain)
-        try:
-            room = min(need, pool.num_free + self.num_evictable_pages - keep)
-            if wait and room < need:
-                return None
-            if room > 0 and pool.num_free < room + keep:
-                pool.free(self.evict(room + keep - pool.num_free))
-        finally:
-            self._loading.difference_update(chain)
-            self.unlock(node)
-        chain = self._fit(chain, min(room, pool.num_free - keep))
-        fitted = sum(len(c.pages) for c in chain)
-        self.host.stats.pages_short += need - fitted
-        pages = pool.alloc(fitted)
-        if not chain or not self.host.load([p for c in chain for p in c.pages], pages):
-            pool.free(pages)
-            return [], node
-        at = 0
-        for c in chain:
-            self._promote(c, pages[at : at + len(c.pages)])
-            at += len(c.pages)
-        return pages, chain[-1]
-
-    def _fit(self, chain: list[TreeNode], room: int) -> list[TreeNode]:
-        """The leading nodes of ``chain`` that ``room`` pages hold, the last split to fit."""
-        fitted = []
-        for c in chain:
-            if room <= 0:
-                break
-            if len(c.pages) > room:
-                c = self._split(c, room)
-            fitted.append(c)
-            room -= len(c.pages)
-        return fitted
-
-    def _promote(self, node: TreeNode, pages: list[int]) -> None:
-        """A host node's pages are on the device now (``pages``): its host pages go free."""
-        path = node.path_tokens()
-        start = len(path) - len(node.key)
-        self.host.pool.free(node.pages)
-        self.num_host_pages -= len(pages)
-        self.num_pages += len(pages)
-        node.on_host, node.pages = False, list(pages)
-        self.host_leaves.discard(node)
-        self.leaves.discard(node.parent)
-        self.leaves.add(node)
-        self.events.append(Change("evicted", tuple(path), start, "host"))
-        self.events.append(Change("stored", tuple(path), start))
-
-    def _move_down(self, leaf: TreeNode, keep: int, host_pages: list[int]) -> list[int]:
-        """``leaf``'s pages after the first ``keep`` now live in ``host_pages``; the device
-        pages they leave."""
-        path = leaf.path_tokens()
-        start = len(path) - len(leaf.key) + keep * self.page_size
-        if keep:
-            self.leaves.add(self._split(leaf, keep))  # its only child goes down
-        dropped = leaf.pages
-        self.leaves.discard(leaf)
-        leaf.on_host, leaf.pages = True, host_pages
-        if not leaf.children:
-            self.host_leaves.add(leaf)
-        self.num_pages -= len(dropped)
-        self.num_host_pages += len(dropped)
-        parent = leaf.parent
-        if parent is not self.root and not parent.has_device_child():
-            self.leaves.add(parent)
-        self.events.append(Change("evicted", tuple(path), start))
-        self.events.append(Change("stored", tuple(path), start, "host"))
-        return dropped
-
-    def evict_host(self, num_pages: int) -> int:
-        """Drop at least ``num_pages`` host pages (fewer if the tier holds fewer), LRU first."""
-        heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
-        heapq.heapify(heap)
-        freed = 0
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
-            keep = max(0, len(leaf.pages) - (num_pages - freed))
-            dropped = self._cut(leaf, keep)
-            self.host.pool.free(dropped)
-            freed += len(dropped)
-            parent = leaf.parent
-            if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        return freed
-
-    def _drop_below(self, node: TreeNode) -> None:
-        """Drop the host nodes under ``node`` (deepest first), before ``node`` itself goes."""
-        for child in list(node.children.values()):
-            if child.on_host:
-                self._drop_below(child)
-                self.host.pool.free(self._cut(child, 0))
-
     # ---- eviction -------------------------------------------------------------------------
 
     def evict(self, num_pages: int, offload: bool = True) -> list[int]:
@@ -323,18 +200,6 @@ class RadixCache:
             ):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
-
-    def _evict_tail(self, leaf: TreeNode, keep: int, offload: bool) -> list[int]:
-        if self.host is not None and offload:
-            n = len(leaf.pages) - keep
-            if self.host.pool.num_free < n:
-                self.evict_host(n - self.host.pool.num_free)
-            host_pages = self.host.offload(leaf.pages[keep:])
-            if host_pages is not None:
-                return self._move_down(leaf, keep, host_pages)
-        if self.host is not None:
-            self._drop_below(leaf)  # they hang below the tail that goes
-        return self._cut(leaf, keep)
 
     def _cut(self, leaf: TreeNode, keep: int) -> list[int]:
         """Drop ``leaf``'s pages after the first ``keep`` (all: the node goes) from its tier."""
@@ -371,8 +236,8 @@ class RadixCache:
         return freed
 
     def snapshot(self) -> list[CacheEvent]:
-        """The whole cache as stored events: one per maximal device path, and one per host
-        leaf from where its path enters the host tier."""
+        """The whole cache as stored events: one per maximal device path, one per host
+        leaf from where its path enters the host tier, and one per host copy."""
         ps = self.page_size
         events = [CacheEvent.of("stored", leaf.path_tokens(), 0, ps) for leaf in self.leaves]
         for leaf in self.host_leaves:
@@ -382,6 +247,9 @@ class RadixCache:
                 below += len(top.key)
             path = leaf.path_tokens()
             events.append(CacheEvent.of("stored", path, len(path) - below, ps, "host"))
+        for node in self.copies:
+            path = node.path_tokens()
+            events.append(CacheEvent.of("stored", path, len(path) - len(node.key), ps, "host"))
         return events
 
     def drain_events(self) -> list[CacheEvent]:

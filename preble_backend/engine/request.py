@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.engine.radix_cache import TreeNode
+from preble_backend.engine.radix_node import TreeNode
 from preble_backend.engine.sampling import SamplerState, TokenLogprobs
 
 

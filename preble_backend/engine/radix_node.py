@@ -1,0 +1,30 @@
+"""A node of the radix cache (``radix_cache.py``): a run of whole pages of one path, in
+the device pool or the host pool, with the host's copy of a device node's pages where the
+host kept one since a load-back (``tier_moves.py``)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # in the device pool, or the host pool
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+    on_host: bool = False
+    host_copy: list[int] = field(default_factory=list)  # a device node's pages, also on the host
+
+    def path_tokens(self) -> list[int]:
+        parts, node = [], self
+        while node is not None:
+            parts.append(node.key)
+            node = node.parent
+        return list(itertools.chain.from_iterable(reversed(parts)))
+
+    def has_device_child(self) -> bool:
+        return any(not c.on_host for c in self.children.values())

@@ -1,0 +1,178 @@
+"""The radix cache's moves between its tiers (``radix_cache.py`` holds the tree): a device
+leaf evicted goes down to the host (copied, or by dropping its device pages when the host
+kept a copy since a load-back), and a host continuation comes back up for a request that
+matches it. Kept apart so that the tree's own file stays about the tree."""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from preble_backend.engine.cache_changes import Change
+from preble_backend.engine.host_tier import HostTier
+from preble_backend.engine.radix_node import TreeNode
+from preble_backend.model.kv_pool import KVPool
+
+
+class TierMoves:
+    """What ``RadixCache`` does across tiers; it supplies the tree, its counters and the
+    tree operations used here (``_walk``, ``_split``, ``_cut``, ``lock``, ``evict``)."""
+
+    page_size: int
+    host: HostTier | None
+    root: TreeNode
+    events: deque[Change]
+    num_pages: int
+    num_host_pages: int
+    leaves: set[TreeNode]
+    host_leaves: set[TreeNode]
+    copies: set[TreeNode]
+    _loading: set[TreeNode]
+
+    def _evict_tail(self, leaf: TreeNode, keep: int, offload: bool) -> list[int]:
+        """Free a device leaf's pages after the first ``keep``: they move down (with
+        ``offload`` and a tier; with no copy when the host kept one) or are dropped, and
+        with them the host nodes below the leaf."""
+        if leaf.host_copy and offload:
+            return self._move_down(leaf, keep, None)
+        if leaf.host_copy:
+            self._drop_copy(leaf, keep)
+        if self.host is not None and offload:
+            n = len(leaf.pages) - keep
+            if self.host.pool.num_free < n:
+                self.evict_host(n - self.host.pool.num_free)
+            host_pages = self.host.offload(leaf.pages[keep:])
+            if host_pages is not None:
+                return self._move_down(leaf, keep, host_pages)
+        if self.host is not None:
+            self._drop_below(leaf)  # they hang below the tail that goes
+        return self._cut(leaf, keep)
+
+    def load_back(
+        self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool, keep: int = 0, wait: bool = False
+    ) -> tuple[list[int], TreeNode] | None:
+        """Bring the host tier's continuation of a device prefix (ending at ``node``, token
+        ``pos``) back into ``pool``, as much of it as the pool can make room for while
+        ``keep`` pages stay free (the request's first chunk); its device pages and new end
+        node. The request computes what stays behind, and all of it when the copy fails.
+        With ``wait``, a continuation that cannot come back whole is not touched (None):
+        the request waits for room rather than recompute what the host holds, and nothing
+        is evicted or copied for a request that is not admitted."""
+        chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
+        if not chain:
+            return [], node
+        need = sum(len(c.pages) for c in chain)
+        self.lock(node)  # neither the device path nor the pages coming up may go to make room
+        self._loading.update(chain)
+        try:
+            room = min(need, pool.num_free + self.num_evictable_pages - keep)
+            if wait and room < need:
+                return None
+            if room > 0 and pool.num_free < room + keep:
+                pool.free(self.evict(room + keep - pool.num_free))
+        finally:
+            self._loading.difference_update(chain)
+            self.unlock(node)
+        chain = self._fit(chain, min(room, pool.num_free - keep))
+        fitted = sum(len(c.pages) for c in chain)
+        self.host.stats.pages_short += need - fitted
+        pages = pool.alloc(fitted)
+        if not chain or not self.host.load([p for c in chain for p in c.pages], pages):
+            pool.free(pages)
+            return [], node
+        at = 0
+        for c in chain:
+            self._promote(c, pages[at : at + len(c.pages)])
+            at += len(c.pages)
+        return pages, chain[-1]
+
+    def _fit(self, chain: list[TreeNode], room: int) -> list[TreeNode]:
+        """The leading nodes of ``chain`` that ``room`` pages hold, the last split to fit."""
+        fitted = []
+        for c in chain:
+            if room <= 0:
+                break
+            if len(c.pages) > room:
+                c = self._split(c, room)
+            fitted.append(c)
+            room -= len(c.pages)
+        return fitted
+
+    def _promote(self, node: TreeNode, pages: list[int]) -> None:
+        """A host node's pages are on the device now (``pages``); its host pages stay, as
+        the node's copy, until the host needs their room."""
+        path = node.path_tokens()
+        self.num_pages += len(pages)
+        node.on_host, node.host_copy, node.pages = False, node.pages, list(pages)
+        self.copies.add(node)
+        self.host_leaves.discard(node)
+        self.leaves.discard(node.parent)
+        self.leaves.add(node)
+        self.events.append(Change("stored", tuple(path), len(path) - len(node.key)))
+
+    def _move_down(self, leaf: TreeNode, keep: int, host_pages: list[int] | None) -> list[int]:
+        """``leaf``'s pages after the first ``keep`` now live in ``host_pages`` (None: in the
+        host copy it kept); the device pages they leave."""
+        path = leaf.path_tokens()
+        start = len(path) - len(leaf.key) + keep * self.page_size
+        if keep:
+            self.leaves.add(self._split(leaf, keep))  # its only child goes down
+        dropped = leaf.pages
+        self.leaves.discard(leaf)
+        if host_pages is None:
+            host_pages, leaf.host_copy = leaf.host_copy, []
+            self.copies.discard(leaf)
+            self.host.stats.pages_reused += len(dropped)
+        else:
+            self.num_host_pages += len(dropped)
+            self.events.append(Change("stored", tuple(path), start, "host"))
+        leaf.on_host, leaf.pages = True, host_pages
+        if not leaf.children:
+            self.host_leaves.add(leaf)
+        self.num_pages -= len(dropped)
+        parent = leaf.parent
+        if parent is not self.root and not parent.has_device_child():
+            self.leaves.add(parent)
+        self.events.append(Change("evicted", tuple(path), start))
+        return dropped
+
+    def _drop_copy(self, node: TreeNode, keep: int = 0) -> int:
+        """Free the host copy of a device node's pages after the first ``keep``; how many."""
+        dropped, node.host_copy = node.host_copy[keep:], node.host_copy[:keep]
+        if not node.host_copy:
+            self.copies.discard(node)
+        path = node.path_tokens()
+        start = len(path) - len(node.key) + keep * self.page_size
+        self.events.append(Change("evicted", tuple(path), start, "host"))
+        self.num_host_pages -= len(dropped)
+        self.host.pool.free(dropped)
+        return len(dropped)
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop at least ``num_pages`` host pages (fewer if the tier holds fewer): copies of
+        device nodes first (nothing is lost but a later copy), then the host's own leaves,
+        each least recently used first."""
+        freed = 0
+        for node in sorted(self.copies, key=lambda n: n.last_access):
+            if freed >= num_pages:
+                break
+            freed += self._drop_copy(node)
+        heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
+        heapq.heapify(heap)
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            keep = max(0, len(leaf.pages) - (num_pages - freed))
+            dropped = self._cut(leaf, keep)
+            self.host.pool.free(dropped)
+            freed += len(dropped)
+            parent = leaf.parent
+            if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _drop_below(self, node: TreeNode) -> None:
+        """Drop the host nodes under ``node`` (deepest first), before ``node`` itself goes."""
+        for child in list(node.children.values()):
+            if child.on_host:
+                self._drop_below(child)
+                self.host.pool.free(self._cut(child, 0))
