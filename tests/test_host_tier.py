@@ -294,7 +294,8 @@ def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
     """``preble repo --host-kv-tokens`` writes the engines' parameter; served by
     tritonserver behind the router, a document pushed out of a 1,024-token device pool by
     two others comes back from the host tier with the same answer, and the engine's
-    metrics count the load-back."""
+    metrics count the load-back; pushed out again, it goes down without a copy (the host
+    kept its pages), and the metrics count those too."""
     import json
 
     from server_utils import http, metric_value, serve_stack, write_test_repository
@@ -319,13 +320,19 @@ def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
 
         doc = " ".join(f"clause {i} of the shared contract says" for i in range(25))  # ~425 tokens
         first = generate(doc + " What does clause 3 say?")
-        for k in range(2):  # ~480 tokens each: the second pushes the document down
-            generate(" ".join(f"unrelated filler {k} sentence number {i} here" for i in range(30)))
+        def push_down(fillers: range) -> None:  # ~480 tokens each: two push the document down
+            for k in fillers:
+                generate(" ".join(f"unrelated filler {k} sentence number {i} here" for i in range(30)))
+
+        push_down(range(2))
         again = generate(doc + " What does clause 3 say?")
         assert again == first
         metrics = stack.url("", stack.ports.metrics)
         assert metric_value(metrics, "preble_engine_host_loadbacks_total") == 1
         assert metric_value(metrics, "preble_engine_host_pages_loaded_total") >= 400 // 16
+        assert metric_value(metrics, "preble_engine_host_pages_reused_total") == 0
+        push_down(range(2, 4))
+        assert metric_value(metrics, "preble_engine_host_pages_reused_total") > 0
     finally:
         stack.stop()
 

@@ -15,8 +15,9 @@ answer is checked equal. Usage (the defaults: the embedded model on this host):
 directory), issue 41's GPU measurement: recompute and load-back both scale per layer, so
 their ratio is the full model's.
 
-``--copy-volume WORKLOAD`` instead counts the copies write-back and write-through make on
-a simulated trace (``copy_volume``): the measurement behind the choice of write-back.
+``--copy-volume WORKLOAD`` instead counts the copies the built tier makes on a simulated
+trace, against plain write-back and write-through (``copy_volume``): the measurement
+behind keeping a loaded-back page's host copy.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
 
 
 def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, host_tokens: int) -> dict:
-    """Write-back against write-through, in the simulator (4 instances under E2, the
-    paper's Mistral-7B/A6000 costs): pages copied down under write-back (those the device
-    evicts), against those write-through would copy (every page the device stores, less
-    those it got back from the host, which write-through would still hold there)."""
+    """The built tier's copies against the other policies', in the simulator (4 instances
+    under E2, the paper's Mistral-7B/A6000 costs): pages copied down (those the device
+    evicts whose copy the host had not kept since a load-back), against those plain
+    write-back would copy (every page the device evicts) and write-through would (every
+    page the device stores, less those it got back from the host, which it still holds)."""
     from preble_backend.common.cost_model import CostModel
     from scheduler.policies import make_policy
     from scheduler.sim.simulator import SimConfig, metrics, simulate
@@ -102,8 +104,10 @@ def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, ho
     result = simulate(trace(workload, requests, rps), factory, cfg, cost)
     tiers = [inst.cache.host.stats for inst in result.instances]
     offloaded, loaded = sum(t.pages_offloaded for t in tiers), sum(t.pages_loaded for t in tiers)
+    reused = sum(t.pages_reused for t in tiers)
     return {"workload": workload, "rps": rps, "device_tokens": device_tokens,
-            "host_tokens": host_tokens, "pages_stored": stored[0], "write_back_copies": offloaded,
+            "host_tokens": host_tokens, "pages_stored": stored[0], "copies": offloaded,
+            "pages_reused": reused, "write_back_copies": offloaded + reused,
             "write_through_copies": stored[0] - loaded, "pages_loaded_back": loaded,
             **{k: round(v, 3) for k, v in metrics(result).items()
                if k in ("cache_hit_ratio", "avg_latency_s", "p99_latency_s")}}  # fmt: skip
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefix-lens", default="1024,4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--copy-volume", default="", help="a workload: write-back vs write-through copies")
+    parser.add_argument("--copy-volume", default="", help="a workload: copies by policy")
     parser.add_argument("--rps", type=float, default=11.0, help="--copy-volume: the trace's rate")
     parser.add_argument("--host-tokens", type=int, default=180_000, help="--copy-volume: the host tier")
     args = parser.parse_args(argv)
