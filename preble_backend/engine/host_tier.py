@@ -3,12 +3,11 @@ whose prefix is there loads it back instead of recomputing it (SGLang's HiCache,
 offloading connector and LMCache, Dynamo's KVBM keep evicted prefixes one tier down the
 same way).
 
-The radix cache decides what moves (``radix_cache.py``); this module owns the host pool
-and the copies. Tiers are exclusive and copies write back: a page is copied down only
-when the device evicts it, and a page loaded back leaves the host, so device and host
-together hold as many distinct pages as both pools. Measured on chat, that capacity
-bought nothing and write-back copied 2.5x what write-through would (a page loaded back
-and evicted again is copied again): docs/ENGINE.md, "The host tier".
+The radix cache decides what moves (``radix_cache.py``, ``tier_moves.py``); this module
+owns the host pool and the copies. Copies write back: a page is copied down when the
+device evicts it, and a page loaded back keeps its host copy until the host needs the
+room (then such copies go first), so evicting it again copies nothing. Why, by
+measurement: docs/ENGINE.md, "The host tier".
 
 A copy is a gather and a scatter per cache. On a GPU the host pool is pinned; a
 load-back is queued on the compute stream (its pages are written before the forward
