@@ -360,6 +360,29 @@ def test_a_load_back_takes_what_the_device_has_room_for():
     device.free(held)
 
 
+def test_a_load_back_keeps_room_for_the_chunk_after_it():
+    """The first chunk a request computes begins where its load-back ends: six pages on
+    the host come back whole into a device of eight, beside the one page left to compute,
+    while others run (before, room was kept for a chunk from the device prefix's end: a
+    chunk as long as the prompt kept seven pages free, and the request waited for room it
+    would never use, or took one page and recomputed five)."""
+    device, host = pool(8), pool(16)
+    cache = RadixCache(PAGE, HostTier(device, host))
+    blocks = BlockManager(device, cache)
+    tokens = list(range(100, 100 + 6 * PAGE))
+    first = make_request(tokens + [1], "a")
+    blocks.admit(first)
+    assert chunked_prefill(blocks, first, 3)
+    blocks.release(first)
+    device.free(cache.evict(cache.num_pages))  # all six pages move down
+    for wait, rid in ((True, "waits"), (False, "alone")):
+        req = make_request(tokens + [2], rid)
+        assert blocks.admit(req, first_chunk=8 * PAGE, wait=wait) == 6 * PAGE
+        assert blocks.reserve(req, 1) and cache.host.stats.pages_short == 0
+        blocks.release(req)
+        device.free(cache.evict(cache.num_pages))
+
+
 def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
     """As HiCache keeps a loaded-back node's host value: evicting a prefix that came back
     from the host copies nothing (write-back copied it down again each time, 2.6 times the

@@ -1,13 +1,15 @@
 """Benchmark: a prefix served from the host tier against the same prefix recomputed and
 the same prefix still on the device, in one engine, in one run.
 
-For each prefix length: a request computes the prefix (cold); a filler prompt as large as
-the device pool pushes it down to the host tier; the next request with that prefix loads
-it back (host); then once more with the prefix still on the device (device). Each is
-timed to its first token, alternating rounds so drift hits all three alike, and every
-answer is checked equal. Usage (the defaults: the embedded model on this host):
+For each prefix length: a request computes the prefix (cold); the device's cache is
+pushed down to the host tier (offload: its copy, timed); the next request with that
+prefix loads it back (host); then once more with the prefix still on the device
+(device); and the cache is pushed down again (reoffload: the host kept the loaded-back
+pages, so nothing is copied). Requests are timed to their first token, alternating
+rounds so drift hits all alike, and every answer is checked equal. Usage (the defaults:
+the embedded model on this host):
 
-    python -m preble_backend.benchmarks.host_tier --prefix-lens 1024,4096 --rounds 3
+    python -m preble_backend.benchmarks.host_tier --prefix-lens 1024,4000 --rounds 3
     python -m preble_backend.benchmarks.host_tier --model-path smollm2 --device cuda
     python -m preble_backend.benchmarks.host_tier --model-path 8b-shape --device cuda --dtype bfloat16
 
@@ -28,6 +30,8 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -36,42 +40,57 @@ from preble_backend.engine.engine import Engine
 from preble_backend.model.pypi_models import resolve as resolve_model
 
 GREEDY = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
+T = TypeVar("T")
+
+
+def timed(engine: Engine, work: Callable[[], T]) -> tuple[float, T]:
+    """Seconds ``work`` takes on the engine's device (synchronised on a GPU), and its result."""
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = work()
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
 
 
 def ttft(engine: Engine, prompt: list[int]) -> tuple[float, list[int]]:
     """Seconds to the first token of ``prompt`` alone on the engine, and that token."""
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    [out] = engine.generate([prompt], GREEDY)
-    return time.perf_counter() - start, out
+    seconds, [out] = timed(engine, lambda: engine.generate([prompt], GREEDY))
+    return seconds, out
+
+
+def push_down(engine: Engine) -> float:
+    """Seconds to move the device's (idle) cache down to the host tier."""
+    return timed(engine, lambda: engine.pool.free(engine.cache.evict(engine.cache.num_evictable_pages)))[0]
 
 
 def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
     gen = torch.Generator().manual_seed(prefix_len)
-    times: dict[str, list[float]] = {"cold": [], "host": [], "device": []}
+    times: dict[str, list[float]] = {"cold": [], "offload": [], "host": [], "device": [], "reoffload": []}
     answers, pages_loaded = set(), []
-    filler_len = engine.pool.capacity_tokens - 2 * engine.pool.page_size
     for _ in range(rounds):
         prefix = torch.randint(3, vocab, (prefix_len,), generator=gen).tolist()
-        filler = torch.randint(3, vocab, (filler_len,), generator=gen).tolist()
         engine.flush_cache()
         seconds, first = ttft(engine, prefix + [5])
         times["cold"].append(seconds)
-        ttft(engine, filler)  # the prefix moves down to the host tier
+        times["offload"].append(push_down(engine))
         loaded = engine.stats()["host_pages_loaded"]
         seconds, again = ttft(engine, prefix + [5])
         pages_loaded.append(engine.stats()["host_pages_loaded"] - loaded)
         times["host"].append(seconds)
         seconds, third = ttft(engine, prefix + [5])
         times["device"].append(seconds)
+        times["reoffload"].append(push_down(engine))
         answers.add((tuple(first), tuple(again), tuple(third)))
     assert all(a == b == c for a, b, c in answers), "an answer changed between tiers"
     median = {k: statistics.median(v) for k, v in times.items()}
     return {"prefix_len": prefix_len, "pages_loaded_back": min(pages_loaded),
-            **{f"{k}_ttft_s": round(v, 5) for k, v in median.items()},
+            **{f"{k}_ttft_s": round(median[k], 5) for k in ("cold", "host", "device")},
+            **{f"{k}_s": round(median[k], 5) for k in ("offload", "reoffload")},
             "recompute_over_load_back": round(median["cold"] / median["host"], 2),
-            "load_back_over_device_hit": round(median["host"] / median["device"], 2)}  # fmt: skip
+            "load_back_over_device_hit": round(median["host"] / median["device"], 2),
+            "recompute_over_offload": round(median["cold"] / median["offload"], 2)}  # fmt: skip
 
 
 def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, host_tokens: int) -> dict:
@@ -120,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--prefix-lens", default="1024,4096")
+    parser.add_argument("--prefix-lens", default="1024,4000")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--copy-volume", default="", help="a workload: copies by policy")
@@ -131,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(copy_volume(args.copy_volume, 3000, args.rps, 60_000, args.host_tokens)))
         return
     lens = [int(n) for n in args.prefix_lens.split(",")]
-    device_tokens = max(lens) + 4 * args.page_size  # holds one prefix: the filler pushes it down
+    device_tokens = max(lens) + 4 * args.page_size  # holds one prefix
     if args.model_path == "8b-shape":
         from preble_backend.benchmarks.attention_backends import GPU, write_model
 

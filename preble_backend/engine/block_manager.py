@@ -29,14 +29,18 @@ class BlockManager:
     def admit(self, req: Request, first_chunk: int = 0, wait: bool = False) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
         always left to compute, since sampling needs its logits. What the host tier holds
-        of it comes back leaving room for the pages of its ``first_chunk`` tokens; with
-        ``wait``, all of it or (None: not admitted, nothing touched) none."""
+        of it comes back leaving room for the pages of its ``first_chunk`` tokens after it;
+        with ``wait``, all of it or (None: not admitted, nothing touched) none."""
         if self.cache is None:
             return 0
         tokens = req.tokens(0, req.num_tokens - 1)
         pages, node = self.cache.match_prefix(tokens)
         pos = len(pages) * self.page_size
-        keep = KVPool.pages_for(min(first_chunk, req.num_tokens - pos), self.page_size)
+        ps = self.page_size
+
+        def keep(loaded: int) -> int:  # the first chunk starts where the load-back ends
+            return KVPool.pages_for(min(first_chunk, req.num_tokens - pos - loaded * ps), ps)
+
         back = self.cache.load_back(tokens, node, pos, self.pool, keep, wait)
         if back is None:
             return None

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 
+from preble_backend.common.prefix import longest_match
 from preble_backend.engine.cache_changes import Change
 from preble_backend.engine.host_tier import HostTier
 from preble_backend.engine.radix_node import TreeNode
@@ -49,15 +51,22 @@ class TierMoves:
         return self._cut(leaf, keep)
 
     def load_back(
-        self, tokens: list[int], node: TreeNode, pos: int, pool: KVPool, keep: int = 0, wait: bool = False
+        self,
+        tokens: list[int],
+        node: TreeNode,
+        pos: int,
+        pool: KVPool,
+        keep: Callable[[int], int] = lambda loaded: 0,
+        wait: bool = False,
     ) -> tuple[list[int], TreeNode] | None:
         """Bring the host tier's continuation of a device prefix (ending at ``node``, token
         ``pos``) back into ``pool``, as much of it as the pool can make room for while
-        ``keep`` pages stay free (the request's first chunk); its device pages and new end
-        node. The request computes what stays behind, and all of it when the copy fails.
-        With ``wait``, a continuation that cannot come back whole is not touched (None):
-        the request waits for room rather than recompute what the host holds, and nothing
-        is evicted or copied for a request that is not admitted."""
+        ``keep(n)`` pages stay free when ``n`` come back (the request's first chunk, which
+        begins where the load-back ends); its device pages and new end node. The request
+        computes what stays behind, and all of it when the copy fails. With ``wait``, a
+        continuation that cannot come back whole is not touched (None): the request waits
+        for room rather than recompute what the host holds, and nothing is evicted or
+        copied for a request that is not admitted."""
         chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
         if not chain:
             return [], node
@@ -65,15 +74,15 @@ class TierMoves:
         self.lock(node)  # neither the device path nor the pages coming up may go to make room
         self._loading.update(chain)
         try:
-            room = min(need, pool.num_free + self.num_evictable_pages - keep)
+            room = _most(need, keep, pool.num_free + self.num_evictable_pages)
             if wait and room < need:
                 return None
-            if room > 0 and pool.num_free < room + keep:
-                pool.free(self.evict(room + keep - pool.num_free))
+            if room > 0 and pool.num_free < room + keep(room):
+                pool.free(self.evict(room + keep(room) - pool.num_free))
         finally:
             self._loading.difference_update(chain)
             self.unlock(node)
-        chain = self._fit(chain, min(room, pool.num_free - keep))
+        chain = self._fit(chain, _most(room, keep, pool.num_free))
         fitted = sum(len(c.pages) for c in chain)
         self.host.stats.pages_short += need - fitted
         pages = pool.alloc(fitted)
@@ -176,3 +185,9 @@ class TierMoves:
             if child.on_host:
                 self._drop_below(child)
                 self.host.pool.free(self._cut(child, 0))
+
+
+def _most(limit: int, keep: Callable[[int], int], free: int) -> int:
+    """The most pages, up to ``limit``, that can come back while ``keep`` of them stay
+    free (a page more coming back never leaves less to keep free in all)."""
+    return longest_match(limit, lambda n: n + keep(n) <= free)
