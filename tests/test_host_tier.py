@@ -320,6 +320,7 @@ def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
 
         doc = " ".join(f"clause {i} of the shared contract says" for i in range(25))  # ~425 tokens
         first = generate(doc + " What does clause 3 say?")
+
         def push_down(fillers: range) -> None:  # ~480 tokens each: two push the document down
             for k in fillers:
                 generate(" ".join(f"unrelated filler {k} sentence number {i} here" for i in range(30)))
@@ -386,8 +387,8 @@ def test_a_load_back_keeps_room_for_the_chunk_after_it():
 def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
     """As HiCache keeps a loaded-back node's host value: evicting a prefix that came back
     from the host copies nothing (write-back copied it down again each time, 2.6 times the
-    pages write-through would on chat), and a host that needs room drops such copies
-    before a page only it holds, even an older one."""
+    pages write-through would on chat), and a host that needs room drops the pages only it
+    holds before such a copy; the copies go when nothing else is left."""
     device, host = pool(8), pool(6)
     cache = RadixCache(PAGE, HostTier(device, host))
     blocks = BlockManager(device, cache)
@@ -399,7 +400,7 @@ def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
         assert chunked_prefill(blocks, req, 4)
         blocks.release(req)
 
-    for doc in (doc_b, doc_a):
+    for doc in (doc_a, doc_b):
         compute(doc, f"first {doc[0]}")
         device.free(cache.evict(cache.num_evictable_pages))  # down to the host
     stats = cache.host.stats
@@ -411,9 +412,12 @@ def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
     compute(doc_a, "third")
     compute(doc_c, "c")
     cache.touch(doc_a)
-    device.free(cache.evict(2))  # C goes down: the host makes room by dropping A's copy
-    assert cache.cached_len(doc_b) == 2 * PAGE and len(cache.match_prefix(doc_a)[0]) == 4
-    assert (cache.num_host_pages, stats.pages_offloaded, cache.copies) == (4, 8, set())
+    device.free(cache.evict(2))  # C goes down: the host makes room by dropping B, not A's copy
+    assert cache.cached_len(doc_b) == 0 and len(cache.match_prefix(doc_a)[0]) == 4
+    assert (cache.num_host_pages, stats.pages_offloaded, len(cache.copies)) == (6, 8, 1)
+    assert cache.evict_host(4) >= 4  # C, then A's copy
+    assert cache.cached_len(doc_c) == 0 and len(cache.match_prefix(doc_a)[0]) == 4
+    assert (cache.num_host_pages, cache.copies) == (0, set())
 
 
 def test_a_prefix_on_the_host_waits_for_room_to_come_back_whole():

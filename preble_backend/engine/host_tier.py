@@ -5,9 +5,9 @@ same way).
 
 The radix cache decides what moves (``radix_cache.py``, ``tier_moves.py``); this module
 owns the host pool and the copies. Copies write back: a page is copied down when the
-device evicts it, and a page loaded back keeps its host copy until the host needs the
-room (then such copies go first), so evicting it again copies nothing. Why, by
-measurement: docs/ENGINE.md, "The host tier".
+device evicts it, and a page loaded back keeps its host copy (the host drops its own
+pages before such copies), so evicting it again copies nothing. Why, by measurement:
+docs/ENGINE.md, "The host tier".
 
 A copy is a gather and a scatter per cache. On a GPU the host pool is pinned; a
 load-back is queued on the compute stream (its pages are written before the forward

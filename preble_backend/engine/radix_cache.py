@@ -16,9 +16,9 @@ With a host tier (``host_tier.py``) an evicted node is copied down instead of dr
 stays in the tree, its pages now host pages (``on_host``), and a request that matches it
 loads it back (``load_back``). A node loaded back keeps its host pages as a copy
 (``host_copy``, as HiCache keeps a loaded-back node's host value), so evicting it again
-copies nothing; the host drops those copies first, least recently used first, when it
-needs room, and then its own leaves by its own LRU. Along every path the device's nodes
-come first, so device eviction takes nodes with no device child. Every page added, moved
+copies nothing; when the host needs room it drops its own leaves by its own LRU, and
+those copies only then. Along every path the device's nodes come first, so device
+eviction takes nodes with no device child. Every page added, moved
 or removed is reported as a ``CacheEvent`` naming its tier, so a global scheduler can
 mirror both tiers exactly (a copy is a host store over the device node's span).
 """

@@ -158,14 +158,11 @@ class TierMoves:
         return len(dropped)
 
     def evict_host(self, num_pages: int) -> int:
-        """Drop at least ``num_pages`` host pages (fewer if the tier holds fewer): copies of
-        device nodes first (nothing is lost but a later copy), then the host's own leaves,
-        each least recently used first."""
+        """Drop at least ``num_pages`` host pages (fewer if the tier holds fewer): the host's
+        own leaves, then copies of device nodes (kept as HiCache keeps them: dropped, each
+        costs a copy when its node is evicted, and this engine waits for each), each least
+        recently used first."""
         freed = 0
-        for node in sorted(self.copies, key=lambda n: n.last_access):
-            if freed >= num_pages:
-                break
-            freed += self._drop_copy(node)
         heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
         heapq.heapify(heap)
         while freed < num_pages and heap:
@@ -177,6 +174,10 @@ class TierMoves:
             parent = leaf.parent
             if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        for node in sorted(self.copies, key=lambda n: n.last_access):
+            if freed >= num_pages:
+                break
+            freed += self._drop_copy(node)
         return freed
 
     def _drop_below(self, node: TreeNode) -> None:
