@@ -47,7 +47,6 @@ class RadixCache(TierMoves):
         self.events: deque[Change] = deque()  # appends and pops are thread-safe
         self.num_pages = 0  # device pages held by the tree
         self.num_locked_pages = 0  # of those, pages on a path some request references
-        self.num_host_pages = 0
         self.leaves: set[TreeNode] = set()  # device nodes without a device child: eviction candidates
         self.host_leaves: set[TreeNode] = set()  # host nodes without children
         self.copies: set[TreeNode] = set()  # device nodes whose pages the host also holds
@@ -179,6 +178,11 @@ class RadixCache(TierMoves):
     def num_evictable_pages(self) -> int:
         return self.num_pages - self.num_locked_pages
 
+    @property
+    def num_host_pages(self) -> int:
+        """Host pages the tree holds: every page of the host pool in use is a tree's."""
+        return self.host.pool.num_used if self.host is not None else 0
+
     # ---- eviction -------------------------------------------------------------------------
 
     def evict(self, num_pages: int, offload: bool = True) -> list[int]:
@@ -208,9 +212,7 @@ class RadixCache(TierMoves):
         start = len(path) - len(leaf.key) + cut
         self.events.append(Change("evicted", tuple(path), start, "host" if leaf.on_host else "device"))
         dropped = leaf.pages[keep:]
-        if leaf.on_host:
-            self.num_host_pages -= len(dropped)
-        else:
+        if not leaf.on_host:
             self.num_pages -= len(dropped)
         if keep:
             leaf.key, leaf.pages = leaf.key[:cut], leaf.pages[:keep]

@@ -25,7 +25,6 @@ class TierMoves:
     root: TreeNode
     events: deque[Change]
     num_pages: int
-    num_host_pages: int
     leaves: set[TreeNode]
     host_leaves: set[TreeNode]
     copies: set[TreeNode]
@@ -77,8 +76,9 @@ class TierMoves:
             room = _most(need, keep, pool.num_free + self.num_evictable_pages)
             if wait and room < need:
                 return None
-            if room > 0 and pool.num_free < room + keep(room):
-                pool.free(self.evict(room + keep(room) - pool.num_free))
+            want = room + keep(room)
+            if room > 0 and pool.num_free < want:
+                pool.free(self.evict(want - pool.num_free))
         finally:
             self._loading.difference_update(chain)
             self.unlock(node)
@@ -133,7 +133,6 @@ class TierMoves:
             self.copies.discard(leaf)
             self.host.stats.pages_reused += len(dropped)
         else:
-            self.num_host_pages += len(dropped)
             self.events.append(Change("stored", tuple(path), start, "host"))
         leaf.on_host, leaf.pages = True, host_pages
         if not leaf.children:
@@ -153,7 +152,6 @@ class TierMoves:
         path = node.path_tokens()
         start = len(path) - len(node.key) + keep * self.page_size
         self.events.append(Change("evicted", tuple(path), start, "host"))
-        self.num_host_pages -= len(dropped)
         self.host.pool.free(dropped)
         return len(dropped)
 
@@ -174,10 +172,11 @@ class TierMoves:
             parent = leaf.parent
             if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        for node in sorted(self.copies, key=lambda n: n.last_access):
-            if freed >= num_pages:
-                break
-            freed += self._drop_copy(node)
+        if freed < num_pages:  # (sorting the copies costs: only when they must go)
+            for node in sorted(self.copies, key=lambda n: n.last_access):
+                freed += self._drop_copy(node)
+                if freed >= num_pages:
+                    break
         return freed
 
     def _drop_below(self, node: TreeNode) -> None:
