@@ -134,3 +134,40 @@ def test_a_prefix_on_the_host_waits_for_room_to_come_back_whole():
     assert batch.requests == [reader] and reader.num_cached_tokens == 6 * PAGE
     assert (stats.pages_loaded, stats.pages_short) == (6, 0)
     sched.finish(reader)
+
+
+def test_a_batch_is_charged_the_copies_that_formed_it_both_ways():
+    """The engine waits for every copy between tiers, offloads too (one synchronisation
+    per eviction), so the batch whose evictions moved pages down reports them beside its
+    load-backs and the cost model charges both; pages moved down with no copy, because the
+    host kept theirs since a load-back, are not charged (before, the simulator and the
+    emulated engines charged load-backs alone, and the offloads were free)."""
+    device, cache, blocks = tiered(8, 16)
+    sched = LocalScheduler(blocks, PriorityWaitQueue(10, 10), 32, 8)
+    doc_a, doc_b = list(range(100, 100 + 6 * PAGE)), list(range(200, 200 + 6 * PAGE))
+
+    def run(prompt: list[int], rid: str) -> list[tuple[int, int]]:
+        req, moved = make_request(prompt, rid), []
+        sched.add(req)
+        while req.num_computed < len(prompt):
+            before = cache.host.stats.pages_offloaded, cache.host.stats.pages_loaded
+            batch = sched.schedule()
+            after = cache.host.stats.pages_offloaded, cache.host.stats.pages_loaded
+            offloaded, loaded = ((a - b) * PAGE for a, b in zip(after, before))
+            assert (batch.offloaded_tokens, batch.loaded_tokens) == (offloaded, loaded)
+            assert batch.work()[3] == offloaded + loaded
+            moved.append((offloaded, loaded))
+            sched.advance(batch)
+        sched.finish(req)
+        return [m for m in moved if m != (0, 0)]
+
+    assert run(doc_a + [1], "a") == []
+    # B's seven pages: two free, five of A's six go down to make room
+    assert run(doc_b + [1], "b") == [(5 * PAGE, 0)]
+    assert cache.num_host_pages == 5 and not cache.copies
+    # A's five come back beside the page it computes; five of B's go down for them
+    assert run(doc_a + [2], "a again") == [(5 * PAGE, 5 * PAGE)]
+    assert sum(len(n.host_copy) for n in cache.copies) == 5  # A's keep their host copy
+    # B's five come back; A's five go down copying nothing
+    assert run(doc_b + [2], "b again") == [(0, 5 * PAGE)]
+    assert cache.host.stats.pages_reused == 5

@@ -71,10 +71,11 @@ def test_host_tier_events_cross_the_wire_and_a_dead_engine_is_forgotten():
 # ---- the simulator ------------------------------------------------------------------------------
 
 
-def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_load_backs():
+def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_copies():
     """Four documents that do not fit one instance's device together (1,200 tokens each
     on 2,048), visited in turn: without a tier every visit recomputes its document; with
-    a host tier every revisit loads it back, and the iteration pays the modelled copy."""
+    a host tier every revisit loads it back, and the iterations pay the modelled copies,
+    the offloads that made room as well as the load-backs."""
     docs = [list(range(10_000 * (d + 1), 10_000 * (d + 1) + 1200)) for d in range(4)]
     requests = [SimRequest(f"r{i}", i * 5.0, docs[i % 4] + [i, i + 1], 4) for i in range(16)]
     cost = TIERED
@@ -86,12 +87,19 @@ def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_load
         if host:
             tier = run.instances[0].cache.host
             assert tier.stats.pages_loaded == 12 * 75  # 12 revisits, each the document's 75 pages
+            # Each request needs 76 pages of the 128: the second makes room by moving 23 of
+            # the first document's down, the next three 75 each (what is left of the oldest
+            # and the tail of the next), the sixth 52 of the fourth's and 23 loaded back,
+            # which the host still holds; from then on every page that goes down is a copy.
+            assert tier.stats.pages_offloaded == 23 + 75 + 75 + 75 + 52
     assert results[0]["cache_hit_ratio"] == 0.0
     assert results[8192]["cache_hit_ratio"] == pytest.approx(12 * 1200 / (16 * 1202))
     # Alone on the instance, a request computes its 1,202 tokens in 1.202 s; a revisit
-    # loads 1,200 back (0.05 ms each: 60 ms) and prefills 2 (decodes cost nothing here).
+    # loads 1,200 back (0.05 ms each: 60 ms) and prefills 2 (decodes cost nothing here);
+    # the 300 pages offloaded cost 0.05 ms per token too.
     assert results[0]["avg_latency_s"] == pytest.approx(1.202)
-    assert results[8192]["avg_latency_s"] == pytest.approx((4 * 1.202 + 12 * 0.062) / 16)
+    offloads_s = 300 * 16 * 0.05 / 1000
+    assert results[8192]["avg_latency_s"] == pytest.approx((4 * 1.202 + 12 * 0.062 + offloads_s) / 16)
 
 
 def test_e2_with_only_host_tier_holders_queued_everywhere_routes_without_replicating():

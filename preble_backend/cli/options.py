@@ -248,7 +248,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--host-kv-tokens", type=int, default=0,
-        help="each instance's host tier below its KV (0: none); a load-back costs load_ms_per_token",
+        help="each instance's host tier below its KV (0: none); a copy either way costs load_ms_per_token",
     )  # fmt: skip
     p.add_argument(
         "--stress-rps", type=_positive(float), default=None,

@@ -29,8 +29,9 @@ class CostModel:
     attention_ms_per_context_token: float
     decode_step_ms: float
     source: str = ""
-    # A page of KV brought back from the host tier (engine/host_tier.py), per token: the
-    # engine's KV bytes per token over the host-to-device bandwidth. 0: no tier modelled.
+    # KV copied between the device and the host tier (engine/host_tier.py), per token,
+    # either way: the engine's KV bytes per token over the host link's bandwidth (PCIe
+    # moves pinned memory at about the same rate both ways). 0: no tier modelled.
     load_ms_per_token: float = 0.0
     load_source: str = ""
 
@@ -45,16 +46,17 @@ class CostModel:
         return self.load_ms_per_token * tokens
 
     def iteration_time(
-        self, prefill_tokens: int, decodes: int, context_tokens: int, loaded_tokens: int = 0
+        self, prefill_tokens: int, decodes: int, context_tokens: int, moved_tokens: int = 0
     ) -> float:
-        """The iteration also waits for the load-backs its requests need (charged in full:
-        the engine does not overlap them with the forward pass)."""
+        """The iteration also waits for the copies between tiers that forming it made: the
+        load-backs its requests need and the offloads of what it evicted (charged in full:
+        the engine overlaps neither with the forward pass)."""
         return (
             self.base_ms
             + self.prefill_ms_per_token * prefill_tokens
             + self.decode_ms_per_request * decodes
             + self.attention_ms_per_context_token * context_tokens
-            + self.load_ms_per_token * loaded_tokens
+            + self.load_ms_per_token * moved_tokens
         )
 
     def scaled(self, factor: float) -> CostModel:

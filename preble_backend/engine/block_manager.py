@@ -26,6 +26,13 @@ class BlockManager:
         self.loaded_tokens = 0  # brought back from the host tier, in all
         self.before_evict: Callable[[], None] | None = None  # the local scheduler's (it knows who waits)
 
+    @property
+    def offloaded_tokens(self) -> int:
+        """Copied down to the host tier by evictions, in all (pages moved down with no copy,
+        because the host kept theirs, are not)."""
+        host = self.cache.host if self.cache is not None else None
+        return host.stats.pages_offloaded * self.page_size if host is not None else 0
+
     def admit(self, req: Request, first_chunk: int = 0, wait: bool = False) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
         always left to compute, since sampling needs its logits. What the host tier holds

@@ -30,6 +30,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     loaded_tokens: int = 0  # brought back from the host tier to form it
+    offloaded_tokens: int = 0  # copied down to the host tier by the evictions that formed it
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -44,9 +45,9 @@ class ScheduledBatch:
         return self.num_new_tokens.pop(i)
 
     def work(self) -> tuple[int, int, int, int]:
-        """(prefill tokens, decodes, context tokens, tokens loaded back): what the cost
-        model charges for this iteration. A request with one token left to compute is
-        decoding."""
+        """(prefill tokens, decodes, context tokens, tokens copied between tiers): what the
+        cost model charges for this iteration. A request with one token left to compute is
+        decoding; the copies are both ways, since the engine waits for each."""
         prefill = decodes = context = 0
         for req, n in zip(self.requests, self.num_new_tokens):
             if req.num_uncomputed == 1:
@@ -54,7 +55,7 @@ class ScheduledBatch:
             else:
                 prefill += n
             context += req.num_computed + n
-        return prefill, decodes, context, self.loaded_tokens
+        return prefill, decodes, context, self.loaded_tokens + self.offloaded_tokens
 
 
 @dataclass
@@ -93,7 +94,7 @@ class LocalScheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._waiting_touched = False
-        loaded = self.blocks.loaded_tokens
+        loaded, offloaded = self.blocks.loaded_tokens, self.blocks.offloaded_tokens
         budget = self.chunk_size
         for req in list(self.running):
             if req.status is not Status.RUNNING:
@@ -113,6 +114,7 @@ class LocalScheduler:
                 budget -= n
         self._admit(batch, budget)
         batch.loaded_tokens = self.blocks.loaded_tokens - loaded
+        batch.offloaded_tokens = self.blocks.offloaded_tokens - offloaded
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
