@@ -237,9 +237,10 @@ class E2(Autoscaling, Policy):
         missed = prompt_len - match.cached_on(instance) - hosted
         prefill = self.cost.prefill_time(missed) + (self.cost.load_time(hosted) if hosted else 0.0)
         need = self.tree.held_tokens[instance] + missed + hosted - self.capacity[instance]
-        evicted, tiered, per_user = 0.0, self.tiered[instance], self.load_model == "serial"  # M on L's scale
+        evicted, per_user = 0.0, self.load_model == "serial"  # M on L's scale
         if need > 0:
-            evicted = memory_cost(self.tree, instance, need, match, now, self.cost, tiered, per_user)
+            host = self.tree.host.pages[instance] if self.tiered[instance] else None
+            evicted = memory_cost(self.tree, instance, need, match, now, self.cost, host, per_user)
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
         history, decode_len = self.history[instance], self.decode_lengths.average(now)

@@ -167,7 +167,7 @@ def memory_cost(
     match: Match,
     now: float,
     cost: CostModel,
-    tiered: bool = False,
+    host: set[int] | None = None,
     per_user: bool = True,
 ) -> float:
     """M of Algorithm 2: the recompute cost of what an LRU eviction on ``instance`` would
@@ -181,9 +181,12 @@ def memory_cost(
     towards the root (a request holds its whole path), so skipping them leaves the order
     of the rest unchanged. Walked afresh per request, and only when the request does not
     fit: the walk stops as soon as enough is freed, so it visits the oldest few nodes. On
-    an engine with a host tier (``tiered``) what the device evicts moves down and comes
-    back by a load-back, so a node costs its load-back time instead (ours, with the tiers)."""
-    price = cost.load_time if tiered else cost.prefill_time
+    an engine with a host tier (``host``: the chain hashes of its host pages, as the router
+    mirrors them) what the device evicts moves down and comes back by a load-back, so a
+    node costs its load-back time instead, and every evicted page the host does not hold
+    yet costs its copy down, used or not: the engine waits for each offload (ours, with
+    the tiers)."""
+    price = cost.prefill_time if host is None else cost.load_time
     reused = set(match.nodes)
     freed, spent = 0, 0.0
     for node in tree.eviction_order(instance):
@@ -191,9 +194,13 @@ def memory_cost(
             break
         if node in reused or instance in node.pending:
             continue
-        tokens = node.held_pages(instance) * tree.page_size
+        pages = node.held_pages(instance)
+        tokens = pages * tree.page_size
         users = tree.requests_in_window(node, instance, now)
         if users:
             spent += price(tokens) * (users if per_user else 1)
+        if host is not None:
+            copied = sum(1 for h in node.hashes[:pages] if h not in host)
+            spent += cost.load_time(copied * tree.page_size)
         freed += tokens
     return spent

@@ -114,10 +114,12 @@ def test_e2_with_only_host_tier_holders_queued_everywhere_routes_without_replica
     assert d.branch == "exploit" and d.instance == 1
 
 
-def test_e2_prices_what_a_tiered_engine_evicts_at_its_load_back():
+def test_e2_prices_what_a_tiered_engine_evicts_at_its_load_back_and_its_copy_down():
     """test_e2's eviction case on engines that report a host tier: evicting instance 0's
-    100-token node (two users) costs 2 x 0.05 x 100 = 10 ms, not 200, and instance 1's
-    (one user) 5; with instance 0's tier only, the new request goes there."""
+    100-token node (two users) costs 2 x 0.05 x 100 = 10 ms of load-backs, not 200, and
+    0.05 x 100 = 5 ms to copy it down (the engine waits for each offload), and instance 1's
+    (one user) 100; with instance 0's tier only, the new request goes there. Once the host
+    mirror holds the node's pages (a copy kept since a load-back), moving it down is free."""
     policy, clock = e2(cost=TIERED, capacity=120)
     a, e = list(range(100)), list(range(200, 300))
     done = [route(policy, a), route(policy, e), route(policy, a)]
@@ -127,7 +129,9 @@ def test_e2_prices_what_a_tiered_engine_evicts_at_its_load_back():
         policy.on_finish(d.instance, r, info)
     assert policy.tiered == [True, False]
     m = policy.tree.match(chain_hashes(list(range(400, 450)), 1))
-    assert policy.load_cost(0, m, 50, clock()) == pytest.approx(2 * 0.05 * 100 + 50)
+    assert policy.load_cost(0, m, 50, clock()) == pytest.approx(2 * 0.05 * 100 + 0.05 * 100 + 50)
     assert policy.load_cost(1, m, 50, clock()) == pytest.approx(1 * 100 + 50)
+    policy.tree.apply_events(0, [CacheEvent.of("stored", a, 0, 1, "host")])
+    assert policy.load_cost(0, m, 50, clock()) == pytest.approx(2 * 0.05 * 100 + 50)
     _, d = route(policy, list(range(400, 450)))
     assert (d.instance, d.branch) == (0, "explore")
