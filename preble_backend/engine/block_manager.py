@@ -23,15 +23,16 @@ class BlockManager:
         self.pool = pool
         self.cache = cache  # None: prefix caching off
         self.page_size = pool.page_size
-        self.loaded_tokens = 0  # brought back from the host tier, in all
         self.before_evict: Callable[[], None] | None = None  # the local scheduler's (it knows who waits)
 
-    @property
-    def offloaded_tokens(self) -> int:
-        """Copied down to the host tier by evictions, in all (pages moved down with no copy,
-        because the host kept theirs, are not)."""
+    def tier_traffic(self) -> tuple[int, int]:
+        """Tokens brought back from the host tier and copied down to it, in all (pages moved
+        down with no copy, because the host kept theirs, are not copied): the host tier's
+        own counts."""
         host = self.cache.host if self.cache is not None else None
-        return host.stats.pages_offloaded * self.page_size if host is not None else 0
+        if host is None:
+            return 0, 0
+        return host.stats.pages_loaded * self.page_size, host.stats.pages_offloaded * self.page_size
 
     def admit(self, req: Request, first_chunk: int = 0, wait: bool = False) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
@@ -53,7 +54,6 @@ class BlockManager:
             return None
         loaded, node = back
         pages += loaded
-        self.loaded_tokens += len(loaded) * self.page_size
         self.cache.lock(node)
         req.cache_node = node
         req.page_table = list(pages)

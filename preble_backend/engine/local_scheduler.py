@@ -94,7 +94,7 @@ class LocalScheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._waiting_touched = False
-        loaded, offloaded = self.blocks.loaded_tokens, self.blocks.offloaded_tokens
+        before = self.blocks.tier_traffic()
         budget = self.chunk_size
         for req in list(self.running):
             if req.status is not Status.RUNNING:
@@ -113,8 +113,8 @@ class LocalScheduler:
                 batch.add(req, n)
                 budget -= n
         self._admit(batch, budget)
-        batch.loaded_tokens = self.blocks.loaded_tokens - loaded
-        batch.offloaded_tokens = self.blocks.offloaded_tokens - offloaded
+        after = self.blocks.tier_traffic()
+        batch.loaded_tokens, batch.offloaded_tokens = after[0] - before[0], after[1] - before[1]
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
