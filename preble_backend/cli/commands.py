@@ -69,6 +69,8 @@ def repo(args: argparse.Namespace) -> int:
         engine["max_num_tokens"] = args.max_num_tokens
     if args.host_kv_tokens:
         engine["host_kv_tokens"] = args.host_kv_tokens
+    if args.host_copy_ahead:
+        engine["host_copy_ahead"] = True
     root = write_repository(
         args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
         router_overrides={"policy": args.policy, "cost_model": args.cost_model},
@@ -121,7 +123,8 @@ def workload_cmd(args: argparse.Namespace) -> int:
 
 def simulate_cmd(args: argparse.Namespace) -> int:
     cost = CostModel.load(args.cost_model)
-    cfg = SimConfig.of(args.instances, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens)
+    cfg = SimConfig.of(args.instances, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens,
+                       host_copy_ahead=args.host_copy_ahead)  # fmt: skip
     records = sweep(args.workload, args.instances, args.requests, cost, cfg, tuple(args.policies),
                     seed=args.seed, seeds=args.seeds, jobs=args.jobs, cost_label=args.cost_model,
                     stress_rps=args.stress_rps, fractions=tuple(args.fractions))  # fmt: skip
@@ -129,7 +132,7 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     if args.capacity_tokens != SimConfig().capacity_tokens:
         name += f"_kv{args.capacity_tokens // 1000}k"
     if args.host_kv_tokens:
-        name += f"_host{args.host_kv_tokens // 1000}k"
+        name += f"_host{args.host_kv_tokens // 1000}k" + ("_ahead" if args.host_copy_ahead else "")
     write(records, args.output, name)
     print(f"wrote {args.output}/{name}.json and .png")
     return 0
@@ -156,7 +159,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
         print(summary_table(f"{cfg.workload} at scale {cfg.scale}", stats, paper=cfg.workload))
     if args.simulate:
         cost = CostModel.load(args.cost_model).scaled(args.slowdown)
-        sim = SimConfig.of(args.simulate, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens)
+        sim = SimConfig.of(args.simulate, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens,
+                           host_copy_ahead=args.host_copy_ahead)  # fmt: skip
         records = replay(cfg, sim, cost)
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
     else:

@@ -196,6 +196,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         "--host-kv-tokens", type=int, default=0,
         help="each engine's host tier: KV tokens kept in host memory when the device evicts them (0: none)",
     )  # fmt: skip
+    _copy_ahead_flag(p)
     p.add_argument(
         "--no-pin",
         action="store_true",
@@ -250,6 +251,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         "--host-kv-tokens", type=int, default=0,
         help="each instance's host tier below its KV (0: none); a copy either way costs load_ms_per_token",
     )  # fmt: skip
+    _copy_ahead_flag(p)
     p.add_argument(
         "--stress-rps", type=_positive(float), default=None,
         help="the stress rate, found earlier (skips the search and the light rate)",
@@ -337,6 +339,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         "--host-kv-tokens", type=int, default=0,
         help="--simulate: each instance's host tier (0: none), as engines with host_kv_tokens",
     )  # fmt: skip
+    _copy_ahead_flag(p)
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG")
     p.set_defaults(func="commands.bench_cmd")
 
@@ -357,3 +360,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=_positive(int), default=512, help="prefill tokens per iteration")
     p.set_defaults(func="commands.demo")
     return parser
+
+
+def _copy_ahead_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host-copy-ahead", action="store_true",
+        help="with a host tier: copy down beside each forward pass what the device evicts next "
+        "(the engines' host_copy_ahead)",
+    )  # fmt: skip

@@ -46,18 +46,25 @@ class CostModel:
         return self.load_ms_per_token * tokens
 
     def iteration_time(
-        self, prefill_tokens: int, decodes: int, context_tokens: int, moved_tokens: int = 0
+        self,
+        prefill_tokens: int,
+        decodes: int,
+        context_tokens: int,
+        moved_tokens: int = 0,
+        ahead_tokens: int = 0,
     ) -> float:
         """The iteration also waits for the copies between tiers that forming it made: the
         load-backs its requests need and the offloads of what it evicted (charged in full:
-        the engine overlaps neither with the forward pass)."""
-        return (
+        the engine overlaps neither with the forward pass). Copies ahead of eviction run
+        beside it, and only what outlasts it shows."""
+        serial = (
             self.base_ms
             + self.prefill_ms_per_token * prefill_tokens
             + self.decode_ms_per_request * decodes
             + self.attention_ms_per_context_token * context_tokens
             + self.load_ms_per_token * moved_tokens
         )
+        return max(serial, self.load_ms_per_token * ahead_tokens)
 
     def scaled(self, factor: float) -> CostModel:
         """Every time ×``factor``: the GPU an emulated engine with that slowdown plays."""

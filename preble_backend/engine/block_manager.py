@@ -34,6 +34,14 @@ class BlockManager:
             return 0, 0
         return host.stats.pages_loaded * self.page_size, host.stats.pages_offloaded * self.page_size
 
+    def copy_ahead(self, window: int) -> int:
+        """When the next iteration may evict (fewer than ``window`` pages free), copy the
+        ``window`` pages it would take first down to the host tier now, so that its
+        eviction waits for no copy; the tokens copied."""
+        if self.cache is None or self.cache.host is None or self.pool.num_free >= window:
+            return 0
+        return self.cache.copy_ahead(window) * self.page_size
+
     def admit(self, req: Request, first_chunk: int = 0, wait: bool = False) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
         always left to compute, since sampling needs its logits. What the host tier holds

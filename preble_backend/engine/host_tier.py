@@ -32,7 +32,8 @@ log = logging.getLogger("preble.engine")
 
 @dataclass
 class HostTierStats:
-    pages_offloaded: int = 0  # device -> host
+    pages_offloaded: int = 0  # device -> host, at eviction
+    pages_copied_ahead: int = 0  # device -> host beside a forward pass, before their eviction
     pages_reused: int = 0  # evicted with no copy: the host had kept theirs since a load-back
     pages_loaded: int = 0  # host -> device
     loadbacks: int = 0  # requests whose prefix came back from the host
@@ -59,18 +60,23 @@ class HostTier:
                 "host_pages_offloaded": s.pages_offloaded, "host_pages_loaded": s.pages_loaded,
                 "host_loadbacks": s.loadbacks, "host_bytes_moved": s.bytes_moved,
                 "host_load_s": round(s.load_s, 6), "host_copy_failures": s.copy_failures,
-                "host_pages_short": s.pages_short, "host_pages_reused": s.pages_reused}  # fmt: skip
+                "host_pages_short": s.pages_short, "host_pages_reused": s.pages_reused,
+                "host_pages_copied_ahead": s.pages_copied_ahead}  # fmt: skip
 
-    def offload(self, device_pages: list[int]) -> list[int] | None:
-        """Copy device pages down; their host pages, or None when the host pool lacks the
-        room (the caller makes it first) or the copy failed."""
+    def offload(self, device_pages: list[int], ahead: bool = False) -> list[int] | None:
+        """Copy device pages down (``ahead``: pages still cached on the device, copied before
+        their eviction); their host pages, or None when the host pool lacks the room (the
+        caller makes it first) or the copy failed."""
         if len(device_pages) > self.pool.num_free:
             return None
         host_pages = self.pool.alloc(len(device_pages))
         if not self._copy(self.device, device_pages, self.pool, host_pages):
             self.pool.free(host_pages)
             return None
-        self.stats.pages_offloaded += len(device_pages)
+        if ahead:
+            self.stats.pages_copied_ahead += len(device_pages)
+        else:
+            self.stats.pages_offloaded += len(device_pages)
         return host_pages
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> bool:

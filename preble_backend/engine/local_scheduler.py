@@ -31,6 +31,7 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     loaded_tokens: int = 0  # brought back from the host tier to form it
     offloaded_tokens: int = 0  # copied down to the host tier by the evictions that formed it
+    copied_ahead_tokens: int = 0  # copied down beside its forward pass, ahead of their eviction
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -44,10 +45,11 @@ class ScheduledBatch:
         self.requests.pop(i)
         return self.num_new_tokens.pop(i)
 
-    def work(self) -> tuple[int, int, int, int]:
-        """(prefill tokens, decodes, context tokens, tokens copied between tiers): what the
-        cost model charges for this iteration. A request with one token left to compute is
-        decoding; the copies are both ways, since the engine waits for each."""
+    def work(self) -> tuple[int, int, int, int, int]:
+        """(prefill tokens, decodes, context tokens, tokens copied between tiers, tokens
+        copied ahead): what the cost model charges for this iteration. A request with one
+        token left to compute is decoding; the engine waits for the copies both ways that
+        formed the batch, while the copies ahead run beside the forward pass."""
         prefill = decodes = context = 0
         for req, n in zip(self.requests, self.num_new_tokens):
             if req.num_uncomputed == 1:
@@ -55,7 +57,7 @@ class ScheduledBatch:
             else:
                 prefill += n
             context += req.num_computed + n
-        return prefill, decodes, context, self.loaded_tokens + self.offloaded_tokens
+        return prefill, decodes, context, self.loaded_tokens + self.offloaded_tokens, self.copied_ahead_tokens
 
 
 @dataclass
@@ -72,12 +74,14 @@ class LocalScheduler:
         waiting: PriorityWaitQueue,
         chunk_size: int,
         max_running_requests: int,
+        copy_ahead: bool = False,
     ) -> None:
         self.blocks = blocks
         self.waiting = waiting
         self.running: list[Request] = []  # in admission order
         self.chunk_size = chunk_size
         self.max_running = max_running_requests
+        self.copy_ahead = KVPool.pages_for(chunk_size, blocks.page_size) if copy_ahead else 0
         self.stats = SchedulerStats()
         self._waiting_touched = False
         blocks.before_evict = self._keep_waiting_prefixes
@@ -115,6 +119,8 @@ class LocalScheduler:
         self._admit(batch, budget)
         after = self.blocks.tier_traffic()
         batch.loaded_tokens, batch.offloaded_tokens = after[0] - before[0], after[1] - before[1]
+        if batch:
+            batch.copied_ahead_tokens = self.blocks.copy_ahead(self.copy_ahead)
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
@@ -192,4 +198,5 @@ def make_local_scheduler(
         PriorityWaitQueue(config.priority_groups, config.priority_quota),
         config.chunk_size,
         config.max_running_requests,
+        config.host_copy_ahead,
     )

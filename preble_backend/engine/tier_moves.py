@@ -155,11 +155,11 @@ class TierMoves:
         self.host.pool.free(dropped)
         return len(dropped)
 
-    def evict_host(self, num_pages: int) -> int:
+    def evict_host(self, num_pages: int, copies: bool = True) -> int:
         """Drop at least ``num_pages`` host pages (fewer if the tier holds fewer): the host's
-        own leaves, then copies of device nodes (kept as HiCache keeps them: dropped, each
-        costs a copy when its node is evicted, and this engine waits for each), each least
-        recently used first."""
+        own leaves, then (with ``copies``) copies of device nodes (kept as HiCache keeps
+        them: dropped, each costs a copy when its node is evicted), each least recently
+        used first."""
         freed = 0
         heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
         heapq.heapify(heap)
@@ -172,12 +172,43 @@ class TierMoves:
             parent = leaf.parent
             if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        if freed < num_pages:  # (sorting the copies costs: only when they must go)
+        if copies and freed < num_pages:  # (sorting the copies costs: only when they must go)
             for node in sorted(self.copies, key=lambda n: n.last_access):
                 freed += self._drop_copy(node)
                 if freed >= num_pages:
                     break
         return freed
+
+    def copy_ahead(self, window: int) -> int:
+        """Copy down the pages that the next evictions take, before they take them: of the
+        ``window`` least recently used unreferenced device pages (leaf by leaf, the last
+        split to fit), those without a host copy. They stay on the device as copies, so
+        evicting them later copies nothing; the host makes their room from its own leaves
+        only, never from other copies. The pages copied."""
+        if self.host is None or window <= 0:
+            return 0
+        heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
+        heapq.heapify(heap)
+        copied = 0
+        while window > 0 and heap:
+            _, _, leaf = heapq.heappop(heap)
+            if len(leaf.pages) > window:
+                self._split(leaf, len(leaf.pages) - window)  # ``leaf`` keeps the tail, evicted first
+            window -= len(leaf.pages)
+            if leaf.host_copy:
+                continue
+            n = len(leaf.pages)
+            if self.host.pool.num_free < n:
+                self.evict_host(n - self.host.pool.num_free, copies=False)
+            host_pages = self.host.offload(leaf.pages, ahead=True)
+            if host_pages is None:
+                break
+            leaf.host_copy = host_pages
+            self.copies.add(leaf)
+            path = leaf.path_tokens()
+            self.events.append(Change("stored", tuple(path), len(path) - len(leaf.key), "host"))
+            copied += n
+        return copied
 
     def _drop_below(self, node: TreeNode) -> None:
         """Drop the host nodes under ``node`` (deepest first), before ``node`` itself goes."""
