@@ -119,6 +119,17 @@ class TieredCacheMachine(RuleBasedStateMachine):
         assert len(freed) >= min(n, evictable)
         self.device.free(freed)
 
+    @rule(window=st.integers(0, DEVICE_PAGES))
+    def copy_ahead(self, window):
+        """Copies ahead of eviction take no room from other copies, and copy nothing at
+        eviction time."""
+        kept = sum(len(n.host_copy) for n in self.cache.copies)
+        offloaded = self.cache.host.stats.pages_offloaded
+        copied = self.cache.copy_ahead(window)
+        assert copied <= window
+        assert sum(len(n.host_copy) for n in self.cache.copies) == kept + copied
+        assert self.cache.host.stats.pages_offloaded == offloaded
+
     @rule(n=st.integers(0, HOST_PAGES))
     def evict_host(self, n):
         before = self.cache.num_host_pages

@@ -189,12 +189,18 @@ class TierMoves:
             return 0
         heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
-        copied = 0
+        copied, taken = 0, set()
         while window > 0 and heap:
             _, _, leaf = heapq.heappop(heap)
             if len(leaf.pages) > window:
                 self._split(leaf, len(leaf.pages) - window)  # ``leaf`` keeps the tail, evicted first
             window -= len(leaf.pages)
+            taken.add(leaf)
+            parent = leaf.parent  # evicted next once its device children are, as ``evict`` goes
+            if parent is not self.root and parent.lock_ref == 0 and all(
+                c.on_host or c in taken for c in parent.children.values()
+            ):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
             if leaf.host_copy:
                 continue
             n = len(leaf.pages)
