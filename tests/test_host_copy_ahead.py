@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from conftest import make_request, random_prompts
 from test_host_tier import GREEDY, PAGE, content, hosted_hashes, push_out
-from test_parity import expected, vocab
 from test_host_tier_admission import compute, tiered
+from test_parity import expected, vocab
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cost_model import CostModel
@@ -24,7 +24,7 @@ def doc(start: int, pages: int) -> list[int]:
 
 
 def write_kv(device, cache, tokens: list[int]) -> None:
-    """"Compute" a cached prefix's KV: each slot holds its token, in K and V."""
+    """Write a cached prefix's KV as if computed: each slot holds its token, in K and V."""
     for i, page in enumerate(cache.match_prefix(tokens)[0]):
         span = torch.tensor(tokens[i * PAGE : (i + 1) * PAGE], dtype=torch.float32)
         device.k_cache[0, page * PAGE : (page + 1) * PAGE, 0, 0] = span
@@ -101,7 +101,8 @@ def test_a_batch_reports_its_copies_ahead_and_its_eviction_then_copies_nothing()
         while req.num_computed < len(prompt):
             batch = sched.schedule()
             moved.append((batch.offloaded_tokens, batch.copied_ahead_tokens))
-            assert batch.work()[3:] == (batch.loaded_tokens + batch.offloaded_tokens, batch.copied_ahead_tokens)
+            moved_tokens = batch.loaded_tokens + batch.offloaded_tokens
+            assert batch.work()[3:] == (moved_tokens, batch.copied_ahead_tokens)
             sched.advance(batch)
         sched.finish(req)
         return moved
