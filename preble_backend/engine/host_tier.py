@@ -11,16 +11,20 @@ docs/ENGINE.md, "The host tier".
 
 A copy is a gather and a scatter per cache. On a GPU the host pool is pinned; a
 load-back is queued on the compute stream (its pages are written before the forward
-that reads them), while an offload waits for its gather to reach host memory before the
-device pages are freed: one synchronisation per eviction, which a side stream would
-hide (not done: it needs a device session to measure). A copy that raises moves
-nothing: the caller recomputes or drops instead, and no page changes.
+that reads them), while an offload at eviction waits for its gather to reach host
+memory before the device pages are freed: one synchronisation per eviction. Copies
+ahead of eviction (``host_copy_ahead``, ``TierMoves.copy_ahead``) take that wait off
+the loop: on a GPU they run on a side stream beside the forward pass and land in the
+host pool at the next tier operation (``settle``); on a CPU they are done in place. A
+copy that raises moves nothing: the caller recomputes or drops instead, and no page
+changes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +56,9 @@ class HostTier:
         self.stats = HostTierStats()
         per_token = device.k_cache[:, :1].numel() * device.k_cache.element_size() * 2
         self.bytes_per_page = per_token * device.page_size
+        on_gpu = device.k_cache.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device.k_cache.device) if on_gpu else None  # copies ahead
+        self._behind: deque[tuple[torch.cuda.Event, list[torch.Tensor], list[int]]] = deque()
 
     def report(self) -> dict[str, float]:
         """The engine's load report and metrics: the tier's size, use and traffic."""
@@ -70,7 +77,11 @@ class HostTier:
         if len(device_pages) > self.pool.num_free:
             return None
         host_pages = self.pool.alloc(len(device_pages))
-        if not self._copy(self.device, device_pages, self.pool, host_pages):
+        if ahead and self.stream is not None:
+            copied = self._copy_beside(device_pages, host_pages)
+        else:
+            copied = self._copy(self.device, device_pages, self.pool, host_pages)
+        if not copied:
             self.pool.free(host_pages)
             return None
         if ahead:
@@ -88,6 +99,37 @@ class HostTier:
             self.stats.loadbacks += 1
             self.stats.load_s += time.perf_counter() - started
         return ok
+
+    def _copy_beside(self, device_pages: list[int], host_pages: list[int]) -> bool:
+        """Gather the pages into pinned host memory on a side stream, beside the forward
+        pass on the compute stream (after the passes that wrote them); ``settle`` lands
+        them in the host pool."""
+        try:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                index = torch.tensor(device_pages, device=self.stream.device)
+                gathered = [self.device.page_view(cache).index_select(1, index).to("cpu", non_blocking=True)
+                            for cache in (self.device.k_cache, self.device.v_cache)]  # fmt: skip
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        except Exception:
+            log.exception("KV copy ahead of %d pages failed", len(device_pages))
+            self.stats.copy_failures += 1
+            return False
+        self._behind.append((done, gathered, host_pages))
+        self.stats.bytes_moved += len(device_pages) * self.bytes_per_page
+        return True
+
+    def settle(self) -> None:
+        """Land the copies made beside earlier forward passes (each waits for its transfer,
+        done by now unless the pass was shorter): before the radix cache frees or reuses
+        their device pages, or reads or frees their host pages."""
+        while self._behind:
+            done, gathered, host_pages = self._behind.popleft()
+            done.synchronize()
+            index = torch.tensor(host_pages)
+            for cache, pages in zip((self.pool.k_cache, self.pool.v_cache), gathered):
+                self.pool.page_view(cache).index_copy_(1, index, pages)
 
     def _copy(self, src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> bool:
         try:

@@ -188,6 +188,8 @@ class RadixCache(TierMoves):
     def evict(self, num_pages: int, offload: bool = True) -> list[int]:
         """Free at least ``num_pages`` device pages (fewer if not enough are unreferenced),
         LRU first; with a host tier (and ``offload``) their contents move down."""
+        if self.host is not None:
+            self.host.settle()  # copies ahead read the device pages this frees
         heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []

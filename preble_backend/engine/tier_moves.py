@@ -69,6 +69,7 @@ class TierMoves:
         chain = self._walk(tokens, on_host=True, node=node, pos=pos) if self.host else []
         if not chain:
             return [], node
+        self.host.settle()
         need = sum(len(c.pages) for c in chain)
         self.lock(node)  # neither the device path nor the pages coming up may go to make room
         self._loading.update(chain)
@@ -160,6 +161,7 @@ class TierMoves:
         own leaves, then (with ``copies``) copies of device nodes (kept as HiCache keeps
         them: dropped, each costs a copy when its node is evicted), each least recently
         used first."""
+        self.host.settle()
         freed = 0
         heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
         heapq.heapify(heap)

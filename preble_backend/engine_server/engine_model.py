@@ -64,6 +64,7 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "host_load_s": "preble_engine_host_load_seconds_total",
     "host_pages_short": "preble_engine_host_pages_short_total",
     "host_pages_reused": "preble_engine_host_pages_reused_total",
+    "host_pages_copied_ahead": "preble_engine_host_pages_copied_ahead_total",
     "decode_graph_steps": "preble_engine_decode_graph_steps_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
