@@ -199,8 +199,10 @@ class TierMoves:
             window -= len(leaf.pages)
             taken.add(leaf)
             parent = leaf.parent  # evicted next once its device children are, as ``evict`` goes
-            if parent is not self.root and parent.lock_ref == 0 and all(
-                c.on_host or c in taken for c in parent.children.values()
+            if (
+                parent is not self.root
+                and parent.lock_ref == 0
+                and all(c.on_host or c in taken for c in parent.children.values())
             ):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
             if leaf.host_copy:
