@@ -71,17 +71,21 @@ def test_host_tier_events_cross_the_wire_and_a_dead_engine_is_forgotten():
 # ---- the simulator ------------------------------------------------------------------------------
 
 
-def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_copies():
+@pytest.mark.parametrize("copy_ahead", [False, True])
+def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_copies(copy_ahead):
     """Four documents that do not fit one instance's device together (1,200 tokens each
     on 2,048), visited in turn: without a tier every visit recomputes its document; with
     a host tier every revisit loads it back, and the iterations pay the modelled copies,
-    the offloads that made room as well as the load-backs."""
+    the offloads that made room as well as the load-backs; copies made ahead of eviction,
+    beside forward passes longer than they are, cost nothing."""
     docs = [list(range(10_000 * (d + 1), 10_000 * (d + 1) + 1200)) for d in range(4)]
     requests = [SimRequest(f"r{i}", i * 5.0, docs[i % 4] + [i, i + 1], 4) for i in range(16)]
     cost = TIERED
     results = {}
     for host in (0, 8192):
-        cfg = SimConfig.of(1, capacity_tokens=2048, page_size=16, host_kv_tokens=host)
+        cfg = SimConfig.of(
+            1, capacity_tokens=2048, page_size=16, host_kv_tokens=host, host_copy_ahead=copy_ahead
+        )
         run = simulate(requests, lambda clock: RoundRobin(1, clock), cfg, cost)
         results[host] = metrics(run)
         if host:
@@ -91,14 +95,19 @@ def test_a_simulated_host_tier_keeps_what_the_device_cannot_and_charges_its_copi
             # the first document's down, the next three 75 each (what is left of the oldest
             # and the tail of the next), the sixth 52 of the fourth's and 23 loaded back,
             # which the host still holds; from then on every page that goes down is a copy.
-            assert tier.stats.pages_offloaded == 23 + 75 + 75 + 75 + 52
+            # Ahead or in line, the same pages go down.
+            assert tier.stats.pages_offloaded + tier.stats.pages_copied_ahead == 23 + 75 + 75 + 75 + 52
+            assert (tier.stats.pages_copied_ahead > 0) == copy_ahead
+            in_line = tier.stats.pages_offloaded
     assert results[0]["cache_hit_ratio"] == 0.0
     assert results[8192]["cache_hit_ratio"] == pytest.approx(12 * 1200 / (16 * 1202))
     # Alone on the instance, a request computes its 1,202 tokens in 1.202 s; a revisit
     # loads 1,200 back (0.05 ms each: 60 ms) and prefills 2 (decodes cost nothing here);
-    # the 300 pages offloaded cost 0.05 ms per token too.
+    # each page offloaded in line costs 0.05 ms per token too, while the copies ahead (at
+    # most a chunk's 512 tokens per pass: 25.6 ms) run beside prefill chunks and a
+    # load-back, passes of 96 ms or more, and cost nothing.
     assert results[0]["avg_latency_s"] == pytest.approx(1.202)
-    offloads_s = 300 * 16 * 0.05 / 1000
+    offloads_s = in_line * 16 * 0.05 / 1000
     assert results[8192]["avg_latency_s"] == pytest.approx((4 * 1.202 + 12 * 0.062 + offloads_s) / 16)
 
 

@@ -69,8 +69,7 @@ def repo(args: argparse.Namespace) -> int:
         engine["max_num_tokens"] = args.max_num_tokens
     if args.host_kv_tokens:
         engine["host_kv_tokens"] = args.host_kv_tokens
-    if args.host_copy_ahead:
-        engine["host_copy_ahead"] = True
+        engine["host_copy_ahead"] = args.host_copy_ahead
     root = write_repository(
         args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
         router_overrides={"policy": args.policy, "cost_model": args.cost_model},
@@ -132,7 +131,7 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     if args.capacity_tokens != SimConfig().capacity_tokens:
         name += f"_kv{args.capacity_tokens // 1000}k"
     if args.host_kv_tokens:
-        name += f"_host{args.host_kv_tokens // 1000}k" + ("_ahead" if args.host_copy_ahead else "")
+        name += f"_host{args.host_kv_tokens // 1000}k" + ("" if args.host_copy_ahead else "_in_line")
     write(records, args.output, name)
     print(f"wrote {args.output}/{name}.json and .png")
     return 0

@@ -364,7 +364,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 def _copy_ahead_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--host-copy-ahead", action="store_true",
+        "--host-copy-ahead", action=argparse.BooleanOptionalAction, default=EngineConfig.host_copy_ahead,
         help="with a host tier: copy down beside each forward pass what the device evicts next "
         "(the engines' host_copy_ahead)",
     )  # fmt: skip

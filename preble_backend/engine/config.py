@@ -35,9 +35,9 @@ class EngineConfig:
         0.0, doc="host tier sized as this multiple of the device's KV pages, when host_kv_tokens is 0"
     )
     host_copy_ahead: bool = setting(
-        False,
+        True,
         doc="host tier: beside each forward pass, copy down the chunk_size tokens the device evicts "
-        "next, so their eviction waits for no copy",
+        "next, so their eviction waits for no copy (false: each eviction copies in line)",
     )
     chunk_size: int = setting(512, doc="prefill token budget per iteration (chunked prefill)")
     max_running_requests: int = setting(256, doc="cap on requests in the running batch")
