@@ -95,8 +95,9 @@ def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
 
 def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, host_tokens: int) -> dict:
     """The built tier's copies against the other policies', in the simulator (4 instances
-    under E2, the paper's Mistral-7B/A6000 costs): pages copied down (those the device
-    evicts whose copy the host had not kept since a load-back), against those plain
+    under E2, the paper's Mistral-7B/A6000 costs): pages copied down (in line, those the
+    device evicts whose copy the host had not kept since a load-back, and ahead of their
+    eviction, ``copies_ahead``), against those plain
     write-back would copy (every page the device evicts) and write-through would (every
     page the device stores, less those it got back from the host, which it still holds)."""
     from preble_backend.common.cost_model import CostModel
@@ -123,9 +124,10 @@ def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, ho
     result = simulate(trace(workload, requests, rps), factory, cfg, cost)
     tiers = [inst.cache.host.stats for inst in result.instances]
     offloaded, loaded = sum(t.pages_offloaded for t in tiers), sum(t.pages_loaded for t in tiers)
-    reused = sum(t.pages_reused for t in tiers)
+    reused, ahead = sum(t.pages_reused for t in tiers), sum(t.pages_copied_ahead for t in tiers)
     return {"workload": workload, "rps": rps, "device_tokens": device_tokens,
-            "host_tokens": host_tokens, "pages_stored": stored[0], "copies": offloaded,
+            "host_tokens": host_tokens, "pages_stored": stored[0], "copies": offloaded + ahead,
+            "copies_ahead": ahead,
             "pages_reused": reused, "write_back_copies": offloaded + reused,
             "write_through_copies": stored[0] - loaded, "pages_loaded_back": loaded,
             **{k: round(v, 3) for k, v in metrics(result).items()
