@@ -93,7 +93,9 @@ def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
             "recompute_over_offload": round(median["cold"] / median["offload"], 2)}  # fmt: skip
 
 
-def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, host_tokens: int) -> dict:
+def copy_volume(
+    workload: str, requests: int, rps: float, device_tokens: int, host_tokens: int, copy_ahead: bool = True
+) -> dict:
     """The built tier's copies against the other policies', in the simulator (4 instances
     under E2, the paper's Mistral-7B/A6000 costs): pages copied down (in line, those the
     device evicts whose copy the host had not kept since a load-back, and ahead of their
@@ -106,7 +108,7 @@ def copy_volume(workload: str, requests: int, rps: float, device_tokens: int, ho
     from scheduler.sim.sweep import cluster_facts, trace
 
     cost = CostModel.load("mistral7b_a6000")
-    cfg = SimConfig.of(4, device_tokens, host_kv_tokens=host_tokens)
+    cfg = SimConfig.of(4, device_tokens, host_kv_tokens=host_tokens, host_copy_ahead=copy_ahead)
     stored = [0]
 
     def factory(clock):
@@ -147,9 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--copy-volume", default="", help="a workload: copies by policy")
     parser.add_argument("--rps", type=float, default=11.0, help="--copy-volume: the trace's rate")
     parser.add_argument("--host-tokens", type=int, default=180_000, help="--copy-volume: the host tier")
+    parser.add_argument("--host-copy-ahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="--copy-volume: copies ahead of eviction (the engines' default)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.copy_volume:
-        print(json.dumps(copy_volume(args.copy_volume, 3000, args.rps, 60_000, args.host_tokens)))
+        volume = copy_volume(args.copy_volume, 3000, args.rps, 60_000, args.host_tokens, args.host_copy_ahead)
+        print(json.dumps(volume))
         return
     lens = [int(n) for n in args.prefix_lens.split(",")]
     device_tokens = max(lens) + 4 * args.page_size  # holds one prefix
