@@ -7,10 +7,10 @@ only what outlasts the forward pass."""
 from __future__ import annotations
 
 import torch
-from conftest import make_request, random_prompts
-from test_host_tier import GREEDY, PAGE, content, hosted_hashes, push_out
+from conftest import make_request
+from test_host_tier import PAGE, content, hosted_hashes, turns_pushed_out
 from test_host_tier_admission import compute, tiered
-from test_parity import expected, vocab
+from test_parity import expected
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cost_model import CostModel
@@ -123,17 +123,7 @@ def test_an_engine_copying_ahead_gives_transformers_tokens(any_model, make_engin
     back with greedy tokens identical to transformers'; the router mirrors the host."""
     engine = make_engine(any_model, page_size=16, chunk_size=64, max_num_tokens=512,
                          host_kv_tokens=4096, host_copy_ahead=True)  # fmt: skip
-    [prefix] = random_prompts([240], vocab(any_model), seed=21)
-    prompts = [prefix + s for s in random_prompts([7, 30, 1], vocab(any_model), seed=22)]
-    mirror = GlobalPrefixTree(1, page_size=16)
-    cursor, out = engine.cache_events(None).cursor, []
-    for i, prompt in enumerate(prompts):
-        out += engine.generate([prompt], {**GREEDY, "max_tokens": 8})
-        push_out(engine, any_model, seed=30 + i)
-        batch = engine.cache_events(cursor)
-        mirror.apply_events(0, batch.events)
-        cursor = batch.cursor
-        assert mirror.host.pages[0] == hosted_hashes(engine.cache, 16)
+    prompts, out = turns_pushed_out(engine, any_model)
     assert out == expected(hf_reference, any_model, prompts, 8)
     stats = engine.stats()
     assert stats["host_loadbacks"] >= 2 and stats["host_pages_copied_ahead"] > 0

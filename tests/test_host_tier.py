@@ -208,20 +208,27 @@ def push_out(engine, model_path: str, seed: int) -> None:
     engine.generate([filler], {**GREEDY, "max_tokens": 2})
 
 
-def test_a_prefix_pushed_to_the_host_comes_back_with_the_same_tokens(any_model, make_engine, hf_reference):
-    engine = make_engine(any_model, page_size=16, chunk_size=64)
-    [prefix] = random_prompts([240], vocab(any_model), seed=21)
-    prompts = [prefix + s for s in random_prompts([7, 30, 1], vocab(any_model), seed=22)]
+def turns_pushed_out(engine, model_path: str) -> tuple[list[list[int]], list]:
+    """Three prompts sharing a 240-token prefix, each answered (8 greedy tokens) and then
+    pushed out of the device by a filler; after each, the router's mirror of the host
+    tier equals the engine's. The prompts and their answers."""
+    [prefix] = random_prompts([240], vocab(model_path), seed=21)
+    prompts = [prefix + s for s in random_prompts([7, 30, 1], vocab(model_path), seed=22)]
     mirror = GlobalPrefixTree(1, page_size=16)
-    cursor = engine.cache_events(None).cursor
-    out = []
+    cursor, out = engine.cache_events(None).cursor, []
     for i, prompt in enumerate(prompts):
         out += engine.generate([prompt], {**GREEDY, "max_tokens": 8})
-        push_out(engine, any_model, seed=30 + i)
+        push_out(engine, model_path, seed=30 + i)
         batch = engine.cache_events(cursor)
         mirror.apply_events(0, batch.events)
         cursor = batch.cursor
         assert mirror.host.pages[0] == hosted_hashes(engine.cache, 16)
+    return prompts, out
+
+
+def test_a_prefix_pushed_to_the_host_comes_back_with_the_same_tokens(any_model, make_engine, hf_reference):
+    engine = make_engine(any_model, page_size=16, chunk_size=64)
+    prompts, out = turns_pushed_out(engine, any_model)
     assert out == expected(hf_reference, any_model, prompts, 8)
     stats = engine.stats()
     assert stats["host_loadbacks"] == 2 and stats["host_pages_loaded"] == 2 * (240 // 16)

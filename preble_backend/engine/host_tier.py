@@ -107,9 +107,7 @@ class HostTier:
         try:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             with torch.cuda.stream(self.stream):
-                index = torch.tensor(device_pages, device=self.stream.device)
-                gathered = [self.device.page_view(cache).index_select(1, index).to("cpu", non_blocking=True)
-                            for cache in (self.device.k_cache, self.device.v_cache)]  # fmt: skip
+                gathered = gather_pages(self.device, device_pages, torch.device("cpu"), non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self.stream)
         except Exception:
@@ -127,9 +125,7 @@ class HostTier:
         while self._behind:
             done, gathered, host_pages = self._behind.popleft()
             done.synchronize()
-            index = torch.tensor(host_pages)
-            for cache, pages in zip((self.pool.k_cache, self.pool.v_cache), gathered):
-                self.pool.page_view(cache).index_copy_(1, index, pages)
+            scatter_pages(gathered, self.pool, host_pages)
 
     def _copy(self, src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[int]) -> bool:
         try:
@@ -148,12 +144,23 @@ def copy_pages(src: KVPool, src_pages: list[int], dst: KVPool, dst_pages: list[i
     the gathered pages exist, so a failure leaves ``dst`` as it was."""
     if not src_pages:
         return
+    to_gpu = dst.k_cache.device.type == "cuda"  # queued; a copy to the host waits for it
+    scatter_pages(gather_pages(src, src_pages, dst.k_cache.device, non_blocking=to_gpu), dst, dst_pages)
+
+
+def gather_pages(
+    src: KVPool, pages: list[int], device: torch.device, non_blocking: bool
+) -> list[torch.Tensor]:
+    """``src``'s ``pages`` of its K and V caches, every layer, moved to ``device``."""
     gathered = []
     for cache in (src.k_cache, src.v_cache):
-        index = torch.tensor(src_pages, device=cache.device)
-        pages = src.page_view(cache).index_select(1, index)
-        to_gpu = dst.k_cache.device.type == "cuda"  # queued; a copy to the host waits for it
-        gathered.append(pages.to(dst.k_cache.device, non_blocking=to_gpu))
-    index = torch.tensor(dst_pages, device=dst.k_cache.device)
-    for cache, pages in zip((dst.k_cache, dst.v_cache), gathered):
-        dst.page_view(cache).index_copy_(1, index, pages)
+        index = torch.tensor(pages, device=cache.device)
+        gathered.append(src.page_view(cache).index_select(1, index).to(device, non_blocking=non_blocking))
+    return gathered
+
+
+def scatter_pages(gathered: list[torch.Tensor], dst: KVPool, pages: list[int]) -> None:
+    """Write ``gather_pages``' K and V into ``dst``'s ``pages``."""
+    index = torch.tensor(pages, device=dst.k_cache.device)
+    for cache, values in zip((dst.k_cache, dst.v_cache), gathered):
+        dst.page_view(cache).index_copy_(1, index, values)
