@@ -10,12 +10,15 @@ tritonserver and none of the front's packages, and nothing can be fetched there
   it installed (the ``pytriton`` package and its bundled libraries), with the Python
   backend stub of the device's Python only and without the libpython the wheel bundles
   for another version's stub (a third of its size);
-- ``.device/wheels/``: the packages below for the device's Python, at the versions
-  installed here (``tritonclient``'s manylinux wheel carries ``perf_analyzer``).
+- ``.device/packages.tar.xz``: the packages below, at the versions installed here,
+  installed for the device's Python (``pip install --target`` with its platform tags;
+  ``tritonclient``'s manylinux wheel carries ``perf_analyzer``), without tests, bytecode
+  or ``perf_client`` (a second copy of ``perf_analyzer``): 19.3 MiB, numpy 1 included,
+  where the wheels without numpy took 24.6.
 
 Before building, every requirement of what travels, and of the project, for the device's
-Python must travel too or be on the image (``unmet_requirements``, against the image's
-package list in ``DEVICE_IMAGE``). ``kernels/gpu_check.sh`` unpacks both into ``/tmp/site``
+Python must travel too or be on the image at a version it allows (``unmet_requirements``,
+against the image's package list in ``DEVICE_IMAGE`` and the versions in ``DEVICE_VERSIONS``). ``kernels/gpu_check.sh`` unpacks both into ``/tmp/site``
 on the device. A device call carries at most 64 MiB in all, the repository's tracked files
 included: the total is printed and checked.
 """
@@ -28,6 +31,7 @@ import json
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 DEVICE_PYTHON = "3.12"  # python3 of the device image (KINDS.md)
@@ -36,6 +40,10 @@ LACKING = [  # what the front, the router's client and the benchmarks import tha
     "typing-inspection", "uvicorn", "llguidance", "nvidia-cuda-runtime-cu12",
     "python-rapidjson", "protobuf",  # tritonclient.grpc's JSON, and the protobuf its stubs were built for
     "opentelemetry-api",  # fastapi imports it
+    # The image's numpy 2.5.2 shadowed: Triton 2.51's Python backend stub (pybind11 < 2.12)
+    # reads numpy 2's dtype at numpy 1's offsets, so every tensor reached the models as its
+    # first byte repeated and both stubs crashed on their first request (second H200 session).
+    "numpy",
 ]  # fmt: skip
 # The device image's packages (KINDS.md, "Python packages already there", read 2026-11-17):
 # where LACKING's requirements may come from without travelling.
@@ -66,6 +74,9 @@ DEVICE_IMAGE = frozenset(
     typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
     """.split()
 )
+# Versions on the image (KINDS.md's pip list, 2026-11), for the requirements it meets by name.
+DEVICE_VERSIONS = {"numpy": "2.5.2", "torch": "2.11.0", "transformers": "5.17.0", "triton": "3.6.0",
+                   "tokenizers": "0.23.2", "safetensors": "0.8.0"}  # fmt: skip
 USED_EXTRAS = {"tritonclient": ("grpc",)}  # the project imports tritonclient.grpc only
 # The project's own requirements that need not travel as wheels, and why.
 NOT_AS_WHEELS = {
@@ -107,25 +118,40 @@ def server_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> P
     return path
 
 
-def wheels(out: Path, python: str = DEVICE_PYTHON) -> list[Path]:
-    """``LACKING`` at the versions installed here, downloaded for the device's Python."""
-    target = out / "wheels"
-    target.mkdir(parents=True, exist_ok=True)
+def packages_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> Path:
+    """``LACKING`` at the versions installed here, installed for the device's Python into a
+    folder that becomes ``packages.tar.xz`` (unpacked into the device's ``/tmp/site``)."""
     pins = [f"{name}=={importlib.metadata.version(name)}" for name in LACKING]
     platforms = [f"--platform={p}" for p in PLATFORMS]
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", python, "--dest", str(target), *platforms, *pins]  # fmt: skip
-    subprocess.run(cmd, check=True)
-    return sorted(target.glob("*.whl"))
+    with tempfile.TemporaryDirectory() as target:
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+               "--only-binary=:all:", "--implementation=cp", "--python-version", python,
+               "--target", target, *platforms, *pins]  # fmt: skip
+        subprocess.run(cmd, check=True)
+
+        def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+            parts = Path(info.name).parts
+            if {"__pycache__", "tests"} & set(parts) or parts[-2:] == ("bin", "perf_client"):
+                return None
+            return info
+
+        path = out / "packages.tar.xz"
+        with tarfile.open(path, "w:xz", preset=preset) as tar:
+            for item in sorted(Path(target).iterdir()):
+                tar.add(item, arcname=item.name, filter=keep)
+    return path
 
 
 def unmet_requirements(
-    lacking: list[str] = LACKING, image: frozenset[str] = DEVICE_IMAGE
+    lacking: list[str] = LACKING,
+    image: frozenset[str] = DEVICE_IMAGE,
+    versions: dict[str, str] = DEVICE_VERSIONS,
 ) -> dict[str, list[str]]:
     """For each package that travels, and for the project itself, its requirements for the
     device's Python (with the extras the project uses) that neither travel nor are on the
-    image: each is an import that fails there. (The first lent H200 lacked
-    ``python-rapidjson``, which ``tritonclient.grpc`` imports: the router could not load.)"""
+    image at a version they allow: each is an import that fails, or misbehaves, there. (The
+    first lent H200 lacked ``python-rapidjson``, which ``tritonclient.grpc`` imports: the
+    router could not load; the second had numpy 2, which the stubs misread.)"""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -141,7 +167,11 @@ def unmet_requirements(
                 continue
             if name == PROJECT and req.name in NOT_AS_WHEELS:
                 continue
-            if canonicalize_name(req.name) not in have:
+            carried = canonicalize_name(req.name) in {canonicalize_name(n) for n in lacking}
+            on_image = versions.get(canonicalize_name(req.name))
+            if canonicalize_name(req.name) not in have or (
+                not carried and on_image is not None and not req.specifier.contains(on_image, prereleases=True)
+            ):
                 unmet.setdefault(name, set()).add(req.name)
     return {name: sorted(missing) for name, missing in unmet.items()}
 
@@ -161,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = [server_archive(out), *wheels(out)]
+    files = [server_archive(out), packages_archive(out)]
     sizes = {str(f.relative_to(out)): f.stat().st_size for f in files}
     repo = tracked_bytes(Path.cwd())
     total = repo + sum(sizes.values())

@@ -9,8 +9,8 @@
 # folder is packed into $OUT/gpu-check.tar.gz after every step, beside summary.txt and
 # stack.json, so a call cut off at its limit still returns what finished. What the device
 # image lacks comes from .device/ (`python -m kernels.device_bundle` builds it here:
-# tritonserver, the front's packages, perf_analyzer) and .whl/ (FlashInfer), unpacked into
-# /tmp/site first: the device cannot reach PyPI.
+# tritonserver, the front's packages, perf_analyzer, numpy 1 for the backend stubs) and
+# .whl/ (FlashInfer), unpacked into /tmp/site first: the device cannot reach PyPI.
 set -u
 BACK=${OUT:-}  # the device tool's return folder, if any
 OUT=${CHECK_DIR:-gpu-out}
@@ -26,8 +26,10 @@ export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 
 mkdir -p /tmp/site
 export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
-[ -f .device/site.tar.xz ] && tar -xJf .device/site.tar.xz -C /tmp/site
-WHEELS=$(compgen -G ".whl/*.whl"; compgen -G ".device/wheels/*.whl")
+for archive in .device/site.tar.xz .device/packages.tar.xz; do
+    [ -f "$archive" ] && tar -xJf "$archive" -C /tmp/site
+done
+WHEELS=$(compgen -G ".whl/*.whl")
 if [ -n "$WHEELS" ]; then
     # shellcheck disable=SC2086
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -41,6 +41,32 @@ def test_every_requirement_of_what_travels_is_carried_or_on_the_device_image():
     }  # fmt: skip
 
 
+def test_a_requirement_the_image_meets_only_by_name_travels():
+    """The second lent H200 had numpy 2.5.2 where the project asks for numpy<2: the bundle
+    carries numpy 1, and without it the check names numpy (torch's and transformers' image
+    versions meet the project's bounds; tritonclient 2.51 asks for numpy<2 too)."""
+    from kernels.device_bundle import LACKING, unmet_requirements
+
+    without = [n for n in LACKING if n != "numpy"]
+    assert unmet_requirements(without) == {"tritonclient": ["numpy"], "preble-triton": ["numpy"]}
+    assert unmet_requirements(versions={"numpy": "2.5.2", "torch": "1.0.0"}) == {"preble-triton": ["torch"]}
+
+
+def test_the_wheels_stub_is_never_started_beside_numpy_2(tmp_path, monkeypatch):
+    """Triton 2.51's stub misreads numpy 2 arrays (every tensor its first byte repeated):
+    the launcher refuses, naming numpy, before any server starts."""
+    import numpy
+
+    from preble_backend.runtime.launcher import LaunchError, start_server, wheel_root
+
+    if wheel_root() is None:
+        pytest.skip("nvidia-pytriton's server is not installed here")
+    (tmp_path / "repo").mkdir()
+    monkeypatch.setattr(numpy, "__version__", "2.5.2")
+    with pytest.raises(LaunchError, match=r"numpy 2\.5\.2 .*install numpy<2"):
+        start_server(tmp_path / "repo")
+
+
 @pytest.mark.server
 def test_the_stack_step_dry_run_on_the_cpu_from_the_trimmed_server(tmp_path):
     """``gpu_stack --device cpu`` with the archive unpacked first on ``PYTHONPATH``, as

@@ -134,8 +134,24 @@ def wheel_root() -> Path | None:
     return root if (root / "bin" / "tritonserver").is_file() else None
 
 
+def check_stub_numpy(version: str) -> None:
+    """Refuse numpy 2 beside the wheel's stub: Triton 2.51's Python backend stub is built
+    with a pybind11 older than 2.12, which reads numpy 2's dtype descriptor at numpy 1's
+    offsets, so every tensor reaches a model as its first byte repeated (on a lent H200
+    with numpy 2.5.2 both stubs crashed on their first request)."""
+    if int(version.split(".")[0]) >= 2:
+        raise LaunchError(
+            f"numpy {version} is on the import path: the Python backend stub of nvidia-pytriton's "
+            "Triton 2.51 misreads numpy 2 arrays (every tensor arrives as its first byte repeated); "
+            "install numpy<2 (pip install 'numpy<2')"
+        )
+
+
 def _backend_dir(wheel: Path, workdir: Path) -> Path:
     """``backends/python`` with the stub of this interpreter's version."""
+    import numpy
+
+    check_stub_numpy(numpy.__version__)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.is_file():
