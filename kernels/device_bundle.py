@@ -18,8 +18,9 @@ tritonserver and none of the front's packages, and nothing can be fetched there
 
 Before building, every requirement of what travels, and of the project, for the device's
 Python must travel too or be on the image at a version it allows (``unmet_requirements``,
-against the image's package list in ``DEVICE_IMAGE`` and the versions in ``DEVICE_VERSIONS``). ``kernels/gpu_check.sh`` unpacks both into ``/tmp/site``
-on the device. A device call carries at most 64 MiB in all, the repository's tracked files
+against the image's package list in ``DEVICE_IMAGE`` and the versions in
+``DEVICE_VERSIONS``). ``kernels/gpu_check.sh`` unpacks both archives into ``/tmp/site`` on
+the device. A device call carries at most 64 MiB in all, the repository's tracked files
 included: the total is printed and checked.
 """
 
@@ -155,7 +156,8 @@ def unmet_requirements(
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    have = {canonicalize_name(n) for n in (*lacking, *image)}
+    carried = {canonicalize_name(n) for n in lacking}
+    have = carried | {canonicalize_name(n) for n in image}
     device = {"python_version": DEVICE_PYTHON, "sys_platform": "linux", "platform_system": "Linux",
               "platform_machine": "x86_64"}  # fmt: skip
     unmet: dict[str, set[str]] = {}
@@ -167,11 +169,9 @@ def unmet_requirements(
                 continue
             if name == PROJECT and req.name in NOT_AS_WHEELS:
                 continue
-            carried = canonicalize_name(req.name) in {canonicalize_name(n) for n in lacking}
-            on_image = versions.get(canonicalize_name(req.name))
-            if canonicalize_name(req.name) not in have or (
-                not carried and on_image is not None and not req.specifier.contains(on_image, prereleases=True)
-            ):
+            needed = canonicalize_name(req.name)
+            on_image = None if needed in carried else versions.get(needed)
+            if needed not in have or (on_image and not req.specifier.contains(on_image, prereleases=True)):
                 unmet.setdefault(name, set()).add(req.name)
     return {name: sorted(missing) for name, missing in unmet.items()}
 
