@@ -71,8 +71,9 @@ def test_a_load_back_keeps_room_for_the_chunk_after_it():
 def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
     """As HiCache keeps a loaded-back node's host value: evicting a prefix that came back
     from the host copies nothing (write-back copied it down again each time, 2.6 times the
-    pages write-through would on chat), and a host that needs room drops the pages only it
-    holds before such a copy; the copies go when nothing else is left."""
+    pages write-through would on chat). A host that needs room for an offload drops such
+    copies before the pages only it holds: A's copy goes for C, B stays; A's eviction then
+    copies A down again, and the host's own least recently used leaf (B) makes its room."""
     device, cache, blocks = tiered(8, 6)
     host = cache.host.pool
     doc_a, doc_b, doc_c = (list(range(s, s + n * PAGE)) for s, n in ((100, 4), (200, 2), (300, 2)))
@@ -88,12 +89,34 @@ def test_a_prefix_loaded_back_keeps_its_host_copy_until_the_host_needs_room():
     compute(blocks, doc_a, "third", 4)
     compute(blocks, doc_c, "c", 4)
     cache.touch(doc_a)
-    device.free(cache.evict(2))  # C goes down: the host makes room by dropping B, not A's copy
-    assert cache.cached_len(doc_b) == 0 and len(cache.match_prefix(doc_a)[0]) == 4
-    assert (cache.num_host_pages, stats.pages_offloaded, len(cache.copies)) == (6, 8, 1)
-    assert cache.evict_host(4) >= 4  # C, then A's copy
-    assert cache.cached_len(doc_c) == 0 and len(cache.match_prefix(doc_a)[0]) == 4
-    assert (cache.num_host_pages, cache.copies) == (0, set())
+    device.free(cache.evict(2))  # C goes down: the host makes room by dropping A's copy, not B
+    assert cache.cached_len(doc_b) == 2 * PAGE and len(cache.match_prefix(doc_a)[0]) == 4
+    assert (cache.num_host_pages, stats.pages_offloaded, cache.copies) == (4, 8, set())
+    device.free(cache.evict(4))  # A goes down, copied again: B, the older host leaf, goes
+    assert (stats.pages_offloaded, cache.num_host_pages) == (12, 6)
+    assert [cache.cached_len(d) for d in (doc_a, doc_b, doc_c)] == [4 * PAGE, 0, 2 * PAGE]
+    assert cache.evict_host(4) >= 4 and cache.num_host_pages <= 2
+
+
+def test_room_for_an_offload_drops_the_most_recently_used_nodes_copy_first():
+    """X and Y come back from a full host of four pages, keeping their copies; Y is used
+    last. Z, computed before them, is evicted first and needs two host pages: Y's copy goes
+    (Y is evicted last), X's stays, and X's eviction copies nothing."""
+    device, cache, blocks = tiered(8, 4)
+    doc_x, doc_y, doc_z = (list(range(s, s + 2 * PAGE)) for s in (100, 200, 300))
+    for doc in (doc_x, doc_y):
+        compute(blocks, doc, f"first {doc[0]}", 2)
+    device.free(cache.evict(cache.num_evictable_pages))
+    compute(blocks, doc_z, "z", 2)
+    for doc in (doc_x, doc_y):
+        compute(blocks, doc, f"again {doc[0]}", 2)  # loaded back, copies kept: the host is full
+    stats = cache.host.stats
+    assert (stats.pages_loaded, cache.host.pool.num_free, len(cache.copies)) == (4, 0, 2)
+    device.free(cache.evict(2))  # Z
+    assert [n.path_tokens() for n in cache.copies] == [doc_x]
+    assert [cache.cached_len(d) for d in (doc_x, doc_y, doc_z)] == [2 * PAGE] * 3
+    device.free(cache.evict(2))  # X: its copy was kept, so nothing is copied
+    assert (stats.pages_offloaded, stats.pages_reused) == (6, 2)
 
 
 def test_a_prefix_on_the_host_waits_for_room_to_come_back_whole():
