@@ -6,7 +6,8 @@ pushed down to the host tier (offload: its copy, timed); the next request with t
 prefix loads it back (host); then once more with the prefix still on the device
 (device); and the cache is pushed down again (reoffload: the host kept the loaded-back
 pages, so nothing is copied). Requests are timed to their first token, alternating
-rounds so drift hits all alike, and every answer is checked equal. Usage (the defaults:
+rounds so drift hits all alike, and every answer is checked equal; then the tier's copies
+of as many pages alone, both ways (GB/s). Usage (the defaults:
 the embedded model on this host):
 
     python -m preble_backend.benchmarks.host_tier --prefix-lens 1024,4000 --rounds 3
@@ -37,6 +38,7 @@ import torch
 
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
+from preble_backend.engine.host_tier import copy_pages
 from preble_backend.model.pypi_models import resolve as resolve_model
 
 GREEDY = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}
@@ -65,6 +67,24 @@ def push_down(engine: Engine) -> float:
     return timed(engine, lambda: engine.pool.free(engine.cache.evict(engine.cache.num_evictable_pages)))[0]
 
 
+def copy_rate(engine: Engine, pages: int, rounds: int) -> dict[str, float]:
+    """GB/s of the tier's own copies of ``pages`` free pages, host to device (a load-back's
+    copy) and device to host (an offload's), median of ``rounds``: what the TTFTs above
+    hold of the copy path, apart from the forward passes."""
+    host = engine.cache.host
+    device_pages, host_pages = engine.pool.alloc(pages), host.pool.alloc(pages)
+    rates = {}
+    try:
+        for name, args in (("load", (host.pool, host_pages, host.device, device_pages)),
+                           ("offload", (host.device, device_pages, host.pool, host_pages))):  # fmt: skip
+            seconds = [timed(engine, lambda a=args: copy_pages(*a))[0] for _ in range(rounds)]
+            rates[f"{name}_GBps"] = round(pages * host.bytes_per_page / statistics.median(seconds) / 1e9, 2)
+    finally:
+        engine.pool.free(device_pages)
+        host.pool.free(host_pages)
+    return rates
+
+
 def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
     gen = torch.Generator().manual_seed(prefix_len)
     times: dict[str, list[float]] = {"cold": [], "offload": [], "host": [], "device": [], "reoffload": []}
@@ -90,7 +110,8 @@ def measure(engine: Engine, prefix_len: int, rounds: int, vocab: int) -> dict:
             **{f"{k}_s": round(median[k], 5) for k in ("offload", "reoffload")},
             "recompute_over_load_back": round(median["cold"] / median["host"], 2),
             "load_back_over_device_hit": round(median["host"] / median["device"], 2),
-            "recompute_over_offload": round(median["cold"] / median["offload"], 2)}  # fmt: skip
+            "recompute_over_offload": round(median["cold"] / median["offload"], 2),
+            **copy_rate(engine, min(pages_loaded), rounds)}  # fmt: skip
 
 
 def copy_volume(
