@@ -34,6 +34,13 @@ class BlockManager:
             return 0, 0
         return host.stats.pages_loaded * self.page_size, host.stats.pages_offloaded * self.page_size
 
+    def join_loads(self, reqs: list[Request] | None = None) -> None:
+        """The passes from here on read what loads beside earlier passes wrote: all of it
+        (``reqs`` None), or what ``reqs`` read of pages still coming up."""
+        if self.cache is not None and self.cache.host is not None:
+            pages = None if reqs is None else [p for r in reqs for p in r.page_table]
+            self.cache.host.join(pages)
+
     def copy_ahead(self, window: int) -> int:
         """When the next iteration may evict (fewer than ``window`` pages free), copy the
         ``window`` pages it would take first down to the host tier now, so that its
@@ -42,11 +49,14 @@ class BlockManager:
             return 0
         return self.cache.copy_ahead(window) * self.page_size
 
-    def admit(self, req: Request, first_chunk: int = 0, wait: bool = False) -> int | None:
+    def admit(
+        self, req: Request, first_chunk: int = 0, wait: bool = False, beside: bool = False
+    ) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
         always left to compute, since sampling needs its logits. What the host tier holds
         of it comes back leaving room for the pages of its ``first_chunk`` tokens after it;
-        with ``wait``, all of it or (None: not admitted, nothing touched) none."""
+        with ``wait``, all of it or (None: not admitted, nothing touched) none; with
+        ``beside``, copied beside the next forward pass (the request joins the one after)."""
         if self.cache is None:
             return 0
         tokens = req.tokens(0, req.num_tokens - 1)
@@ -57,7 +67,7 @@ class BlockManager:
         def keep(loaded: int) -> int:  # the first chunk starts where the load-back ends
             return KVPool.pages_for(min(first_chunk, req.num_tokens - pos - loaded * ps), ps)
 
-        back = self.cache.load_back(tokens, node, pos, self.pool, keep, wait)
+        back = self.cache.load_back(tokens, node, pos, self.pool, keep, wait, beside)
         if back is None:
             return None
         loaded, node = back

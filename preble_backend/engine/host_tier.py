@@ -41,6 +41,7 @@ class HostTierStats:
     pages_copied_ahead: int = 0  # device -> host beside a forward pass, before their eviction
     pages_reused: int = 0  # evicted with no copy: the host had kept theirs since a load-back
     pages_loaded: int = 0  # host -> device
+    pages_loaded_beside: int = 0  # of those, beside a forward pass that did not read them
     loadbacks: int = 0  # requests whose prefix came back from the host
     pages_short: int = 0  # left on the host (and recomputed) for want of device room
     bytes_moved: int = 0
@@ -58,8 +59,9 @@ class HostTier:
         per_token = device.k_cache[:, :1].numel() * device.k_cache.element_size() * 2
         self.bytes_per_page = per_token * device.page_size
         on_gpu = device.k_cache.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device.k_cache.device) if on_gpu else None  # copies ahead
+        self.stream = torch.cuda.Stream(device.k_cache.device) if on_gpu else None  # copies beside
         self._behind: deque[tuple[torch.cuda.Event, list[torch.Tensor], list[int]]] = deque()
+        self._loads: list[tuple[torch.cuda.Event, set[int]]] = []  # loads beside: device pages written
 
     def report(self) -> dict[str, float]:
         """The engine's load report and metrics: the tier's size, use and traffic."""
@@ -69,7 +71,8 @@ class HostTier:
                 "host_loadbacks": s.loadbacks, "host_bytes_moved": s.bytes_moved,
                 "host_load_s": round(s.load_s, 6), "host_copy_failures": s.copy_failures,
                 "host_pages_short": s.pages_short, "host_pages_reused": s.pages_reused,
-                "host_pages_copied_ahead": s.pages_copied_ahead}  # fmt: skip
+                "host_pages_copied_ahead": s.pages_copied_ahead,
+                "host_pages_loaded_beside": s.pages_loaded_beside}  # fmt: skip
 
     def offload(self, device_pages: list[int], ahead: bool = False) -> list[int] | None:
         """Copy device pages down (``ahead``: pages still cached on the device, copied before
@@ -91,12 +94,18 @@ class HostTier:
             self.stats.pages_offloaded += len(device_pages)
         return host_pages
 
-    def load(self, host_pages: list[int], device_pages: list[int]) -> bool:
-        """Copy host pages into (already allocated) device pages; False if it failed."""
+    def load(self, host_pages: list[int], device_pages: list[int], beside: bool = False) -> bool:
+        """Copy host pages into (already allocated) device pages; False if it failed.
+        ``beside``: on a GPU, on the side stream beside the next forward pass, whose
+        requests do not read these pages (``join`` orders the passes that do)."""
         started = time.perf_counter()
-        ok = self._copy(self.pool, host_pages, self.device, device_pages)
+        if beside and self.stream is not None:
+            ok = self._load_beside(host_pages, device_pages)
+        else:
+            ok = self._copy(self.pool, host_pages, self.device, device_pages)
         if ok:
             self.stats.pages_loaded += len(host_pages)
+            self.stats.pages_loaded_beside += len(host_pages) if beside else 0
             self.stats.loadbacks += 1
             self.stats.load_s += time.perf_counter() - started
         return ok
@@ -118,6 +127,40 @@ class HostTier:
         self._behind.append((done, gathered, host_pages))
         self.stats.bytes_moved += len(device_pages) * self.bytes_per_page
         return True
+
+    def _load_beside(self, host_pages: list[int], device_pages: list[int]) -> bool:
+        try:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                copy_pages(self.pool, host_pages, self.device, device_pages)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        except Exception:
+            log.exception("KV load of %d pages beside the pass failed", len(host_pages))
+            self.stats.copy_failures += 1
+            return False
+        self._loads.append((done, set(device_pages)))
+        self.stats.bytes_moved += len(host_pages) * self.bytes_per_page
+        return True
+
+    def join(self, pages: list[int] | None = None) -> None:
+        """Order the compute stream after the loads made beside earlier passes: all of them
+        (an iteration's start), or those writing any of ``pages`` (pages a batch reads, or
+        pages an eviction frees for reuse)."""
+        if not self._loads:
+            return
+        wanted = None if pages is None else set(pages)
+        stream = torch.cuda.current_stream(self.stream.device)
+        for done, written in self._loads:
+            if wanted is None or not written.isdisjoint(wanted):
+                stream.wait_event(done)
+        self._loads = [(done, written) for done, written in self._loads if not done.query()]
+
+    def finish_loads(self) -> None:
+        """Wait for every load made beside a pass: before host pages it reads are freed."""
+        for done, _ in self._loads:
+            done.synchronize()
+        self._loads = []
 
     def settle(self) -> None:
         """Land the copies made beside earlier forward passes (each waits for its transfer,

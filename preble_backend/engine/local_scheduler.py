@@ -3,7 +3,9 @@
 Each iteration gets a token budget (``chunk_size``, Sarathi-style). Running requests go
 first, oldest first: a decode costs one token, an unfinished prefill takes the next chunk
 that fits. Then waiting requests are admitted from the priority wait queue while budget,
-pages and the running cap allow. When pages run out, unreferenced cache is evicted (what
+pages and the running cap allow; one whose prefix comes back from the host tier while
+others are in the batch is loaded beside their pass and computes from the next. When
+pages run out, unreferenced cache is evicted (what
 waiting requests would reuse last); if that is not enough, the newest running request is
 preempted: its computed pages go to the cache, and it waits at the front of its group to
 be recomputed.
@@ -32,6 +34,7 @@ class ScheduledBatch:
     loaded_tokens: int = 0  # brought back from the host tier to form it
     offloaded_tokens: int = 0  # copied down to the host tier by the evictions that formed it
     copied_ahead_tokens: int = 0  # copied down beside its forward pass, ahead of their eviction
+    loaded_beside_tokens: int = 0  # brought back beside its forward pass, for requests in the next
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -47,9 +50,10 @@ class ScheduledBatch:
 
     def work(self) -> tuple[int, int, int, int, int]:
         """(prefill tokens, decodes, context tokens, tokens copied between tiers, tokens
-        copied ahead): what the cost model charges for this iteration. A request with one
+        copied beside): what the cost model charges for this iteration. A request with one
         token left to compute is decoding; the engine waits for the copies both ways that
-        formed the batch, while the copies ahead run beside the forward pass."""
+        formed the batch, while the copies ahead and the loads for the next batch run
+        beside the forward pass (one side stream)."""
         prefill = decodes = context = 0
         for req, n in zip(self.requests, self.num_new_tokens):
             if req.num_uncomputed == 1:
@@ -57,7 +61,8 @@ class ScheduledBatch:
             else:
                 prefill += n
             context += req.num_computed + n
-        return prefill, decodes, context, self.loaded_tokens + self.offloaded_tokens, self.copied_ahead_tokens
+        beside = self.copied_ahead_tokens + self.loaded_beside_tokens
+        return prefill, decodes, context, self.loaded_tokens + self.offloaded_tokens, beside
 
 
 @dataclass
@@ -98,6 +103,7 @@ class LocalScheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._waiting_touched = False
+        self.blocks.join_loads()  # this pass may read what came up beside the last
         before = self.blocks.tier_traffic()
         budget = self.chunk_size
         for req in list(self.running):
@@ -118,19 +124,29 @@ class LocalScheduler:
                 budget -= n
         self._admit(batch, budget)
         after = self.blocks.tier_traffic()
-        batch.loaded_tokens, batch.offloaded_tokens = after[0] - before[0], after[1] - before[1]
+        batch.loaded_tokens = after[0] - before[0] - batch.loaded_beside_tokens
+        batch.offloaded_tokens = after[1] - before[1]
         if batch:
             batch.copied_ahead_tokens = self.blocks.copy_ahead(self.copy_ahead)
+            if batch.loaded_beside_tokens:
+                self.blocks.join_loads(batch.requests)  # one of them shares a prefix coming up
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         for req in self.waiting.candidates():
             if budget <= 0 or len(self.running) >= self.max_running:
                 return
-            # while others run, a prefix on the host waits for room to come back whole
-            cached = self.blocks.admit(req, budget, wait=bool(self.running))
+            # while others run, a prefix on the host waits for room to come back whole; when
+            # others are in this batch it comes up beside their pass, and the request joins
+            # the next one
+            beside = bool(batch)
+            loaded = self.blocks.tier_traffic()[0]
+            cached = self.blocks.admit(req, budget, wait=bool(self.running), beside=beside)
             if cached is None:
                 return
+            loaded = self.blocks.tier_traffic()[0] - loaded
+            if beside:
+                batch.loaded_beside_tokens += loaded
             n = min(req.num_uncomputed, budget)
             if not self.blocks.reserve(req, n):
                 self.blocks.release(req)
@@ -142,6 +158,8 @@ class LocalScheduler:
             self.stats.prompt_tokens_cached += min(cached, len(req.prompt_ids))
             req.status = Status.RUNNING
             self.running.append(req)
+            if beside and loaded:
+                continue
             batch.add(req, n)
             budget -= n
 

@@ -205,6 +205,8 @@ class RadixCache(TierMoves):
                 and parent.lock_ref == 0
             ):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if self.host is not None:
+            self.host.join(freed)  # whatever reuses them runs after the loads still writing them
         return freed
 
     def _cut(self, leaf: TreeNode, keep: int) -> list[int]:

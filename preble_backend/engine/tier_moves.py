@@ -57,6 +57,7 @@ class TierMoves:
         pool: KVPool,
         keep: Callable[[int], int] = lambda loaded: 0,
         wait: bool = False,
+        beside: bool = False,
     ) -> tuple[list[int], TreeNode] | None:
         """Bring the host tier's continuation of a device prefix (ending at ``node``, token
         ``pos``) back into ``pool``, as much of it as the pool can make room for while
@@ -87,7 +88,7 @@ class TierMoves:
         fitted = sum(len(c.pages) for c in chain)
         self.host.stats.pages_short += need - fitted
         pages = pool.alloc(fitted)
-        if not chain or not self.host.load([p for c in chain for p in c.pages], pages):
+        if not chain or not self.host.load([p for c in chain for p in c.pages], pages, beside):
             pool.free(pages)
             return [], node
         at = 0
@@ -147,6 +148,7 @@ class TierMoves:
 
     def _drop_copy(self, node: TreeNode, keep: int = 0) -> int:
         """Free the host copy of a device node's pages after the first ``keep``; how many."""
+        self.host.finish_loads()  # a load beside the pass may still read them
         dropped, node.host_copy = node.host_copy[keep:], node.host_copy[:keep]
         if not node.host_copy:
             self.copies.discard(node)
@@ -166,6 +168,7 @@ class TierMoves:
         host's own leaves only. Measured against dropping the host's own leaves first:
         BENCHMARKS, "Host order with copies ahead"."""
         self.host.settle()
+        self.host.finish_loads()
         freed = 0
         if copies:
             heap = [(-n.last_access, id(n), n) for n in self.copies]

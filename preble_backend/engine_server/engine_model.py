@@ -65,6 +65,7 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "host_pages_short": "preble_engine_host_pages_short_total",
     "host_pages_reused": "preble_engine_host_pages_reused_total",
     "host_pages_copied_ahead": "preble_engine_host_pages_copied_ahead_total",
+    "host_pages_loaded_beside": "preble_engine_host_pages_loaded_beside_total",
     "decode_graph_steps": "preble_engine_decode_graph_steps_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
