@@ -208,7 +208,7 @@ def gather_pages(
     to_gpu = src.k_cache.device.type == "cpu" and torch.device(device).type == "cuda"
     gathered = []
     for cache in (src.k_cache, src.v_cache):
-        index = torch.tensor(pages, device=cache.device)
+        index = page_index(pages, cache.device)
         view = src.page_view(cache)
         if to_gpu:
             shape = (view.shape[0], len(pages), *view.shape[2:])
@@ -222,6 +222,14 @@ def gather_pages(
 
 def scatter_pages(gathered: list[torch.Tensor], dst: KVPool, pages: list[int]) -> None:
     """Write ``gather_pages``' K and V into ``dst``'s ``pages``."""
-    index = torch.tensor(pages, device=dst.k_cache.device)
+    index = page_index(pages, dst.k_cache.device)
     for cache, values in zip((dst.k_cache, dst.v_cache), gathered):
         dst.page_view(cache).index_copy_(1, index, values)
+
+
+def page_index(pages: list[int], device: torch.device) -> torch.Tensor:
+    """``pages`` as an index on ``device``: to a GPU through pinned memory, queued on the
+    current stream (``torch.tensor(..., device=...)`` would wait for every copy queued
+    there before it, the load beside the pass included)."""
+    index = torch.tensor(pages)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
