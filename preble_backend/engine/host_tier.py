@@ -5,9 +5,9 @@ same way).
 
 The radix cache decides what moves (``radix_cache.py``, ``tier_moves.py``); this module
 owns the host pool and the copies. Copies write back: a page is copied down when the
-device evicts it, and a page loaded back keeps its host copy (the host drops its own
-pages before such copies), so evicting it again copies nothing. Why, by measurement:
-docs/ENGINE.md, "The host tier".
+device evicts it, and a page loaded back keeps its host copy until an offload needs its
+room (copies go first, the newest first), so evicting it again copies nothing. Why, by
+measurement: docs/ENGINE.md, "The host tier".
 
 A copy is a gather and a scatter per cache. On a GPU the host pool is pinned and pages
 cross through pinned memory as one DMA per cache; a load-back is queued on the compute
@@ -17,7 +17,9 @@ one synchronisation per eviction. Copies
 ahead of eviction (``host_copy_ahead``, ``TierMoves.copy_ahead``) take that wait off
 the loop: on a GPU they run on a side stream beside the forward pass and land in the
 host pool at the next tier operation (``settle``); on a CPU they are done in place. A
-copy that raises moves nothing: the caller recomputes or drops instead, and no page
+load-back for a request that joins the next batch runs on the same side stream beside
+the pass (``join`` orders the passes that read its pages after it). A copy that raises
+moves nothing: the caller recomputes or drops instead, and no page
 changes.
 """
 
