@@ -13,14 +13,13 @@ A copy is a gather and a scatter per cache. On a GPU the host pool is pinned and
 cross through pinned memory as one DMA per cache; a load-back is queued on the compute
 stream (its pages are written before the forward that reads them), while an offload at
 eviction waits for its gather to reach host memory before the device pages are freed:
-one synchronisation per eviction. Copies
-ahead of eviction (``host_copy_ahead``, ``TierMoves.copy_ahead``) take that wait off
-the loop: on a GPU they run on a side stream beside the forward pass and land in the
-host pool at the next tier operation (``settle``); on a CPU they are done in place. A
-load-back for a request that joins the next batch runs on the same side stream beside
-the pass (``join`` orders the passes that read its pages after it). A copy that raises
-moves nothing: the caller recomputes or drops instead, and no page
-changes.
+one synchronisation per eviction. Copies ahead of eviction (``host_copy_ahead``,
+``TierMoves.copy_ahead``) take that wait off the loop: on a GPU they run on a side
+stream beside the forward pass and land in the host pool at the next tier operation
+(``settle``); on a CPU they are done in place. A load-back for a request that joins the
+next batch runs on the same side stream beside the pass (``join`` orders the passes
+that read its pages after it). A copy that raises moves nothing: the caller recomputes
+or drops instead, and no page changes.
 """
 
 from __future__ import annotations
