@@ -5,10 +5,9 @@ first, oldest first: a decode costs one token, an unfinished prefill takes the n
 that fits. Then waiting requests are admitted from the priority wait queue while budget,
 pages and the running cap allow; one whose prefix comes back from the host tier while
 others are in the batch is loaded beside their pass and computes from the next. When
-pages run out, unreferenced cache is evicted (what
-waiting requests would reuse last); if that is not enough, the newest running request is
-preempted: its computed pages go to the cache, and it waits at the front of its group to
-be recomputed.
+pages run out, unreferenced cache is evicted (what waiting requests would reuse last); if
+that is not enough, the newest running request is preempted: its computed pages go to
+the cache, and it waits at the front of its group to be recomputed.
 """
 
 from __future__ import annotations
