@@ -27,13 +27,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
 
 import torch
 
 from preble_backend.model.kv_pool import KVPool
 
 log = logging.getLogger("preble.engine")
+T = TypeVar("T")
 
 
 @dataclass
@@ -112,37 +116,37 @@ class HostTier:
         return ok
 
     def _copy_beside(self, device_pages: list[int], host_pages: list[int]) -> bool:
-        """Gather the pages into pinned host memory on a side stream, beside the forward
-        pass on the compute stream (after the passes that wrote them); ``settle`` lands
-        them in the host pool."""
-        try:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-            with torch.cuda.stream(self.stream):
-                gathered = gather_pages(self.device, device_pages, torch.device("cpu"), non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.stream)
-        except Exception:
-            log.exception("KV copy ahead of %d pages failed", len(device_pages))
-            self.stats.copy_failures += 1
-            return False
-        self._behind.append((done, gathered, host_pages))
-        self.stats.bytes_moved += len(device_pages) * self.bytes_per_page
-        return True
+        """Gather the pages into pinned host memory beside the forward pass; ``settle``
+        lands them in the host pool."""
+        gather = partial(gather_pages, self.device, device_pages, torch.device("cpu"), non_blocking=True)
+        ran = self._beside(gather, len(device_pages), "copy ahead")
+        if ran is not None:
+            self._behind.append((*ran, host_pages))
+        return ran is not None
 
     def _load_beside(self, host_pages: list[int], device_pages: list[int]) -> bool:
+        load = partial(copy_pages, self.pool, host_pages, self.device, device_pages)
+        ran = self._beside(load, len(host_pages), "load")
+        if ran is not None:
+            self._loads.append((ran[0], set(device_pages)))
+        return ran is not None
+
+    def _beside(self, work: Callable[[], T], num_pages: int, what: str) -> tuple[torch.cuda.Event, T] | None:
+        """Run ``work`` on the side stream, after the compute stream's work so far (the
+        passes that wrote or freed its pages): the event that marks it done and its
+        result, or None if it raised (nothing moved)."""
         try:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
             with torch.cuda.stream(self.stream):
-                copy_pages(self.pool, host_pages, self.device, device_pages)
+                out = work()
                 done = torch.cuda.Event()
                 done.record(self.stream)
         except Exception:
-            log.exception("KV load of %d pages beside the pass failed", len(host_pages))
+            log.exception("KV %s of %d pages beside the pass failed", what, num_pages)
             self.stats.copy_failures += 1
-            return False
-        self._loads.append((done, set(device_pages)))
-        self.stats.bytes_moved += len(host_pages) * self.bytes_per_page
-        return True
+            return None
+        self.stats.bytes_moved += num_pages * self.bytes_per_page
+        return done, out
 
     def join(self, pages: list[int] | None = None) -> None:
         """Order the compute stream after the loads made beside earlier passes: all of them
