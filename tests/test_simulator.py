@@ -3,6 +3,11 @@ fed only by their events, mirrors those caches exactly even under heavy eviction
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 from conftest import assert_cached_kids_counted
 
@@ -65,6 +70,41 @@ def test_every_request_finishes_and_metrics_are_consistent():
     for inst in result.instances:
         assert inst.pool.num_free + inst.cache.num_pages == inst.pool.num_pages
         assert inst.cache.num_locked_pages == 0
+
+
+REPEAT = """
+import json
+from preble_backend.common.cost_model import CostModel
+from scheduler.sim.simulator import SimConfig
+from scheduler.sim.sweep import run, trace
+cfg = SimConfig.of(2, capacity_tokens=16384, host_kv_tokens=32768)
+r = run(trace("chat", 300, 6.0, seed=2), "e2", cfg, CostModel.load("mistral7b_a6000"))
+print(json.dumps([r["avg_latency_s"], r["p99_latency_s"], r["cache_hit_ratio"], r["follower_moves"]]))
+"""
+
+
+def test_a_run_repeats_exactly_in_another_process():
+    """Policies are compared by runs in separate processes (``sweep``'s pool): a run must
+    not depend on memory addresses or string hashing. Eviction once broke ties of recency
+    by ``id()``, and this run's hit ratio moved by up to 0.004 from process to process."""
+    out = []
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        proc = subprocess.run(
+            [sys.executable, "-c", REPEAT], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr
+        out.append(json.loads(proc.stdout))
+    assert out[0] == out[1]
+
+
+def test_a_request_no_instance_can_hold_is_refused_by_name():
+    cfg = SimConfig.of(2, capacity_tokens=4096)
+    requests = small_trace("videoqa", 5, rps=2, scale=0.1)
+    requests[3].input_ids = list(range(5000))
+    refused = r"request q3: prompt plus output \(\d+ tokens\) exceeds .* \(4096 tokens\)"
+    with pytest.raises(ValueError, match=refused):
+        simulate(requests, lambda clock: E2(2, cost_model=COST, clock=clock), cfg, COST)
 
 
 def test_e2_keeps_more_of_the_prefix_cache_than_round_robin():

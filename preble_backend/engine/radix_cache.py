@@ -190,7 +190,7 @@ class RadixCache(TierMoves):
         LRU first; with a host tier (and ``offload``) their contents move down."""
         if self.host is not None:
             self.host.settle()  # copies ahead read the device pages this frees
-        heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
+        heap = [(n.last_access, n.order, n) for n in self.leaves if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages and heap:
@@ -204,7 +204,7 @@ class RadixCache(TierMoves):
                 and not parent.has_device_child()
                 and parent.lock_ref == 0
             ):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (parent.last_access, parent.order, parent))
         if self.host is not None:
             self.host.join(freed)  # whatever reuses them runs after the loads still writing them
         return freed

@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+_created = itertools.count()
+
 
 @dataclass(eq=False)
 class TreeNode:
@@ -18,6 +20,9 @@ class TreeNode:
     last_access: int = 0
     on_host: bool = False
     host_copy: list[int] = field(default_factory=list)  # a device node's pages, also on the host
+    # breaks ties of last_access in the eviction heaps: by creation, not by memory address,
+    # so that a run (the simulator's above all) repeats exactly
+    order: int = field(default_factory=_created.__next__, repr=False)
 
     def path_tokens(self) -> list[int]:
         parts, node = [], self

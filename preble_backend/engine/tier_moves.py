@@ -171,11 +171,11 @@ class TierMoves:
         self.host.finish_loads()
         freed = 0
         if copies:
-            heap = [(-n.last_access, id(n), n) for n in self.copies]
+            heap = [(-n.last_access, n.order, n) for n in self.copies]
             heapq.heapify(heap)
             while freed < num_pages and heap:
                 freed += self._drop_copy(heapq.heappop(heap)[2])
-        heap = [(n.last_access, id(n), n) for n in self.host_leaves if n not in self._loading]
+        heap = [(n.last_access, n.order, n) for n in self.host_leaves if n not in self._loading]
         heapq.heapify(heap)
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
@@ -185,7 +185,7 @@ class TierMoves:
             freed += len(dropped)
             parent = leaf.parent
             if keep == 0 and parent.on_host and not parent.children and parent not in self._loading:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (parent.last_access, parent.order, parent))
         return freed
 
     def copy_ahead(self, window: int) -> int:
@@ -193,30 +193,16 @@ class TierMoves:
         ``window`` least recently used unreferenced device pages (leaf by leaf, the last
         split to fit), those without a host copy. They stay on the device as copies, so
         evicting them later copies nothing; the host makes their room from its own leaves
-        only, never from other copies. The pages copied."""
+        only, never from other copies, once for all of them (one pass over its leaves, not
+        one per leaf). The pages copied."""
         if self.host is None or window <= 0:
             return 0
-        heap = [(n.last_access, id(n), n) for n in self.leaves if n.lock_ref == 0]
-        heapq.heapify(heap)
-        copied, taken = 0, set()
-        while window > 0 and heap:
-            _, _, leaf = heapq.heappop(heap)
-            if len(leaf.pages) > window:
-                self._split(leaf, len(leaf.pages) - window)  # ``leaf`` keeps the tail, evicted first
-            window -= len(leaf.pages)
-            taken.add(leaf)
-            parent = leaf.parent  # evicted next once its device children are, as ``evict`` goes
-            if (
-                parent is not self.root
-                and parent.lock_ref == 0
-                and all(c.on_host or c in taken for c in parent.children.values())
-            ):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
-            if leaf.host_copy:
-                continue
-            n = len(leaf.pages)
-            if self.host.pool.num_free < n:
-                self.evict_host(n - self.host.pool.num_free, copies=False)
+        chosen = [leaf for leaf in self._next_evicted(window) if not leaf.host_copy]
+        need = sum(len(leaf.pages) for leaf in chosen)
+        if self.host.pool.num_free < need:
+            self.evict_host(need - self.host.pool.num_free, copies=False)
+        copied = 0
+        for leaf in chosen:
             host_pages = self.host.offload(leaf.pages, ahead=True)
             if host_pages is None:
                 break
@@ -224,8 +210,30 @@ class TierMoves:
             self.copies.add(leaf)
             path = leaf.path_tokens()
             self.events.append(Change("stored", tuple(path), len(path) - len(leaf.key), "host"))
-            copied += n
+            copied += len(host_pages)
         return copied
+
+    def _next_evicted(self, window: int) -> list[TreeNode]:
+        """The device nodes that the next evictions of ``window`` pages take, in their order
+        (as ``evict`` goes: leaves least recently used first, a parent once its device
+        children are taken), the last split so that it ends the window."""
+        heap = [(n.last_access, n.order, n) for n in self.leaves if n.lock_ref == 0]
+        heapq.heapify(heap)
+        taken: dict[TreeNode, None] = {}  # ordered, and a set for the parents' test
+        while window > 0 and heap:
+            _, _, leaf = heapq.heappop(heap)
+            if len(leaf.pages) > window:
+                self._split(leaf, len(leaf.pages) - window)  # ``leaf`` keeps the tail, evicted first
+            window -= len(leaf.pages)
+            taken[leaf] = None
+            parent = leaf.parent
+            if (
+                parent is not self.root
+                and parent.lock_ref == 0
+                and all(c.on_host or c in taken for c in parent.children.values())
+            ):
+                heapq.heappush(heap, (parent.last_access, parent.order, parent))
+        return list(taken)
 
     def _drop_below(self, node: TreeNode) -> None:
         """Drop the host nodes under ``node`` (deepest first), before ``node`` itself goes."""

@@ -162,6 +162,7 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
     instances = [SimInstance(i, cfg, cost) for i in range(cfg.num_instances)]
+    _refuse_oversized(requests, instances[0].pool.capacity_tokens)
     loads = [InstanceLoad() for _ in instances]
     result = SimResult(instances=instances)
     routing: dict[str, RoutingRequest] = {}
@@ -214,6 +215,19 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
         start(inst)
     result.end_time = now[0]
     return result
+
+
+def _refuse_oversized(requests: list[SimRequest], capacity: int) -> None:
+    """A request whose prompt and output outgrow an instance's KV pool would wait forever
+    (an engine refuses it: ``Engine.add_request``), and so would every turn after it: say
+    so before the run, not with requests missing from its records."""
+    for r in requests:
+        if len(r.input_ids) + r.output_len > capacity:
+            raise ValueError(
+                f"request {r.request_id}: prompt plus output ({len(r.input_ids) + r.output_len} tokens) "
+                f"exceeds an instance's KV pool ({capacity} tokens), so no engine would run it; "
+                "raise the KV capacity (--capacity-tokens)"
+            )
 
 
 def metrics(result: SimResult) -> dict[str, float]:
