@@ -151,6 +151,7 @@ class TieredCacheMachine(RuleBasedStateMachine):
                 assert content(store, page) == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
             for i, page in enumerate(node.host_copy):
                 assert content(self.host, page) == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
+            assert node.path_hashes() == chain_hashes(path, PAGE)  # what its events name
         device = [n for n in nodes if not n.on_host]
         assert self.cache.leaves == {n for n in device if not n.has_device_child()}
         assert self.cache.host_leaves == {n for n in nodes if n.on_host and not n.children}

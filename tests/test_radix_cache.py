@@ -106,6 +106,7 @@ class CacheMachine(RuleBasedStateMachine):
             start = len(path) - len(node.key)
             for i, page in enumerate(node.pages):
                 assert self.content[page] == tuple(path[start + i * PAGE : start + (i + 1) * PAGE])
+            assert node.path_hashes() == chain_hashes(path, PAGE)  # what its events name
         assert self.cache.leaves == {n for n in nodes if not n.children}
         assert self.cache.num_pages == sum(len(n.pages) for n in nodes)
         assert self.cache.num_locked_pages == sum(len(n.pages) for n in nodes if n.lock_ref > 0)

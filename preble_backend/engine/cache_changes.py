@@ -1,8 +1,10 @@
 """The radix cache's changes, as it records them and as its readers get them: coalesced
-into few events, each naming its path by chain hashes once."""
+into few events. A change names its path by the chain hashes its nodes keep (one per page,
+``TreeNode.hashes``), so recording one concatenates arrays and hashes no token."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,15 +13,16 @@ from preble_backend.common.cache_event import CacheEvent, Tier
 
 @dataclass(frozen=True)
 class Change:
-    """A raw event, in tokens: ``tokens[start:]`` stored in, or evicted from, ``tier``."""
+    """A raw event: pages ``start`` onwards of the path whose page chain hashes are
+    ``hashes`` stored in, or evicted from, ``tier``."""
 
     kind: Literal["stored", "evicted"]
-    tokens: tuple[int, ...]
-    start: int
+    hashes: array
+    start: int  # in pages
     tier: Tier = "device"
 
 
-def coalesce(changes: list[Change], page_size: int) -> list[CacheEvent]:
+def coalesce(changes: list[Change]) -> list[CacheEvent]:
     """``changes`` as events, coalesced: a change that continues an earlier one down the
     same path in the same tier (chunked prefill stores a prompt chunk by chunk; eviction
     cuts a leaf's tail piece by piece) is merged into it, even when other changes came
@@ -35,28 +38,23 @@ def coalesce(changes: list[Change], page_size: int) -> list[CacheEvent]:
                 out[j] = merged
                 break
             prior = out[j]
-            if (
-                prior.tier == change.tier
-                and prior.kind != change.kind
-                and _touches(prior, change.tokens, page_size)
-            ):
+            if prior.tier == change.tier and prior.kind != change.kind and _touches(prior, change.hashes):
                 out.append(change)
                 break
         else:
             out.append(change)
-    return [CacheEvent.of(c.kind, c.tokens, c.start, page_size, c.tier) for c in out]
+    return [CacheEvent(c.kind, tuple(c.hashes), c.start, c.tier) for c in out]
 
 
-def _touches(change: Change, path: tuple[int, ...], page_size: int) -> bool:
+def _touches(change: Change, path: array) -> bool:
     """Whether ``change``'s span holds a page of ``path`` (then a change on ``path`` cannot
     move past it). Both are paths from the root, so they share a page of the span exactly
-    when they agree up to the end of its first page on both; the usual case differs inside
-    that page and compares only it."""
-    lo, hi = change.start, min(len(change.tokens), len(path))
+    when they agree up to the end of its first page on both; the usual case differs at
+    that page's hash and compares only it."""
+    lo, hi = change.start, min(len(change.hashes), len(path))
     if lo >= hi:
         return False
-    end = lo + page_size
-    return change.tokens[lo:end] == path[lo:end] and change.tokens[:lo] == path[:lo]
+    return change.hashes[lo] == path[lo] and change.hashes[:lo] == path[:lo]
 
 
 def _continued(prior: Change, change: Change) -> Change | None:
@@ -64,8 +62,8 @@ def _continued(prior: Change, change: Change) -> Change | None:
     if prior.kind != change.kind or prior.tier != change.tier:
         return None
     if prior.kind == "stored":  # the next pages of the same path
-        if change.start == len(prior.tokens) and change.tokens[: change.start] == prior.tokens:
-            return Change("stored", change.tokens, prior.start, prior.tier)
-    elif len(change.tokens) == prior.start and prior.tokens[: prior.start] == change.tokens:
-        return Change("evicted", prior.tokens, change.start, prior.tier)  # the pages above the cut
+        if change.start == len(prior.hashes) and change.hashes[: change.start] == prior.hashes:
+            return Change("stored", change.hashes, prior.start, prior.tier)
+    elif len(change.hashes) == prior.start and prior.hashes[: prior.start] == change.hashes:
+        return Change("evicted", prior.hashes, change.start, prior.tier)  # the pages above the cut
     return None

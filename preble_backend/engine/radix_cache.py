@@ -29,6 +29,7 @@ import heapq
 import itertools
 from collections import deque
 
+from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.prefix import longest_match
 from preble_backend.engine.cache_changes import Change, coalesce
@@ -112,9 +113,11 @@ class RadixCache(TierMoves):
             last_access=node.last_access,
             on_host=node.on_host,
             host_copy=node.host_copy[:n_pages],
+            hashes=node.hashes[:n_pages],
         )
         node.parent.children[self._first(upper.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
+        node.hashes = node.hashes[n_pages:]
         if upper.host_copy:
             node.host_copy = node.host_copy[n_pages:]
             self.copies.add(upper)
@@ -138,14 +141,15 @@ class RadixCache(TierMoves):
         while pos < len(tokens):
             child = node.children.get(self._first(tokens, pos))
             if child is None:
-                leaf = TreeNode(key=tokens[pos:], pages=pages[pos // ps :], parent=node)
+                hashes, first = chain_hashes(tokens, ps), pos // ps
+                leaf = TreeNode(key=tokens[pos:], pages=pages[first:], parent=node, hashes=hashes[first:])
                 leaf.last_access = stamp
                 node.children[self._first(leaf.key, 0)] = leaf
                 self.leaves.discard(node)
                 self.leaves.add(leaf)
                 self.num_pages += len(leaf.pages)
                 canonical.extend(leaf.pages)
-                self.events.append(Change("stored", tuple(tokens), pos))
+                self.events.append(Change("stored", hashes, first))
                 return canonical, leaf
             n = self._common_pages(child, tokens, pos)
             if n < len(child.pages):
@@ -212,14 +216,14 @@ class RadixCache(TierMoves):
     def _cut(self, leaf: TreeNode, keep: int) -> list[int]:
         """Drop ``leaf``'s pages after the first ``keep`` (all: the node goes) from its tier."""
         cut = keep * self.page_size
-        path = leaf.path_tokens()
-        start = len(path) - len(leaf.key) + cut
-        self.events.append(Change("evicted", tuple(path), start, "host" if leaf.on_host else "device"))
+        path = leaf.path_hashes()
+        start = len(path) - len(leaf.hashes) + keep
+        self.events.append(Change("evicted", path, start, "host" if leaf.on_host else "device"))
         dropped = leaf.pages[keep:]
         if not leaf.on_host:
             self.num_pages -= len(dropped)
         if keep:
-            leaf.key, leaf.pages = leaf.key[:cut], leaf.pages[:keep]
+            leaf.key, leaf.pages, leaf.hashes = leaf.key[:cut], leaf.pages[:keep], leaf.hashes[:keep]
             return dropped
         parent = leaf.parent
         del parent.children[self._first(leaf.key, 0)]
@@ -244,21 +248,20 @@ class RadixCache(TierMoves):
     def snapshot(self) -> list[CacheEvent]:
         """The whole cache as stored events: one per maximal device path, one per host
         leaf from where its path enters the host tier, and one per host copy."""
-        ps = self.page_size
-        events = [CacheEvent.of("stored", leaf.path_tokens(), 0, ps) for leaf in self.leaves]
+        events = [CacheEvent("stored", tuple(leaf.path_hashes()), 0) for leaf in self.leaves]
         for leaf in self.host_leaves:
-            top, below = leaf, len(leaf.key)
+            top, below = leaf, len(leaf.hashes)
             while top.parent.on_host:
                 top = top.parent
-                below += len(top.key)
-            path = leaf.path_tokens()
-            events.append(CacheEvent.of("stored", path, len(path) - below, ps, "host"))
+                below += len(top.hashes)
+            path = leaf.path_hashes()
+            events.append(CacheEvent("stored", tuple(path), len(path) - below, "host"))
         for node in self.copies:
-            path = node.path_tokens()
-            events.append(CacheEvent.of("stored", path, len(path) - len(node.key), ps, "host"))
+            path = node.path_hashes()
+            events.append(CacheEvent("stored", tuple(path), len(path) - len(node.hashes), "host"))
         return events
 
     def drain_events(self) -> list[CacheEvent]:
         """Events since the last drain, safe to call from another thread, coalesced
         (``cache_changes.coalesce``); paths are named by chain hashes once per event."""
-        return coalesce([self.events.popleft() for _ in range(len(self.events))], self.page_size)
+        return coalesce([self.events.popleft() for _ in range(len(self.events))])

@@ -20,7 +20,6 @@ class TierMoves:
     """What ``RadixCache`` does across tiers; it supplies the tree, its counters and the
     tree operations used here (``_walk``, ``_split``, ``_cut``, ``lock``, ``evict``)."""
 
-    page_size: int
     host: HostTier | None
     root: TreeNode
     events: deque[Change]
@@ -112,20 +111,20 @@ class TierMoves:
     def _promote(self, node: TreeNode, pages: list[int]) -> None:
         """A host node's pages are on the device now (``pages``); its host pages stay, as
         the node's copy, until the host needs their room."""
-        path = node.path_tokens()
+        path = node.path_hashes()
         self.num_pages += len(pages)
         node.on_host, node.host_copy, node.pages = False, node.pages, list(pages)
         self.copies.add(node)
         self.host_leaves.discard(node)
         self.leaves.discard(node.parent)
         self.leaves.add(node)
-        self.events.append(Change("stored", tuple(path), len(path) - len(node.key)))
+        self.events.append(Change("stored", path, len(path) - len(node.hashes)))
 
     def _move_down(self, leaf: TreeNode, keep: int, host_pages: list[int] | None) -> list[int]:
         """``leaf``'s pages after the first ``keep`` now live in ``host_pages`` (None: in the
         host copy it kept); the device pages they leave."""
-        path = leaf.path_tokens()
-        start = len(path) - len(leaf.key) + keep * self.page_size
+        path = leaf.path_hashes()
+        start = len(path) - len(leaf.hashes) + keep
         if keep:
             self.leaves.add(self._split(leaf, keep))  # its only child goes down
         dropped = leaf.pages
@@ -135,7 +134,7 @@ class TierMoves:
             self.copies.discard(leaf)
             self.host.stats.pages_reused += len(dropped)
         else:
-            self.events.append(Change("stored", tuple(path), start, "host"))
+            self.events.append(Change("stored", path, start, "host"))
         leaf.on_host, leaf.pages = True, host_pages
         if not leaf.children:
             self.host_leaves.add(leaf)
@@ -143,7 +142,7 @@ class TierMoves:
         parent = leaf.parent
         if parent is not self.root and not parent.has_device_child():
             self.leaves.add(parent)
-        self.events.append(Change("evicted", tuple(path), start))
+        self.events.append(Change("evicted", path, start))
         return dropped
 
     def _drop_copy(self, node: TreeNode, keep: int = 0) -> int:
@@ -152,9 +151,9 @@ class TierMoves:
         dropped, node.host_copy = node.host_copy[keep:], node.host_copy[:keep]
         if not node.host_copy:
             self.copies.discard(node)
-        path = node.path_tokens()
-        start = len(path) - len(node.key) + keep * self.page_size
-        self.events.append(Change("evicted", tuple(path), start, "host"))
+        path = node.path_hashes()
+        start = len(path) - len(node.hashes) + keep
+        self.events.append(Change("evicted", path, start, "host"))
         self.host.pool.free(dropped)
         return len(dropped)
 
@@ -208,8 +207,8 @@ class TierMoves:
                 break
             leaf.host_copy = host_pages
             self.copies.add(leaf)
-            path = leaf.path_tokens()
-            self.events.append(Change("stored", tuple(path), len(path) - len(leaf.key), "host"))
+            path = leaf.path_hashes()
+            self.events.append(Change("stored", path, len(path) - len(leaf.hashes), "host"))
             copied += len(host_pages)
         return copied
 
