@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import assert_cached_kids_counted
 
-from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.block_hash import chain_hashes, finalized, page_sums
 from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.sampling_params import SamplingParams
@@ -39,6 +39,19 @@ def test_chain_values_are_equal_exactly_while_the_pages_are(page_size):
         for k in range(min(len(ha), len(hb))):
             assert (ha[k] == hb[k]) == ((k + 1) * page_size <= same)
         assert chain_hashes(np.asarray(a, dtype=np.int64), page_size) == ha  # arrays as lists
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_sums_continued_from_a_prefix_are_the_whole_prompts_chain_hashes(page_size):
+    """A radix node added below another hashes only its own tokens, from where its parent
+    ends and that parent's last sum: the chain hashes must be the whole path's."""
+    rng = random.Random(page_size)
+    for _ in range(50):
+        tokens = [rng.randrange(50_000) for _ in range(rng.randrange(0, 300))]
+        cut = rng.randrange(0, len(tokens) // page_size + 1) * page_size
+        head = page_sums(tokens[:cut], page_size)
+        tail = page_sums(tokens[cut:], page_size, cut, head[-1] if head else 0)
+        assert finalized(head + tail) == chain_hashes(tokens, page_size)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

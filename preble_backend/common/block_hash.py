@@ -45,6 +45,14 @@ def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> array:
     """The chain hash of every full page of ``tokens`` (a partial last page has none), as
     an unsigned 64-bit ``array``: the global tree keeps slices of it per node, and an
     array slices by copying bytes, where a list of Python ints touches every object."""
+    return finalized(page_sums(tokens, page_size))
+
+
+def page_sums(tokens: Sequence[int] | np.ndarray, page_size: int, start: int = 0, carry: int = 0) -> array:
+    """The polynomial sums ``H`` at the end of every full page of ``tokens``, before the
+    per-page finalization, for tokens that continue a prefix of ``start`` tokens whose sum
+    is ``carry``: a radix cache node keeps these, so a node added below another hashes
+    only its own tokens (``finalized`` makes them chain hashes)."""
     pages = len(tokens) // page_size
     if pages == 0:
         return array("Q")
@@ -54,9 +62,18 @@ def chain_hashes(tokens: Sequence[int] | np.ndarray, page_size: int) -> array:
     else:
         x = (np.asarray(tokens[:n], dtype=np.uint64) + _ONE) * _MIX
     x ^= x >> np.uint64(31)
-    x *= _base_powers(n)
+    x *= _base_powers(start + n)[start:]
     h = np.cumsum(x, dtype=np.uint64)[page_size - 1 :: page_size]
-    h ^= h >> np.uint64(29)
+    h += np.uint64(carry)
+    out = array("Q")
+    out.frombytes(h.tobytes())
+    return out
+
+
+def finalized(sums: array) -> array:
+    """Chain hashes from ``page_sums``: each sum mixed so that nearby sums spread."""
+    h = np.frombuffer(sums, dtype=np.uint64)
+    h = h ^ (h >> np.uint64(29))
     h *= _FINAL
     h ^= h >> np.uint64(32)
     out = array("Q")

@@ -1,6 +1,6 @@
 """The radix cache's changes, as it records them and as its readers get them: coalesced
-into few events. A change names its path by the chain hashes its nodes keep (one per page,
-``TreeNode.hashes``), so recording one concatenates arrays and hashes no token."""
+into few events. A change names its path by chain hashes finalized from the sums its
+nodes keep (one per page, ``TreeNode.sums``), so recording one hashes no token."""
 
 from __future__ import annotations
 

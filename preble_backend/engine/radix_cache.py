@@ -29,7 +29,7 @@ import heapq
 import itertools
 from collections import deque
 
-from preble_backend.common.block_hash import chain_hashes
+from preble_backend.common.block_hash import page_sums
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.prefix import longest_match
 from preble_backend.engine.cache_changes import Change, coalesce
@@ -113,11 +113,11 @@ class RadixCache(TierMoves):
             last_access=node.last_access,
             on_host=node.on_host,
             host_copy=node.host_copy[:n_pages],
-            hashes=node.hashes[:n_pages],
+            sums=node.sums[:n_pages],
         )
         node.parent.children[self._first(upper.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
-        node.hashes = node.hashes[n_pages:]
+        node.sums = node.sums[n_pages:]
         if upper.host_copy:
             node.host_copy = node.host_copy[n_pages:]
             self.copies.add(upper)
@@ -141,15 +141,16 @@ class RadixCache(TierMoves):
         while pos < len(tokens):
             child = node.children.get(self._first(tokens, pos))
             if child is None:
-                hashes, first = chain_hashes(tokens, ps), pos // ps
-                leaf = TreeNode(key=tokens[pos:], pages=pages[first:], parent=node, hashes=hashes[first:])
+                key = tokens[pos:]  # hashed on from where the parent's sums end
+                sums = page_sums(key, ps, pos, node.sums[-1] if node.sums else 0)
+                leaf = TreeNode(key=key, pages=pages[pos // ps :], parent=node, sums=sums)
                 leaf.last_access = stamp
                 node.children[self._first(leaf.key, 0)] = leaf
                 self.leaves.discard(node)
                 self.leaves.add(leaf)
                 self.num_pages += len(leaf.pages)
                 canonical.extend(leaf.pages)
-                self.events.append(Change("stored", hashes, first))
+                self.events.append(Change("stored", leaf.path_hashes(), pos // ps))
                 return canonical, leaf
             n = self._common_pages(child, tokens, pos)
             if n < len(child.pages):
@@ -217,13 +218,13 @@ class RadixCache(TierMoves):
         """Drop ``leaf``'s pages after the first ``keep`` (all: the node goes) from its tier."""
         cut = keep * self.page_size
         path = leaf.path_hashes()
-        start = len(path) - len(leaf.hashes) + keep
+        start = len(path) - len(leaf.pages) + keep
         self.events.append(Change("evicted", path, start, "host" if leaf.on_host else "device"))
         dropped = leaf.pages[keep:]
         if not leaf.on_host:
             self.num_pages -= len(dropped)
         if keep:
-            leaf.key, leaf.pages, leaf.hashes = leaf.key[:cut], leaf.pages[:keep], leaf.hashes[:keep]
+            leaf.key, leaf.pages, leaf.sums = leaf.key[:cut], leaf.pages[:keep], leaf.sums[:keep]
             return dropped
         parent = leaf.parent
         del parent.children[self._first(leaf.key, 0)]
@@ -250,15 +251,15 @@ class RadixCache(TierMoves):
         leaf from where its path enters the host tier, and one per host copy."""
         events = [CacheEvent("stored", tuple(leaf.path_hashes()), 0) for leaf in self.leaves]
         for leaf in self.host_leaves:
-            top, below = leaf, len(leaf.hashes)
+            top, below = leaf, len(leaf.pages)
             while top.parent.on_host:
                 top = top.parent
-                below += len(top.hashes)
+                below += len(top.pages)
             path = leaf.path_hashes()
             events.append(CacheEvent("stored", tuple(path), len(path) - below, "host"))
         for node in self.copies:
             path = node.path_hashes()
-            events.append(CacheEvent("stored", tuple(path), len(path) - len(node.hashes), "host"))
+            events.append(CacheEvent("stored", tuple(path), len(path) - len(node.pages), "host"))
         return events
 
     def drain_events(self) -> list[CacheEvent]:

@@ -8,6 +8,8 @@ import itertools
 from array import array
 from dataclasses import dataclass, field
 
+from preble_backend.common.block_hash import finalized
+
 _created = itertools.count()
 
 
@@ -21,9 +23,10 @@ class TreeNode:
     last_access: int = 0
     on_host: bool = False
     host_copy: list[int] = field(default_factory=list)  # a device node's pages, also on the host
-    # the chain hash of each of its pages (``common/block_hash.py``), made once at insertion:
-    # the events that name its path concatenate them instead of hashing the path's tokens
-    hashes: array = field(default_factory=lambda: array("Q"))
+    # the hash sum at the end of each of its pages (``block_hash.page_sums``), made once at
+    # insertion from its own tokens and its parent's last sum: the events that name its path
+    # finalize them instead of hashing the path's tokens
+    sums: array = field(default_factory=lambda: array("Q"))
     # breaks ties of last_access in the eviction heaps: by creation, not by memory address,
     # so that a run (the simulator's above all) repeats exactly
     order: int = field(default_factory=_created.__next__, repr=False)
@@ -39,12 +42,12 @@ class TreeNode:
         """The chain hashes of every page from the root to the end of this node."""
         parts, node = [], self
         while node is not None:
-            parts.append(node.hashes)
+            parts.append(node.sums)
             node = node.parent
-        out = array("Q")
+        sums = array("Q")
         for part in reversed(parts):
-            out.extend(part)
-        return out
+            sums.extend(part)
+        return finalized(sums)
 
     def has_device_child(self) -> bool:
         return any(not c.on_host for c in self.children.values())

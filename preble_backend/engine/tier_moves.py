@@ -118,13 +118,13 @@ class TierMoves:
         self.host_leaves.discard(node)
         self.leaves.discard(node.parent)
         self.leaves.add(node)
-        self.events.append(Change("stored", path, len(path) - len(node.hashes)))
+        self.events.append(Change("stored", path, len(path) - len(node.pages)))
 
     def _move_down(self, leaf: TreeNode, keep: int, host_pages: list[int] | None) -> list[int]:
         """``leaf``'s pages after the first ``keep`` now live in ``host_pages`` (None: in the
         host copy it kept); the device pages they leave."""
         path = leaf.path_hashes()
-        start = len(path) - len(leaf.hashes) + keep
+        start = len(path) - len(leaf.pages) + keep
         if keep:
             self.leaves.add(self._split(leaf, keep))  # its only child goes down
         dropped = leaf.pages
@@ -152,7 +152,7 @@ class TierMoves:
         if not node.host_copy:
             self.copies.discard(node)
         path = node.path_hashes()
-        start = len(path) - len(node.hashes) + keep
+        start = len(path) - len(node.pages) + keep
         self.events.append(Change("evicted", path, start, "host"))
         self.host.pool.free(dropped)
         return len(dropped)
@@ -208,7 +208,7 @@ class TierMoves:
             leaf.host_copy = host_pages
             self.copies.add(leaf)
             path = leaf.path_hashes()
-            self.events.append(Change("stored", path, len(path) - len(leaf.hashes), "host"))
+            self.events.append(Change("stored", path, len(path) - len(leaf.pages), "host"))
             copied += len(host_pages)
         return copied
 
