@@ -166,8 +166,11 @@ class Stack:
 
     def pids(self) -> set[int]:
         """The stack's processes: ``preble serve``, the front, the servers and their stubs
-        (not the stub watchers' passing ``sleep``s); a crash anywhere changes the set."""
-        return {p for p in process_tree(self.process.pid) if command_name(p) not in ("sh", "sleep", "cut")}
+        (not the stub watchers' passing ``sleep``s, nor a process already gone when its name
+        is read: one such ``sh`` counted once failed a full run); a crash anywhere changes
+        the set."""
+        passing = ("", "sh", "sleep", "cut")
+        return {p for p in process_tree(self.process.pid) if command_name(p) not in passing}
 
     def url(self, path: str, port: int | None = None) -> str:
         return f"http://127.0.0.1:{port or self.ports.http}{path}"
