@@ -102,7 +102,9 @@ class Zone(BaseResolver):
 
 
 class Trace:
-    """Clients asking without pause, each answer kept with its prompt, until ``stop``."""
+    """Clients asking without pause, each answer kept with its prompt and the moment it
+    was asked (an answer that arrives after a change may have been routed before it),
+    until ``stop``."""
 
     def __init__(self, ask, prompts: list[str], workers: int = 4) -> None:
         self.answers: list[tuple[str, dict, float]] = []
@@ -114,8 +116,9 @@ class Trace:
                 if self._stop.is_set():
                     return
                 prompt = prompts[i % len(prompts)]
+                asked = time.monotonic()
                 try:
-                    self.answers.append((prompt, ask(prompt), time.monotonic()))
+                    self.answers.append((prompt, ask(prompt), asked))
                 except Exception as exc:
                     self.errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -124,7 +127,11 @@ class Trace:
             thread.start()
 
     def served_by(self, since: float = 0.0) -> set[str]:
-        return {answer["instance"] for _, answer, at in list(self.answers) if at >= since}
+        """The engines that answered requests asked at ``since`` or later."""
+        return {answer["instance"] for _, answer, asked in list(self.answers) if asked >= since}
+
+    def answered(self, since: float) -> int:
+        return sum(asked >= since for _, _, asked in list(self.answers))
 
     def stop(self, expected: dict[str, str]) -> None:
         """Every request answered (none hung), each with its fault-free greedy text."""
@@ -208,7 +215,7 @@ def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_
         zone.records[name].remove(hosts[0].address)
         wait_for(lambda: believed(hosts[0]) == 0, 60, "the departed host drained and forgotten")
         left = time.monotonic()
-        time.sleep(2)
+        wait_for(lambda: trace.answered(since=left) >= 16, 60, "requests asked since answered")
         trace.stop(expected)
         assert engine[hosts[0].address] not in trace.served_by(since=left)
         assert trace.served_by(since=left) == {engine[hosts[1].address], engine[hosts[2].address]}
@@ -223,7 +230,7 @@ def test_engines_found_by_dns_join_leave_and_are_routed_around(hosts, zone, tmp_
         up = lambda host: metric_value(metrics, "preble_router_engine_up", f'engine="{engine[host.address]}"')  # noqa: E731
         assert wait_for(lambda: up(hosts[1]) == 0, 30, "the cut host is down") < 3 + 5
         cut = time.monotonic()
-        time.sleep(2)
+        wait_for(lambda: trace.answered(since=cut) >= 16, 60, "requests asked since answered")
         trace.stop(expected)  # its running requests moved to host 2 and finished there
         assert trace.served_by(since=cut) == {engine[hosts[2].address]}
         assert believed(hosts[1]) == 0  # its cache is forgotten

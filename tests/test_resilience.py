@@ -23,7 +23,7 @@ from server_utils import (
 
 from client.stress import BurstConfig, run_burst
 from client.triton_client import PrebleError
-from preble_backend.common.procfs import group_running, process_alive, process_tree
+from preble_backend.common.procfs import command_line, group_running, process_alive, process_tree
 from preble_backend.runtime.launcher import ServerPorts, start_server
 
 pytestmark = pytest.mark.server
@@ -55,7 +55,7 @@ def _wait_running(client, engine: str) -> None:
 
 def _router_stub(server) -> int:
     for pid in process_tree(server.process.pid):
-        if b"/preble/1/model.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"/preble/1/model.py" in b" ".join(command_line(pid)):
             return pid
     raise AssertionError("no router stub")
 

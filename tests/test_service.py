@@ -20,7 +20,7 @@ import pytest
 from server_utils import Stack, http, serve_stack, wait_for, write_test_repository
 
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
-from preble_backend.common.procfs import command_name, process_alive, process_tree
+from preble_backend.common.procfs import command_line, command_name, process_alive, process_tree
 from preble_backend.runtime.access import admin_key_file
 
 pytestmark = pytest.mark.server
@@ -60,7 +60,7 @@ def router_pid(stack: Stack) -> int:
     """The router's tritonserver: the one serving the run directory's router repository."""
 
     def serves_router(pid: int) -> bool:
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        args = command_line(pid)
         return any(a.startswith(b"--model-repository=") and a.endswith(b"/router") for a in args)
 
     return next(p for p in process_tree(stack.process.pid) if serves_router(p))
@@ -69,7 +69,7 @@ def router_pid(stack: Stack) -> int:
 def engine_grpc_port(stack: Stack, model: str) -> int:
     stub = stack.engine_stub(model)
     parent = Path(f"/proc/{stub}/stat").read_text().rsplit(")", 1)[1].split()[1]
-    args = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
+    args = command_line(int(parent))
     return int(next(a for a in args if a.startswith(b"--grpc-port=")).split(b"=")[1])
 
 
@@ -442,7 +442,7 @@ def test_sigterm_drains_fifty_streams_and_exits_zero(tmp_path, tiny_model):
     deadline = time.monotonic() + 5  # a stub's watcher notices within half a second
     while (left := [p for p in tree if process_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not left, [(p, command_name(p), Path(f"/proc/{p}/cmdline").read_bytes()[:200]) for p in left]
+    assert not left, [(p, command_name(p), b" ".join(command_line(p))[:200]) for p in left]
 
 
 def test_start_up_names_an_unreachable_remote_engine(tmp_path, tiny_model):

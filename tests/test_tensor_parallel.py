@@ -100,11 +100,10 @@ def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_mode
     import os
     import re
     import signal
-    from pathlib import Path
 
     from server_utils import http, serve_stack, wait_for, write_test_repository
 
-    from preble_backend.common.procfs import process_tree
+    from preble_backend.common.procfs import command_line, process_tree
     from preble_backend.serving.pbtxt import set_config_parameter
 
     repo = write_test_repository(tmp_path / "repo", cpu_engines=2)
@@ -127,7 +126,7 @@ def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_mode
         # A rank dies: the engine's next pass fails, its stub exits, the request moves on
         # with the same text, and the supervisor brings the engine back.
         stub = stack.engine_stub("preble_engine_1")
-        ranks = [p for p in process_tree(stub) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        ranks = [p for p in process_tree(stub) if b"spawn_main" in b" ".join(command_line(p))]
         assert len(ranks) == 1, ranks  # rank 1; rank 0 is the stub itself
         os.kill(ranks[0], signal.SIGKILL)
         body = json.dumps({"text_input": "Hello", "sampling_parameters": sampling,

@@ -55,14 +55,21 @@ def command_name(pid: int) -> str:
         return ""
 
 
+def command_line(pid: int) -> list[bytes]:
+    """The process's arguments, or [] once it is gone (a listed child may exit before its
+    arguments are read)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return argv.split(b"\0") if argv else []
+
+
 def process_role(pid: int) -> str | None:
     """``tritonserver``, ``stub:<model>`` for a Python-backend model's stub (its second
     argument is the model's ``model.py``, whose directory names the model), another
     program's name, or None once the process is gone."""
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
+    argv = command_line(pid)
     if not argv or not argv[0]:
         return None
     name = Path(argv[0].decode()).name
