@@ -16,7 +16,7 @@ from pathlib import Path
 
 from client.triton_client import PrebleClient
 from preble_backend.common.keys import ADMIN_KEY_ENV, bearer
-from preble_backend.common.procfs import command_name, process_tree
+from preble_backend.common.procfs import command_line, command_name, process_tree
 from preble_backend.runtime.access import Access
 from preble_backend.runtime.launcher import ServerPorts, free_port, free_ports, start_server
 from preble_backend.runtime.repository import write_repository
@@ -151,6 +151,15 @@ def write_test_repository(path: Path, **kw) -> Path:
     return write_repository(path, **kw)
 
 
+GENERATE = "/v2/models/preble/generate"
+
+
+def generate_body(prompt: str = "Hello", **params) -> bytes:
+    """A generate request's JSON body (``max_tokens`` 4 unless given)."""
+    params.setdefault("max_tokens", 4)
+    return json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(params)}).encode()
+
+
 @dataclass
 class Stack:
     """A ``preble serve`` child process and its public ports."""
@@ -171,6 +180,15 @@ class Stack:
         the set."""
         passing = ("", "sh", "sleep", "cut")
         return {p for p in process_tree(self.process.pid) if command_name(p) not in passing}
+
+    def router_server(self) -> int:
+        """The router's tritonserver: the one serving the run directory's router repository."""
+
+        def serves_router(pid: int) -> bool:
+            args = command_line(pid)
+            return any(a.startswith(b"--model-repository=") and a.endswith(b"/router") for a in args)
+
+        return next(p for p in process_tree(self.process.pid) if serves_router(p))
 
     def url(self, path: str, port: int | None = None) -> str:
         return f"http://127.0.0.1:{port or self.ports.http}{path}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_utils import http, serve_stack, wait_for, write_test_repository
+from server_utils import GENERATE, http, serve_stack, wait_for, write_test_repository
 
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
 from preble_backend.common.procfs import process_alive
@@ -25,14 +25,13 @@ from preble_backend.serving.protocol import BadRequest
 
 pytestmark = pytest.mark.server
 
-GEN = "/v2/models/preble/generate"
 ENGINES = ("preble_engine_0", "preble_engine_1")
 
 
 def generate(stack, prompt: str = "Hello", **params) -> tuple[int, bytes]:
     params.setdefault("max_tokens", 4)
     data = json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(params)}).encode()
-    status, _, answer = http("POST", stack.url(GEN), data)
+    status, _, answer = http("POST", stack.url(GENERATE), data)
     return status, answer
 
 
@@ -105,7 +104,7 @@ def test_wrongly_typed_generate_inputs_are_400_naming_the_input(stack):
 def test_a_pin_to_an_engine_the_router_does_not_have_is_refused(stack):
     def pinned(engine: str) -> tuple[int, bytes]:
         data = json.dumps({"text_input": "Hi", "parameters": {"preble_engine": engine, "max_tokens": 2}})
-        status, _, answer = http("POST", stack.url(GEN), data.encode())
+        status, _, answer = http("POST", stack.url(GENERATE), data.encode())
         return status, answer
 
     status, answer = pinned("preble_engine_9")
@@ -181,7 +180,7 @@ def test_a_request_on_each_of_two_engines_that_fail_is_failed_and_refused_for_a_
         with pytest.raises(PrebleError, match="refused for"):
             client.stream_grpc(prompt, json.loads(params))
         again = json.dumps({"text_input": prompt, "sampling_parameters": params}).encode()
-        status, _, answer = http("POST", stack.url(GEN), again)
+        status, _, answer = http("POST", stack.url(GENERATE), again)
         assert status == 400 and b"refused for" in answer, answer  # not retryable
         wait_for(lambda: generate(stack, "Another request")[0] == 200, 90, "the engines serving again")
     finally:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 import urllib.request
 from collections import Counter
@@ -17,7 +16,6 @@ from server_utils import (
     assert_engine_pages_free,
     client_for,
     launch,
-    repository_index,
     wait_idle,
     write_test_repository,
 )
@@ -319,45 +317,6 @@ def test_router_in_another_server_reaches_these_engines(server, client, tmp_path
         assert streamed.text == direct_text
     finally:
         front.stop()
-
-
-def _set_parameter(path, key: str, value: str, name: str | None = None) -> None:
-    text = re.sub(rf'(key: "{key}" value: {{ string_value: ")[^"]*"', rf'\g<1>{value}"', path.read_text())
-    if name is not None:
-        text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text)
-    path.write_text(text)
-
-
-def test_invalid_config_values_fail_the_load_naming_the_key(tmp_path):
-    repo = write_test_repository(tmp_path / "bad", cpu_engines=1)
-    _set_parameter(repo / "preble_engine_0" / "config.pbtxt", "chunk_size", "0")
-    for key, value in (("page_size", "12"), ("attention_backend", "cuda_magic")):
-        shutil.copytree(repo / "preble_engine_0", repo / f"bad_{key}")
-        _set_parameter(repo / f"bad_{key}" / "config.pbtxt", "chunk_size", "512", name=f"bad_{key}")
-        _set_parameter(repo / f"bad_{key}" / "config.pbtxt", key, value)
-    _set_parameter(repo / "preble" / "config.pbtxt", "policy", "nope")
-    srv = launch(repo, tmp_path / "bad.log", ready=False, extra_args=["--exit-on-error=false"])
-    try:
-        index: dict = {}
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (
-            len(index) == 4 and all(m.get("state") in ("READY", "UNAVAILABLE") for m in index.values())
-        ):
-            time.sleep(0.5)
-            try:
-                index = {m["name"]: m for m in repository_index(srv)}
-            except OSError:
-                pass
-        reasons = {name: m.get("reason", "") for name, m in index.items()}
-        assert "chunk_size=0 is invalid" in reasons["preble_engine_0"]
-        assert (
-            "page_size=12 is invalid" in reasons["bad_page_size"]
-            and "power of two" in reasons["bad_page_size"]
-        )
-        assert "attention_backend='cuda_magic' is invalid" in reasons["bad_attention_backend"]
-        assert "policy='nope' is invalid" in reasons["preble"]
-    finally:
-        srv.stop()
 
 
 def test_perf_analyzer_as_typed_streaming_run_has_no_errors(server):
