@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from server_utils import GENERATE, http, serve_stack, wait_for, write_test_repository
+from server_utils import GENERATE, generate_body, http, serve_stack, wait_for, write_test_repository
 
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
 from preble_backend.common.procfs import process_alive
@@ -29,9 +29,7 @@ ENGINES = ("preble_engine_0", "preble_engine_1")
 
 
 def generate(stack, prompt: str = "Hello", **params) -> tuple[int, bytes]:
-    params.setdefault("max_tokens", 4)
-    data = json.dumps({"text_input": prompt, "sampling_parameters": json.dumps(params)}).encode()
-    status, _, answer = http("POST", stack.url(GENERATE), data)
+    status, _, answer = http("POST", stack.url(GENERATE), generate_body(prompt, **params))
     return status, answer
 
 
