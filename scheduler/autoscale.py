@@ -13,7 +13,7 @@ import logging
 
 from preble_backend.common.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load
+from scheduler.load_cost import DecodeLengths, InstanceHistory
 from scheduler.tree_node import NO_REPLICAS, GlobalNode, Match
 from scheduler.ttft_history import TTFTHistory
 
@@ -56,8 +56,7 @@ class Autoscaling:
         n = sum(key.pending.get(i, 0) for i in serving)  # counted per thread below
         if n < least or not self.live - serving:
             return None
-        d = self.decode_lengths.average(now)
-        load = {i: batch_load(self.history[i], self.cost, d, prompt_len, self.capacity[i]) for i in self.live}
+        load = {i: self._batch_load(i, match, prompt_len, now) for i in self.live}
         if load[choice] <= self.hot_load_factor * sum(load.values()) / len(load):
             return None
         at = match.nodes.index(key)
@@ -69,7 +68,7 @@ class Autoscaling:
             return None
         key_tokens = min(self.page_size * sum(match.lengths[: at + 1]), match.cached_on(choice))
         shared_by = 1 - (len(serving) + 1) / n
-        decode_ms = self.cost.decode_time(d)
+        decode_ms = self.cost.decode_time(self.decode_lengths.average(now))
 
         def amortized(i: int) -> float:
             cached = match.cached_on(i)

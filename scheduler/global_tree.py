@@ -45,6 +45,9 @@ class GlobalPrefixTree:
         self.page_size = page_size
         self.cached_tokens = [0] * num_instances  # confirmed by engine events
         self.held_tokens = [0] * num_instances  # confirmed or pending
+        # The pages requests in flight there cover, each counted once: the KV its running
+        # batch holds (requests that share a prefix hold its pages once).
+        self.pinned_tokens = [0] * num_instances
         # Per instance, nodes it holds in least-recently-used order (oldest first).
         self.lru: list[OrderedDict[GlobalNode, None]] = [OrderedDict() for _ in range(num_instances)]
         # Nodes nobody holds, by when their last request leaves the window: what prune checks.
@@ -57,6 +60,7 @@ class GlobalPrefixTree:
         self.num_instances += 1
         self.cached_tokens.append(0)
         self.held_tokens.append(0)
+        self.pinned_tokens.append(0)
         self.lru.append(OrderedDict())
         self.host.add_instance()
         return self.num_instances - 1
@@ -173,6 +177,7 @@ class GlobalPrefixTree:
             pending = node.pending.get(instance, 0)
             if not pending:
                 self.held_tokens[instance] += (len(node.hashes) - node.cached.get(instance, 0)) * size
+                self.pinned_tokens[instance] += len(node.hashes) * size
             node.pending[instance] = pending + 1
             times = node.hits.get(instance)
             if times is None:
@@ -195,6 +200,7 @@ class GlobalPrefixTree:
                 del node.pending[instance]
                 cached = node.cached.get(instance, 0)
                 self.held_tokens[instance] -= (len(node.hashes) - cached) * self.page_size
+                self.pinned_tokens[instance] -= len(node.hashes) * self.page_size
                 if not cached:
                     lru.pop(node, None)
                     self._note_unheld(node)

@@ -61,7 +61,8 @@ class InstanceHistory:
         self.in_flight: dict[str, tuple[float, float, int]] = {}  # id -> (prefill ms, cached share, tokens)
         self.in_flight_prefill_ms = 0.0
         self.in_flight_cached = 0.0  # Σ cached fraction
-        self.in_flight_tokens = 0  # Σ prompt tokens: the KV the batch holds before decoding
+        self.in_flight_tokens = 0  # Σ prompt tokens: what the batch's attention reads
+        self.backlog_ms, self.backlog_at = 0.0, 0.0  # prefill still queued, as of a time
 
     def add(self, request_id: str, now: float, prefill_ms: float, cached: float, tokens: int) -> None:
         """A request routed here: its prefill time, the fraction of its prompt cached and
@@ -72,6 +73,15 @@ class InstanceHistory:
         self.in_flight_prefill_ms += prefill_ms
         self.in_flight_cached += cached
         self.in_flight_tokens += tokens
+        self.backlog_ms, self.backlog_at = self.queued_prefill(now) + prefill_ms, now
+
+    def queued_prefill(self, now: float) -> float:
+        """The prefill still queued ahead of a new request (ms): what was routed here,
+        drained at one millisecond of prefill per millisecond since, and never more than
+        the requests in flight brought. A request already decoding has had its prefill: a
+        sum over the batch counted it as if it had not."""
+        drained = self.backlog_ms - (now - self.backlog_at) * 1000.0
+        return min(max(0.0, self.in_flight_prefill_ms), max(0.0, drained))
 
     def finish(self, request_id: str) -> None:
         entry = self.in_flight.pop(request_id, None)
@@ -80,7 +90,7 @@ class InstanceHistory:
             self.in_flight_cached -= entry[1]
             self.in_flight_tokens -= entry[2]
         if not self.in_flight:  # no rounding drift survives an idle moment
-            self.in_flight_prefill_ms = self.in_flight_cached = 0.0
+            self.in_flight_prefill_ms = self.in_flight_cached = self.backlog_ms = 0.0
 
     def routed_in_window(self, now: float) -> int:
         self._expire(now)
@@ -130,7 +140,14 @@ class InstanceHistory:
 
 
 def batch_load(
-    history: InstanceHistory, cost: CostModel, decode_len: float, prompt_len: int, capacity: int
+    history: InstanceHistory,
+    cost: CostModel,
+    decode_len: float,
+    prompt_len: int,
+    capacity: int,
+    queued_ms: float,
+    batch_kv: int,
+    new_kv: int,
 ) -> float:
     """L for engines that batch (continuous batching, chunked prefill): the time the
     instance's requests in flight add to this request plus the time it adds to them, from
@@ -139,22 +156,25 @@ def batch_load(
     request lengthens each iteration by its share (``decode_ms_per_request`` plus the
     attention over its context); pricing load that way put it 20-30x above the recompute it
     is weighed against, and chat turns left their cached conversations (docs/SCHEDULER.md).
-    Terms, in milliseconds, with ``b`` requests in flight holding ``kv`` tokens at the
-    window's average decoding length ``d``:
+    Terms, in milliseconds, with ``b`` requests in flight whose contexts sum to ``ctx``
+    tokens at the window's average decoding length ``d``:
 
-    - the prefill queued ahead (Σ PREFILLTIME of the requests in flight);
-    - its ``d`` iterations, each lengthened by the batch: ``b · decode + attention · kv``;
+    - the prefill queued ahead, ``queued_ms``;
+    - its ``d`` iterations, each lengthened by the batch: ``b · decode + attention · ctx``;
     - the batch's iterations it lengthens: ``b`` requests over ``d / 2`` steps on average;
-    - when the batch's KV would overflow ``capacity``, the wait for as much of it to finish.
+    - when the KV would overflow ``capacity``, the wait for as much of the batch to finish:
+      the batch holds ``batch_kv`` prompt tokens plus ``b · d``, and the request adds
+      ``new_kv`` plus ``d``. The caller says how it counts them (``E2._batch_load``).
     """
     b = len(history.in_flight)
     if not b:
         return 0.0
-    kv = history.in_flight_tokens + b * decode_len
-    batch_step = b * cost.decode_ms_per_request + cost.attention_ms_per_context_token * kv
+    ctx = history.in_flight_tokens + b * decode_len
+    batch_step = b * cost.decode_ms_per_request + cost.attention_ms_per_context_token * ctx
     own_step = cost.decode_ms_per_request + cost.attention_ms_per_context_token * (prompt_len + decode_len)
-    load = history.in_flight_prefill_ms + decode_len * batch_step + b * decode_len / 2 * own_step
-    over = kv + prompt_len + decode_len - capacity
+    load = queued_ms + decode_len * batch_step + b * decode_len / 2 * own_step
+    kv = batch_kv + b * decode_len
+    over = kv + new_kv + decode_len - capacity
     if over > 0:
         load += min(1.0, over / kv) * decode_len * (cost.base_ms + batch_step)
     return load

@@ -72,6 +72,16 @@ class Match:
         """Prompt tokens the instance's host tier holds right after what its device holds."""
         return self.hosted.get(instance, 0) * self.page_size if self.hosted else 0
 
+    def pinned_on(self, instance: int) -> int:
+        """Prompt tokens that requests in flight on the instance already hold: the matched
+        path up to its first node without one (their marks run from the root)."""
+        pages = 0
+        for node, n in zip(self.nodes, self.lengths):
+            if instance not in node.pending:
+                break
+            pages += n
+        return pages * self.page_size
+
     def cached_on(self, instance: int) -> int:
         """Prompt tokens the instance holds: the matched path up to its first gap."""
         pages = 0

@@ -66,16 +66,68 @@ def test_requests_waiting_for_their_prefill_do_not_wait_for_the_new_one():
     assert policy.load_cost(0, m, 100, 0.0) == 640 + 64 + 32 + 100 * 2
 
 
+def in_flight(policy, instance: int, tokens, prefill_ms: float = 0.0) -> None:
+    """A request running on ``instance`` since time 0: in its history, and in the tree by
+    its pending marks (the pages it holds there)."""
+    policy.tree.route(chain_hashes(tokens, 1), instance, 0.0)
+    policy.history[instance].add(req(tokens).request_id, 0.0, prefill_ms, 1.0, len(tokens))
+
+
 def test_a_full_batch_makes_the_request_wait_for_part_of_it():
     """KV capacity 3,000: two requests in flight hold 2·(1,000 + 32) tokens; a 1,000-token
     prompt would need 3,096: the 96 over are 96/2,064 of the batch, whose 32 steps of 2 ms
     it waits through in that proportion."""
     policy, _ = e2(cost=BATCH, load_model="batch", capacity=3000)
     for k in range(2):
-        policy.history[0].add(f"q{k}", 0.0, 0.0, 1.0, 1000)
+        in_flight(policy, 0, range(10000 * k, 10000 * k + 1000))
     m = policy.tree.match(chain_hashes(range(20000, 21000), 1))
     wait = 96 / 2064 * 32 * 2
     assert policy.load_cost(0, m, 1000, 0.0) == pytest.approx(64 + 32 + wait + 1000 * 3)
+
+
+def test_a_prefix_the_batch_shares_is_held_once_on_an_engine_with_a_host_tier():
+    """KV capacity 1,250: two requests in flight share a 900-token document and add 100
+    tokens each, so the engine holds 1,100 (+ 2·32 decoded), not the 2,000 their prompts
+    sum to. A third question on the document adds only its own 100: 46 over, 46/1,164 of
+    the batch's 32 steps of 2 ms; a 1,000-token prompt without it is 946 over. Each pays
+    L = 64 + 32 and its missed tokens' prefill three times (its own and the two decoding);
+    nothing is evicted, since the batch holds all the instance has. Without a host tier
+    the prompts are summed: the question is 2,064 + 1,000 + 32 - 1,250 = 1,846 over."""
+    policy, _ = e2(cost=BATCH, load_model="batch", capacity=1250)
+    doc = list(range(20000, 20900))
+    for k in range(2):
+        in_flight(policy, 0, doc + list(range(30000 + 100 * k, 30100 + 100 * k)))
+    assert policy.tree.pinned_tokens[0] == 1100 and policy.history[0].in_flight_tokens == 2000
+    question = doc + list(range(40000, 40100))
+    m = policy.tree.match(chain_hashes(question, 1))
+    assert (m.pinned_on(0), m.cached_on(0)) == (900, 900)
+    assert policy.load_cost(0, m, 1000, 0.0) == pytest.approx(96 + 1846 / 2064 * 64 + 100 * 3)
+    policy.tiered[0] = True  # as the engine's load report says
+    assert policy.load_cost(0, m, 1000, 0.0) == pytest.approx(96 + 46 / 1164 * 64 + 100 * 3)
+    fresh = policy.tree.match(chain_hashes(range(50000, 51000), 1))
+    assert policy.load_cost(0, fresh, 1000, 0.0) == pytest.approx(96 + 946 / 1164 * 64 + 1000 * 3)
+
+
+def test_a_prefill_already_run_is_no_longer_queued_ahead_on_an_engine_with_a_host_tier():
+    """Two requests routed at time 0 brought 320 ms of prefill each. At 0 all 640 ms are
+    ahead of a new request; the instance works through it at a millisecond a millisecond,
+    so 140 ms are left at 0.5 s and none at 1 s, though both are still in flight
+    (decoding). A request routed at 1 s queues its own 100 ms again. Without a host tier
+    every prefill in flight counts as queued (740 ms)."""
+    policy, clock = e2(cost=BATCH, load_model="batch")
+    for k in range(2):
+        in_flight(policy, 0, range(1000 * k, 1000 * k + 320), prefill_ms=320.0)
+    history = policy.history[0]
+    assert [history.queued_prefill(t) for t in (0.0, 0.5, 1.0, 9.0)] == [640.0, 140.0, 0.0, 0.0]
+    history.add("late", 1.0, 100.0, 0.0, 100)
+    assert history.queued_prefill(1.0) == 100.0 and history.in_flight_prefill_ms == 740.0
+    m = policy.tree.match(chain_hashes(range(5000, 5010), 1))
+    decoding = history.decoding(BATCH.decode_time(32))
+    clock.t = 1.05  # 50 ms later: 50 of the 100 left; 3 in flight, none cached for the new one
+    rest = 32 * 3 + 3 * 16 + 10 * (1 + decoding)
+    assert policy.load_cost(0, m, 10, clock.t) == pytest.approx(740 + rest)
+    policy.tiered[0] = True
+    assert policy.load_cost(0, m, 10, clock.t) == pytest.approx(50 + rest)
 
 
 def test_an_evicted_prefix_costs_one_recompute_however_many_used_it():
@@ -93,7 +145,7 @@ def test_an_evicted_prefix_costs_one_recompute_however_many_used_it():
         r, d = route(policy, tokens)
         assert d.instance == instance
         policy.on_finish(d.instance, r, stored(tokens))
-    policy.history[1].add("busy", clock(), 0.0, 1.0, 10)
+    in_flight(policy, 1, range(600, 610))
     new = list(range(400, 450))
     m = policy.tree.match(chain_hashes(new, 1))
     busy = 48 + 4 / 42 * 32 + 100 + 50 * 2

@@ -28,6 +28,17 @@ def small_trace(workload: str, n: int, rps: float, scale: float) -> list[SimRequ
     return [SimRequest(f"q{i}", r.arrival, words.token_ids(r), r.output_len) for i, r in enumerate(reqs)]
 
 
+def pinned_by_walking(tree) -> list[int]:
+    """Per instance, the tokens of the nodes its requests in flight cover, each once."""
+    pinned, stack = [0] * tree.num_instances, list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        for i in node.pending:
+            pinned[i] += len(node.hashes) * tree.page_size
+    return pinned
+
+
 def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
     cfg = SimConfig.of(3, capacity_tokens=4096, page_size=16, chunk_size=256)
     requests = small_trace("toolbench", 300, rps=40, scale=0.3)
@@ -41,6 +52,7 @@ def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
         def on_finish(instance, request, info):
             evicted.extend(e for e in info.events if e.kind == "evicted")
             finish(instance, request, info)
+            assert policy.tree.pinned_tokens == pinned_by_walking(policy.tree)  # through splits and merges
 
         policy.on_finish = on_finish
         built.append(policy)
@@ -54,6 +66,7 @@ def test_global_tree_mirrors_engine_caches_under_heavy_eviction():
         engine_view = {tuple(chain_hashes(leaf.path_tokens(), 16)) for leaf in inst.cache.leaves}
         assert tree.cached_sequences(inst.index) == engine_view
         assert tree.held_tokens[inst.index] == tree.cached_tokens[inst.index]  # nothing pending
+        assert tree.pinned_tokens[inst.index] == 0
     assert_cached_kids_counted(tree)
 
 
