@@ -252,7 +252,7 @@ class E2(Autoscaling, Policy):
         prefix once, from the tree's pending marks), the request adding only what they do
         not hold, and the prefill still queued (``InstanceHistory.queued_prefill``). On an
         engine without one, the batch's prompts summed and every prefill in flight
-        queued: measured, the engine's picture there cost 1-3% on the average and up to 23%
+        queued: measured, the engine's picture there cost up to 2.8% on the average and 23%
         on p99 (docs/SCHEDULER.md, "The batch load model")."""
         h = self.history[instance]
         if self.tiered[instance]:
