@@ -1,23 +1,21 @@
 """The global prefix tree (paper §4.2): one radix tree of the cluster's prompts.
 
 Keys are page chain hashes (``preble_backend/common/block_hash.py``), one per full KV page, so the
-tree has the engines' own granularity (they share whole pages only) and a prompt is a
-list of a few hundred numbers instead of thousands of tokens. A node is a run of pages
-(``tree_node.py``).
+tree has the engines' own granularity (they share whole pages only) and a prompt is a list of a few
+hundred numbers instead of thousands of tokens. A node is a run of pages (``tree_node.py``).
 
-Per node: the instances caching it, per-instance request timestamps in the sliding window
-W; per instance, the nodes it holds in least-recently-used order (for the virtual LRU
-eviction of load cost).
-An instance *has* a node when its engine reported the pages stored (``cached``) or when
-requests routed there, still in flight, cover the node (``pending``): the router must
-exploit a prefix it just placed before the engine's report arrives. When a request
-finishes, its pending marks go and the engine's events say exactly what stayed cached, so
-the tree mirrors the engines' radix caches. A node no instance has and no request used
-within W is removed.
+Per node: the instances caching it, per-instance request timestamps in the sliding window W; per
+instance, the nodes it holds in least-recently-used order (for the virtual LRU eviction of load
+cost) and the tokens its requests in flight pin, a shared page once. An instance *has* a node when
+its engine reported the pages stored (``cached``) or when requests routed there, still in flight,
+cover the node (``pending``): the router must exploit a prefix it just placed before the engine's
+report arrives. When a request finishes, its pending marks go and the engine's events say exactly
+what stayed cached, so the tree mirrors the engines' radix caches. A node no instance has and no
+request used within W is removed.
 
-Reading (``match``, ``eviction_order``, ``requests_in_window``) and changing (``route``,
-``finish``, ``apply_events``, ``prune``) are separate methods: a policy may read freely
-while it decides and changes the tree only to record what it decided.
+Reading (``match``, ``eviction_order``, ``requests_in_window``) and changing (``route``, ``finish``,
+``apply_events``, ``prune``) are separate methods: a policy may read freely while it decides and
+changes the tree only to record what it decided.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ class GlobalPrefixTree:
         self.page_size = page_size
         self.cached_tokens = [0] * num_instances  # confirmed by engine events
         self.held_tokens = [0] * num_instances  # confirmed or pending
-        # The pages requests in flight there cover, each counted once: the KV its running
-        # batch holds (requests that share a prefix hold its pages once).
-        self.pinned_tokens = [0] * num_instances
+        self.pinned_tokens = [0] * num_instances  # pending: the batch's KV, a shared page once
         # Per instance, nodes it holds in least-recently-used order (oldest first).
         self.lru: list[OrderedDict[GlobalNode, None]] = [OrderedDict() for _ in range(num_instances)]
         # Nodes nobody holds, by when their last request leaves the window: what prune checks.
