@@ -56,7 +56,8 @@ class Autoscaling:
         n = sum(key.pending.get(i, 0) for i in serving)  # counted per thread below
         if n < least or not self.live - serving:
             return None
-        load = {i: self._batch_load(i, match, prompt_len, now) for i in self.live}
+        d = self.decode_lengths.average(now)
+        load = {i: self._batch_load(i, match, prompt_len, now, d) for i in self.live}
         if load[choice] <= self.hot_load_factor * sum(load.values()) / len(load):
             return None
         at = match.nodes.index(key)
@@ -68,7 +69,7 @@ class Autoscaling:
             return None
         key_tokens = min(self.page_size * sum(match.lengths[: at + 1]), match.cached_on(choice))
         shared_by = 1 - (len(serving) + 1) / n
-        decode_ms = self.cost.decode_time(self.decode_lengths.average(now))
+        decode_ms = self.cost.decode_time(d)
 
         def amortized(i: int) -> float:
             cached = match.cached_on(i)

@@ -243,24 +243,24 @@ class E2(Autoscaling, Policy):
             evicted = memory_cost(self.tree, instance, need, match, now, self.cost, host, per_user)
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
-        decoding = self.history[instance].decoding(self.cost.decode_time(self.decode_lengths.average(now)))
-        return self._batch_load(instance, match, prompt_len, now) + prefill * (1 + decoding) + evicted
+        d = self.decode_lengths.average(now)
+        decoding = self.history[instance].decoding(self.cost.decode_time(d))
+        return self._batch_load(instance, match, prompt_len, now, d) + prefill * (1 + decoding) + evicted
 
-    def _batch_load(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
-        """``load_cost.batch_load`` of the instance. Where its engine has a host tier, with
-        the engine's picture of the batch: the KV its requests pin (their pages, a shared
-        prefix once, from the tree's pending marks), the request adding only what they do
-        not hold, and the prefill still queued (``InstanceHistory.queued_prefill``). On an
-        engine without one, the batch's prompts summed and every prefill in flight
-        queued: measured, the engine's picture there cost up to 2.8% on the average and 23%
-        on p99 (docs/SCHEDULER.md, "The batch load model")."""
+    def _batch_load(self, instance: int, match: Match, prompt_len: int, now: float, d: float) -> float:
+        """``load_cost.batch_load`` of the instance at decoding length ``d``. Where its
+        engine has a host tier, with the engine's picture of the batch: the KV its requests
+        pin (their pages, a shared prefix once, from the tree's pending marks), the request
+        adding only what they do not hold, and the prefill still queued
+        (``InstanceHistory.queued_prefill``). On an engine without one, the batch's prompts
+        summed and every prefill in flight queued: measured, the engine's picture there cost
+        up to 2.8% on the average and 23% on p99 (docs/SCHEDULER.md, "The batch load model")."""
         h = self.history[instance]
         if self.tiered[instance]:
             queued, batch_kv = h.queued_prefill(now), self.tree.pinned_tokens[instance]
             new_kv = prompt_len - match.pinned_on(instance)
         else:
             queued, batch_kv, new_kv = h.in_flight_prefill_ms, h.in_flight_tokens, prompt_len
-        d = self.decode_lengths.average(now)
         return batch_load(h, self.cost, d, prompt_len, self.capacity[instance], queued, batch_kv, new_kv)
 
     # ---- recording a decision ---------------------------------------------------------------
