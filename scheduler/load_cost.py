@@ -67,13 +67,14 @@ class InstanceHistory:
     def add(self, request_id: str, now: float, prefill_ms: float, cached: float, tokens: int) -> None:
         """A request routed here: its prefill time, the fraction of its prompt cached and
         its prompt's length."""
+        queued = self.queued_prefill(now)  # capped by what was in flight before this request
         self.routed.append((now, prefill_ms))
         self.prefill_ms += prefill_ms
         self.in_flight[request_id] = (prefill_ms, cached, tokens)
         self.in_flight_prefill_ms += prefill_ms
         self.in_flight_cached += cached
         self.in_flight_tokens += tokens
-        self.backlog_ms, self.backlog_at = self.queued_prefill(now) + prefill_ms, now
+        self.backlog_ms, self.backlog_at = queued + prefill_ms, now
 
     def queued_prefill(self, now: float) -> float:
         """The prefill still queued ahead of a new request (ms): what was routed here,

@@ -10,7 +10,7 @@ from test_e2 import AVG_DECODE, e2, req, route, stored
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.cost_model import CostModel
-from scheduler.load_cost import memory_cost
+from scheduler.load_cost import InstanceHistory, memory_cost
 
 # A batch's proportions: a request in flight lengthens each decoding iteration by 1 ms (its
 # share of the batch), against a 10 ms step at a typical batch (DECODETIME) and 1 ms per
@@ -128,6 +128,20 @@ def test_a_prefill_already_run_is_no_longer_queued_ahead_on_an_engine_with_a_hos
     assert policy.load_cost(0, m, 10, clock.t) == pytest.approx(740 + rest)
     policy.tiered[0] = True
     assert policy.load_cost(0, m, 10, clock.t) == pytest.approx(50 + rest)
+
+
+def test_the_queued_prefill_never_holds_more_than_the_requests_in_flight_brought():
+    """A (600 ms) and B (500 ms) are routed at 0 and A finishes at 50 ms: at most B's
+    500 ms is left. C (400 ms) comes at 100 ms, so 900 ms are queued then, and 400 ms
+    later 500 ms are left. Capping the backlog after C is counted in flight would keep a
+    second copy of C's prefill: 900 ms at 0.5 s."""
+    history = InstanceHistory(window_s=60.0)
+    history.add("a", 0.0, 600.0, 0.0, 600)
+    history.add("b", 0.0, 500.0, 0.0, 500)
+    history.finish("a")
+    history.add("c", 0.1, 400.0, 0.0, 400)
+    assert history.queued_prefill(0.1) == pytest.approx(900.0)
+    assert history.queued_prefill(0.5) == pytest.approx(500.0)
 
 
 def test_an_evicted_prefix_costs_one_recompute_however_many_used_it():
