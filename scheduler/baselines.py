@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.global_tree import GlobalPrefixTree
-from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
+from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
 
 
 def _hash(data: bytes) -> int:
@@ -117,7 +117,7 @@ class CacheAware(Policy):
         self.trees[instance] = GlobalPrefixTree(1, float("inf"), self.page_size)
 
 
-class KVCost(Policy):
+class KVCost(MirrorsCaches, Policy):
     name = "kv_cost"
 
     def __init__(
@@ -160,12 +160,3 @@ class KVCost(Policy):
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         self.tree.apply_events(instance, info.events)
         self.active_blocks[instance] -= self._blocks.pop(request.request_id, 0)
-
-    def forget(self, instance: int) -> None:
-        self.tree.forget(instance)
-
-    def cached_tokens(self, instance: int) -> int | None:
-        return self.tree.cached_tokens[instance]
-
-    def resync(self, instance: int) -> None:
-        self.forget(instance)  # the snapshot's events rebuild it

@@ -44,13 +44,13 @@ from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.autoscale import Autoscaling
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
-from scheduler.policy import Decision, FinishInfo, InstanceLoad, Policy, RoutingRequest
+from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
 log = logging.getLogger("preble.e2")
 
 
-class E2(Autoscaling, Policy):
+class E2(Autoscaling, MirrorsCaches, Policy):
     name = "e2"
 
     def __init__(
@@ -308,15 +308,6 @@ class E2(Autoscaling, Policy):
         self.history.append(InstanceHistory(self.tree.window_s))
         self.capacity.append(self.default_capacity)
         self.tiered.append(False)
-
-    def forget(self, instance: int) -> None:
-        self.tree.forget(instance)
-
-    def cached_tokens(self, instance: int) -> int | None:
-        return self.tree.cached_tokens[instance]
-
-    def resync(self, instance: int) -> None:
-        self.forget(instance)  # the snapshot's events rebuild it
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()

@@ -13,10 +13,14 @@ from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.global_tree import GlobalPrefixTree
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,23 @@ class Policy(ABC):
         engines' cache events (an operator compares it with the engine's own count); None
         where it does not."""
         return None
+
+
+class MirrorsCaches:
+    """Mixed in before ``Policy`` by a policy that mirrors the engines' cache events in a
+    global prefix tree (``self.tree``): forgetting an engine, resyncing it and reading
+    what it caches are the tree's."""
+
+    tree: GlobalPrefixTree
+
+    def forget(self, instance: int) -> None:
+        self.tree.forget(instance)
+
+    def cached_tokens(self, instance: int) -> int | None:
+        return self.tree.cached_tokens[instance]
+
+    def resync(self, instance: int) -> None:
+        self.forget(instance)  # the snapshot's events rebuild it
 
 
 class RoundRobin(Policy):
