@@ -286,11 +286,16 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         if self._decisions % self.prune_every == 0:
             self.tree.prune(now)
 
-    def _learn_capacity(self, instance: int, report: dict) -> None:
+    def learn(self, instance: int, load: dict) -> None:
         """The KV capacity an engine reports replaces the configured one; a host tier it
-        reports makes what its device evicts a load-back, not a recompute (M)."""
-        self.tiered[instance] = bool(report.get("kv_host_pages_total"))
-        pages, size = report.get("kv_pages_total"), report.get("page_size")
+        reports makes what its device evicts a load-back, not a recompute (M). The router
+        hands over an engine's first health probe answer before it routes there, so a
+        tiered engine is priced as one from its first request. A failed request's empty
+        report is no snapshot and changes nothing."""
+        if "kv_pages_total" not in load:
+            return
+        self.tiered[instance] = bool(load.get("kv_host_pages_total"))
+        pages, size = load["kv_pages_total"], load.get("page_size")
         if pages and size:
             self.capacity[instance] = int(pages) * int(size)
             if int(size) != self.page_size and not self._page_size_warned:
@@ -311,7 +316,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()
-        self._learn_capacity(instance, info.load)
+        self.learn(instance, info.load)
         self.tree.apply_events(instance, info.events)
         routed = self._routed.pop(request.request_id, None)
         if routed is None:

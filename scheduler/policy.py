@@ -134,6 +134,11 @@ class Policy(ABC):
         worker's tree until the worker is removed."""
         return None
 
+    def learn(self, instance: int, load: dict) -> None:
+        """An engine's load snapshot (its answer to a health probe, or the report on a final
+        response): what it is, not only how busy. Policies that price no engine ignore it."""
+        return None
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         """The request finished on ``instance``. Policies that keep no state ignore it."""
         return None

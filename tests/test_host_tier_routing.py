@@ -57,6 +57,39 @@ def test_e2_prefers_the_device_copy_to_a_host_copy():
     assert (d.instance, d.branch) == (0, "exploit")
 
 
+
+def test_e2_knows_a_tiered_engine_from_its_first_probe_and_a_failed_request_changes_nothing():
+    """The router hands E2 an engine's health answer before routing there: the KV it
+    reports replaces the configured capacity, and its host tier makes what the device
+    evicts a load-back (the case above) from the first request on. A refused request's
+    empty report is no snapshot: it leaves both as they were (it used to untier the engine
+    until its next report)."""
+    policy, clock = e2(cost=TIERED, capacity=1000)
+    policy.learn(0, {"kv_pages_total": 120, "page_size": 1, "kv_host_pages_total": 64})
+    policy.learn(1, {"kv_pages_total": 120, "page_size": 1})
+    assert policy.tiered == [True, False] and policy.capacity == [120, 120]
+    r, d = route(policy, list(range(100)))
+    policy.on_finish(d.instance, r, FinishInfo())
+    assert policy.tiered == [True, False] and policy.capacity == [120, 120]
+
+
+def test_the_simulator_hands_the_policy_each_engine_before_the_first_request():
+    """As the router's first health probes do: one snapshot per engine, with its device
+    pages and its host tier's, before any ``select``."""
+    seen: list[tuple] = []
+
+    class Watching(RoundRobin):
+        def learn(self, instance: int, load: dict) -> None:
+            seen.append((instance, load["kv_pages_total"], load["kv_host_pages_total"]))
+
+        def select(self, request, loads):
+            seen.append("select")
+            return super().select(request, loads)
+
+    cfg = SimConfig.of(2, capacity_tokens=2048, page_size=16, host_kv_tokens=4096)
+    simulate([SimRequest("r0", 0.0, list(range(40)), 2)], lambda clock: Watching(2, clock), cfg, TIERED)
+    assert seen == [(0, 128, 256), (1, 128, 256), "select"]
+
 def test_host_tier_events_cross_the_wire_and_a_dead_engine_is_forgotten():
     events = [CacheEvent.of("stored", DOC, 0, 1), CacheEvent.of("stored", DOC + [1, 2], 400, 1, "host")]
     batch, _ = decode_report(encode_report({}, EventBatch("log", 0, 2, events)))
@@ -132,9 +165,10 @@ def test_e2_prices_what_a_tiered_engine_evicts_at_its_load_back_and_its_copy_dow
     policy, clock = e2(cost=TIERED, capacity=120)
     a, e = list(range(100)), list(range(200, 300))
     done = [route(policy, a), route(policy, e), route(policy, a)]
-    report = {"kv_host_pages_total": 64}
+    device = {"kv_pages_total": 120, "page_size": 1}  # the engines' snapshots: instance 0's has a tier
     for (r, d), tiered in zip(done, (True, False, True)):
-        info = FinishInfo([CacheEvent.of("stored", r.input_ids, 0, 1)], report if tiered else {}, 0.1, 1)
+        report = {**device, "kv_host_pages_total": 64} if tiered else device
+        info = FinishInfo([CacheEvent.of("stored", r.input_ids, 0, 1)], report, 0.1, 1)
         policy.on_finish(d.instance, r, info)
     assert policy.tiered == [True, False]
     m = policy.tree.match(chain_hashes(list(range(400, 450)), 1))

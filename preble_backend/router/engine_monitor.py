@@ -12,7 +12,8 @@ Two signals, checked every ``interval_s`` on the monitor's own thread:
   thousands of token responses, and tokens arriving are proof of life.
 
 An engine is reported down once (``on_down(i, reason)``) and up once when a probe
-succeeds again (``on_up(i)``): a restarted remote server rejoins by itself. A request
+succeeds again (``on_up(i)``, after ``on_load(i, load)``, which every answered probe
+makes: what the engine is, for the policy): a restarted remote server rejoins by itself. A request
 that finds an engine unreachable reports it through ``suspect`` without waiting for the
 next probe. Engines that discovery adds are watched from a first successful probe on
 (``watch``; a first probe that fails is logged once, since such an engine was never up
@@ -38,8 +39,10 @@ class EngineMonitor:
         interval_s: float = 1.0,
         timeout_s: float = 10.0,
         warn: Callable[[str], None] = print,
+        on_load: Callable[[int, dict], None] = lambda instance, load: None,
     ) -> None:
         self.engines, self.on_down, self.on_up, self._warn = list(engines), on_down, on_up, warn
+        self.on_load = on_load  # each answered probe's load snapshot
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.up = [True] * len(engines)
         self.watched = set(range(len(engines)))
@@ -163,6 +166,7 @@ class EngineMonitor:
                     instance, f"its engine loop has been in one iteration for {load['step_age_s']:.0f}s"
                 )
                 return
+            self.on_load(instance, load)  # before on_up: the router learns the engine, then routes to it
             with self._lock:
                 back = not self.up[instance] and instance in self.watched
                 self.up[instance] = True

@@ -164,6 +164,8 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
     instances = [SimInstance(i, cfg, cost) for i in range(cfg.num_instances)]
     _refuse_oversized(requests, instances[0].pool.capacity_tokens)
     loads = [InstanceLoad() for _ in instances]
+    for inst in instances:  # the router's first health probe of each engine, before it routes there
+        policy.learn(inst.index, inst.stats())
     result = SimResult(instances=instances)
     routing: dict[str, RoutingRequest] = {}
     seq = itertools.count()
