@@ -57,7 +57,6 @@ def test_e2_prefers_the_device_copy_to_a_host_copy():
     assert (d.instance, d.branch) == (0, "exploit")
 
 
-
 def test_e2_knows_a_tiered_engine_from_its_first_probe_and_a_failed_request_changes_nothing():
     """The router hands E2 an engine's health answer before routing there: the KV it
     reports replaces the configured capacity, and its host tier makes what the device
@@ -89,6 +88,7 @@ def test_the_simulator_hands_the_policy_each_engine_before_the_first_request():
     cfg = SimConfig.of(2, capacity_tokens=2048, page_size=16, host_kv_tokens=4096)
     simulate([SimRequest("r0", 0.0, list(range(40)), 2)], lambda clock: Watching(2, clock), cfg, TIERED)
     assert seen == [(0, 128, 256), (1, 128, 256), "select"]
+
 
 def test_host_tier_events_cross_the_wire_and_a_dead_engine_is_forgotten():
     events = [CacheEvent.of("stored", DOC, 0, 1), CacheEvent.of("stored", DOC + [1, 2], 400, 1, "host")]
