@@ -294,9 +294,10 @@ class E2(Autoscaling, MirrorsCaches, Policy):
     def learn(self, instance: int, load: dict) -> None:
         """The KV capacity an engine reports replaces the configured one; a host tier it
         reports makes what its device evicts a load-back, not a recompute (M). The router
-        hands over an engine's first health probe answer before it routes there, so a
-        tiered engine is priced as one from its first request. A failed request's empty
-        report is no snapshot and changes nothing."""
+        hands over every health probe's answer (a joining engine's first before it routes
+        there), so a tiered engine is priced as one from its first requests, not from its
+        first finished one. A failed request's empty report is no snapshot: it changes
+        nothing."""
         if "kv_pages_total" not in load:
             return
         self.tiered[instance] = bool(load.get("kv_host_pages_total"))
