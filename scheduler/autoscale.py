@@ -126,26 +126,24 @@ class Autoscaling:
         mean = sum(load.values()) / len(load)
         return all(load[i] > self.hot_load_factor * mean for i in serving)
 
-    def _queued_everywhere(self, match: Match, holders: set[int], prompt_len: int, now: float) -> bool:
+    def _queued_everywhere(self, key: GlobalNode, holders: set[int], prompt_len: int, now: float) -> bool:
         """Autoscaling while a prefix is hot (ours): every instance serving it would queue
         the request behind at least ``hot_queue`` requests its KV cannot hold, and the
         instance that would become its replica would not. The TTFT rule waits for a
         window's newer half to be slow, the too-hot rule for a request to finish; a hot
         document in a chat trace drew a third of the requests onto its holder before either
         fired. Where every instance queues alike (KV short of the working set) a replica
-        relieves nobody: it copies the prefix into a KV that is already evicting. Each
-        instance's batch is read as ``E2._picture`` reads it."""
+        relieves nobody: it copies the prefix into a KV that is already evicting."""
         if self.hot_queue is None:
             return False
         d = self.decode_lengths.average(now)
 
         def queued(i: int) -> float:
-            _, batch_kv, new_kv = self._picture(i, match, prompt_len, now)
-            return self.history[i].queued(d, self.capacity[i], batch_kv, new_kv)
+            return self.history[i].queued(d, prompt_len, self.capacity[i])
 
         if any(queued(i) < self.hot_queue for i in holders):
             return False
-        replica = self._replica_for(match.key, now)
+        replica = self._replica_for(key, now)
         return replica is not None and queued(replica) < self.hot_queue
 
     def _serving(self, key: GlobalNode) -> set[int]:

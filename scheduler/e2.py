@@ -122,7 +122,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         holders = self._key_holders(match) if cached > missed else set()
         if reach:
             holders |= {i for i, tokens in reach.items() if tokens > prompt_len - tokens}
-        if holders and match.key is not None and self._queued_everywhere(match, holders, prompt_len, now):
+        if holders and match.key is not None and self._queued_everywhere(match.key, holders, prompt_len, now):
             self._replicate(match.key, now)  # (a prefix only host tiers hold has no key portion)
             holders |= self._key_holders(match)
         if holders:  # exploit: among the instances holding the key portion
@@ -248,25 +248,20 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         return self._batch_load(instance, match, prompt_len, now, d) + prefill * (1 + decoding) + evicted
 
     def _batch_load(self, instance: int, match: Match, prompt_len: int, now: float, d: float) -> float:
-        """``load_cost.batch_load`` of the instance at decoding length ``d``, its batch read
-        as ``_picture`` reads it."""
-        queued, batch_kv, new_kv = self._picture(instance, match, prompt_len, now)
-        h = self.history[instance]
-        return batch_load(h, self.cost, d, prompt_len, self.capacity[instance], queued, batch_kv, new_kv)
-
-    def _picture(self, instance: int, match: Match, prompt_len: int, now: float) -> tuple[float, int, int]:
-        """(prefill queued ahead in ms, the batch's prompt KV, the KV the request adds). Where
-        the engine has a host tier, the engine's picture: the KV its requests pin (their
-        pages, a shared prefix once, from the tree's pending marks), the request adding only
-        what they do not hold, and the prefill still queued
+        """``load_cost.batch_load`` of the instance at decoding length ``d``. Where its
+        engine has a host tier, with the engine's picture of the batch: the KV its requests
+        pin (their pages, a shared prefix once, from the tree's pending marks), the request
+        adding only what they do not hold, and the prefill still queued
         (``InstanceHistory.queued_prefill``). On an engine without one, the batch's prompts
         summed and every prefill in flight queued: measured, the engine's picture there cost
         up to 2.8% on the average and 23% on p99 (docs/SCHEDULER.md, "The batch load model")."""
         h = self.history[instance]
         if self.tiered[instance]:
-            pinned = self.tree.pinned_tokens[instance]
-            return h.queued_prefill(now), pinned, prompt_len - match.pinned_on(instance)
-        return h.in_flight_prefill_ms, h.in_flight_tokens, prompt_len
+            queued, batch_kv = h.queued_prefill(now), self.tree.pinned_tokens[instance]
+            new_kv = prompt_len - match.pinned_on(instance)
+        else:
+            queued, batch_kv, new_kv = h.in_flight_prefill_ms, h.in_flight_tokens, prompt_len
+        return batch_load(h, self.cost, d, prompt_len, self.capacity[instance], queued, batch_kv, new_kv)
 
     # ---- recording a decision ---------------------------------------------------------------
 

@@ -122,16 +122,15 @@ class InstanceHistory:
             return 0.0
         return b * decode_ms / (decode_ms + max(0.0, self.in_flight_prefill_ms) / b)
 
-    def queued(self, decode_len: float, capacity: int, batch_kv: int, new_kv: int) -> float:
-        """How many requests a new one would wait behind: those in flight (at their mean KV)
-        beyond what ``capacity`` holds with it. The batch holds ``batch_kv`` prompt tokens
-        plus ``decode_len`` each, the request adds ``new_kv`` plus its own: the caller's
-        picture of the batch, as ``batch_load`` takes it."""
+    def queued(self, decode_len: float, prompt_len: int, capacity: int) -> float:
+        """How many requests a new one of ``prompt_len`` tokens would wait behind: those in
+        flight (at their mean KV, prompt plus ``decode_len``) beyond what ``capacity``
+        holds with it."""
         b = len(self.in_flight)
-        kv = batch_kv + b * decode_len
-        if not b or kv <= 0:
+        if not b:
             return 0.0
-        return max(0.0, (kv + new_kv + decode_len - capacity) / (kv / b))
+        per_request = (self.in_flight_tokens + b * decode_len) / b
+        return max(0.0, b - (capacity - prompt_len - decode_len) / per_request)
 
     def decode_ratio(self) -> float:
         """How decode-heavy the in-flight requests are: the mean cached fraction of their

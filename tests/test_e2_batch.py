@@ -202,28 +202,6 @@ def test_a_hot_prefix_gets_a_replica_when_its_holders_queue_reaches_the_bound():
     assert not e2_off.tree.match(chain_hashes(doc + [1], 1)).key.replicas
 
 
-def test_a_tiered_holder_holds_the_hot_prefix_once_and_makes_no_replica():
-    """The same questions on an engine with a host tier, read as the engine holds them:
-    with five in flight the batch is the document once plus their 20 tokens each, 1,100,
-    and 5 x 32 decoded; the sixth question adds its own 20 + 32: 1,312 of 5,000, no queue,
-    so no replica. Summed, as an engine without a tier is read, it would wait behind
-    5 - (5,000 - 1,052) / 1,052 = 1.25 requests, past the bound."""
-    policy, _ = e2(cost=BATCH, load_model="batch", capacity=5000)
-    policy.learn(0, {"kv_pages_total": 5000, "page_size": 1, "kv_host_pages_total": 5000})
-    doc = list(range(20000, 21000))
-    policy.tree.apply_events(0, [CacheEvent.of("stored", doc, 0, 1)])
-    questions = [doc + list(range(30000 + 20 * k, 30020 + 20 * k)) for k in range(6)]
-    for question in questions[:5]:
-        assert route(policy, question)[1].instance == 0
-    m = policy.tree.match(chain_hashes(questions[5], 1))
-    picture = policy._picture(0, m, 1020, 0.0)
-    assert picture[1:] == (1100, 20)
-    assert policy.history[0].queued(AVG_DECODE, 5000, *picture[1:]) == 0.0
-    assert policy.history[0].queued(AVG_DECODE, 5000, 5 * 1020, 1020) == pytest.approx(5 - 3948 / 1052)
-    assert route(policy, questions[5])[1].instance == 0
-    assert not m.key.replicas
-
-
 @pytest.mark.parametrize("b1, replicas", [(4, {1}), (5, set())])
 def test_no_replica_where_the_replica_would_queue_too(b1, replicas):
     """The same document and questions, instance 1 now running ``b1`` requests of 1,020
