@@ -12,12 +12,13 @@ Two signals, checked every ``interval_s`` on the monitor's own thread:
   thousands of token responses, and tokens arriving are proof of life.
 
 An engine is reported down once (``on_down(i, reason)``) and up once when a probe
-succeeds again (``on_up(i)``, after ``on_load(i, load)``, which every answered probe
-makes: what the engine is, for the policy): a restarted remote server rejoins by itself. A request
-that finds an engine unreachable reports it through ``suspect`` without waiting for the
-next probe. Engines that discovery adds are watched from a first successful probe on
-(``watch``; a first probe that fails is logged once, since such an engine was never up
-to be reported down); one that left is no longer watched, and nothing is reported of it.
+succeeds again (``on_up(i)``): a restarted remote server rejoins by itself. Every
+answered probe hands its load snapshot over first (``on_load(i, load)``: what the engine
+is, for the policy). A request that finds an engine unreachable reports it through
+``suspect`` without waiting for the next probe. Engines that discovery adds are watched
+from a first successful probe on (``watch``; a first probe that fails is logged once,
+since such an engine was never up to be reported down); one that left is no longer
+watched, and nothing is reported of it.
 """
 
 from __future__ import annotations
