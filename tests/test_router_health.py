@@ -151,19 +151,11 @@ def test_monitor_sees_a_killed_stub_a_failed_probe_and_a_return():
 
 
 def test_monitor_probes_a_joining_engine_and_says_once_that_it_does_not_answer():
-    """... and hands its first answer's load snapshot over before it says the engine is up,
-    so the policy knows the engine (its KV, its host tier) before routing to it."""
     engines = [FakeEngine("e0", os.getpid())]
     events: list[tuple] = []
     warnings: list[str] = []
-
-    def first_load(i: int, load: dict) -> None:
-        if i == 1 and not any(e[0] == "load" for e in events):
-            events.append(("load", i, load["pid"]))
-
     monitor = EngineMonitor(engines, lambda i, why: events.append(("down", i, why)),
-                            lambda i: events.append(("up", i)), 0.02, 5.0, warnings.append,
-                            on_load=first_load)  # fmt: skip
+                            lambda i: events.append(("up", i)), 0.02, 5.0, warnings.append)  # fmt: skip
     monitor.start()
     try:
         newcomer = FakeEngine("e1", os.getpid())
@@ -174,11 +166,11 @@ def test_monitor_probes_a_joining_engine_and_says_once_that_it_does_not_answer()
         assert warnings == [f"engine e1 joined but fails its health probe ({newcomer.fail}); it takes "
                             "requests once it answers"] and events == []  # fmt: skip
         newcomer.fail = None
-        assert wait_for(lambda: events == [("load", 1, os.getpid()), ("up", 1)])
+        assert wait_for(lambda: events == [("up", 1)])
         monitor.unwatch(1)
         newcomer.fail = "gone"
         time.sleep(0.2)
-        assert events == [("load", 1, os.getpid()), ("up", 1)]  # an engine that left is not reported
+        assert events == [("up", 1)]  # an engine that left is not reported
     finally:
         monitor.stop()
 

@@ -69,6 +69,8 @@ class AdminControl:
         live = set(r.policy.live)
         r.policy = make_policy(name, len(r.engines), r.policy_facts())
         r.policy.live = live
+        for slot, load in enumerate(r.loads):  # what each engine is, until its next probe says so
+            r.policy.learn(slot, load.reported)
         for slot, feed in enumerate(r.feeds):
             feed.reset()
             r.gauge_cached(slot)

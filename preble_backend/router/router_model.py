@@ -138,7 +138,7 @@ class TritonPythonModel(RouterState):
         self.monitor = EngineMonitor(
             self.engines, self._on_loop(self._engine_down), self._on_loop(self._engine_up),
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
-            on_load=self._on_loop(self.policy.learn),
+            on_load=self._on_loop(self._engine_load),
         )  # fmt: skip
         self.draining = False
         self.discovery.start(self._on_loop(self.membership.change))

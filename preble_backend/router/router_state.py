@@ -136,6 +136,11 @@ class RouterState:
                 self.settle(flight)
         self.engines[instance].cancel_all()  # ends the tasks waiting on its answers
 
+    def _engine_load(self, instance: int, load: dict) -> None:
+        """A health probe's answer: what the engine is (its KV, its host tier), for
+        whichever policy routes now."""
+        self.policy.learn(instance, load)
+
     def _engine_up(self, instance: int) -> None:
         name = self.engines[instance].name
         if self.membership.first_answer(instance):

@@ -1,0 +1,91 @@
+"""What the router tells the policy of each engine, without a server: every answered health
+probe hands its load snapshot over (a joining engine's before it is up), to whichever
+policy routes now, and a policy swapped in by the admin ``configure`` starts from each
+engine's last report. E2 takes an engine's KV and host tier from them
+(test_host_tier_routing)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_router_health import FakeEngine, wait_for
+
+from preble_backend.router.engine_monitor import EngineMonitor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_joining_engine_s_first_snapshot_comes_before_it_is_up():
+    events: list[tuple] = []
+
+    def load(i: int, snapshot: dict) -> None:
+        if i == 1 and not any(e[0] == "load" for e in events):
+            events.append(("load", i, snapshot["pid"]))
+
+    monitor = EngineMonitor([FakeEngine("e0", os.getpid())], lambda i, why: events.append(("down", i)),
+                            lambda i: events.append(("up", i)), 0.02, 5.0, on_load=load)  # fmt: skip
+    monitor.start()
+    try:
+        newcomer = FakeEngine("e1", os.getpid())
+        newcomer.fail = "not loaded yet"
+        monitor.watch(1, newcomer)
+        time.sleep(0.1)
+        assert events == []  # no answer, nothing to learn
+        newcomer.fail = None
+        assert wait_for(lambda: events == [("load", 1, os.getpid()), ("up", 1)])
+    finally:
+        monitor.stop()
+
+
+# The router's modules import Triton's ``pb_utils``, which only exists inside a Python
+# backend's stub process: run them in a child with a stand-in that answers anything.
+STAND_IN = """
+class _Any:
+    def __getattr__(self, name):
+        return _Any()
+
+    def __call__(self, *args, **kwargs):
+        return _Any()
+
+
+def __getattr__(name):
+    return _Any()
+"""
+
+SCENARIO = """
+from types import SimpleNamespace
+from preble_backend.router.admin_control import AdminControl
+from preble_backend.router.event_feed import EventFeed
+from preble_backend.router.router_state import RouterState
+from scheduler.policies import make_policy
+from scheduler.policy import InstanceLoad
+
+tiered = {"kv_pages_total": 120, "page_size": 1, "kv_host_pages_total": 64}
+plain = {"kv_pages_total": 80, "page_size": 1}
+facts = {"capacity_tokens": 1000, "page_size": 1}
+router = SimpleNamespace(
+    engines=[None, None], feeds=[EventFeed(), EventFeed()], gauge_cached=lambda slot: None,
+    loads=[InstanceLoad(), InstanceLoad()], policy_facts=lambda: facts, policy=make_policy("e2", 2, facts),
+)
+RouterState._engine_load(router, 0, tiered)  # a probe's answer reaches the policy routing now
+assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 1000]
+router.loads[0].reported, router.loads[1].reported = tiered, plain  # the engines' last reports
+AdminControl(router).fresh_policy("e2")
+assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 80]
+RouterState._engine_load(router, 1, {**plain, "kv_host_pages_total": 32})
+assert router.policy.tiered == [True, True]
+print("ok")
+"""
+
+
+def test_probes_reach_the_policy_routing_now_and_a_fresh_policy_starts_from_the_last_reports(tmp_path):
+    (tmp_path / "triton_python_backend_utils.py").write_text(STAND_IN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-c", SCENARIO], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
