@@ -235,9 +235,11 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
     for repeat in range(cfg.repeats):
         for rps in rates:
             for policy in order:
-                requests = base if rps is None else [
-                    replace(r, arrival=r.arrival / rps, think_s=r.think_s / rps) for r in base
-                ]
+                requests = (
+                    base
+                    if rps is None
+                    else [replace(r, arrival=r.arrival / rps, think_s=r.think_s / rps) for r in base]
+                )
                 if policy == "direct":
                     PrebleClient(grpc_url=cfg.urls[0]).engine_control(cfg.direct, "flush_cache")
                     make = functools.partial(GrpcEngine, replace(cfg, url=cfg.urls[0], model=cfg.direct))

@@ -207,9 +207,7 @@ def run(shapes: Shapes, device: torch.device, dtype: torch.dtype) -> tuple[list[
     slots = torch.randperm(4 * r, device=device)[:r]
     ms = bench_ms(device, kv_write, k_cache, v_cache, k_new, k_new, slots)
     gbs = 4 * k_new.numel() * k_new.element_size() / ms / 1e6
-    add(
-        ["kv_write", f"tokens={r}", f"{ms:.3f}", f"{gbs:,.0f} GB/s", f"{gbs / copy_gbs:.0%}", "", "", ""]
-    )
+    add(["kv_write", f"tokens={r}", f"{ms:.3f}", f"{gbs:,.0f} GB/s", f"{gbs / copy_gbs:.0%}", "", "", ""])
     return notes, rows
 
 

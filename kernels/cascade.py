@@ -117,7 +117,16 @@ def cascade_attention_planned(q, k_cache, v_cache, page_table, page_size, plan: 
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         lse = torch.empty((num_rows, num_heads), dtype=torch.float32, device=q.device)
         extend_attention_items(
-            q, k_cache, v_cache, page_table, page_size, plan.suffix_items, plan.max_q_len, out, lse, sm_scale,
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            page_size,
+            plan.suffix_items,
+            plan.max_q_len,
+            out,
+            lse,
+            sm_scale,
             chunks=True,
         )
     if not grouped:

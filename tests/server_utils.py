@@ -82,7 +82,6 @@ def kill_stub_between_sends(pid: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"stub {pid} was never found between two sends")
 
 
-
 def wait_for(condition, timeout: float, what: str) -> float:
     """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds.
     Returns how long it took."""
@@ -101,6 +100,7 @@ def metric_value(url: str, name: str, label: str = "") -> float | None:
             if line.startswith(name + "{") and label in line:
                 return float(line.rsplit(" ", 1)[1])
     return None
+
 
 def fresh_ports() -> ServerPorts:
     return ServerPorts(*free_ports(3))
@@ -122,8 +122,11 @@ def client_for(server) -> PrebleClient:
 
 
 def repository_index(server) -> list[dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/repository/index", data=b"{}",
-                                 headers=bearer(server.access.admin_key))  # the API is restricted
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.ports.http}/v2/repository/index",
+        data=b"{}",
+        headers=bearer(server.access.admin_key),
+    )  # the API is restricted
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 

@@ -169,8 +169,10 @@ def test_a_runs_failures_are_printed_with_their_reasons():
 def test_the_plot_leaves_room_above_its_top_marker(tmp_path):
     from client.plots import latency_vs_rate
 
-    records = [{"policy": p, "rps": 4.0, "avg_latency_s": v, "p99_latency_s": 2 * v}
-               for p, v in (("e2", 1.0), ("round_robin", 1.5))]  # one rate: the case that clipped
+    records = [
+        {"policy": p, "rps": 4.0, "avg_latency_s": v, "p99_latency_s": 2 * v}
+        for p, v in (("e2", 1.0), ("round_robin", 1.5))
+    ]  # one rate: the case that clipped
     (_, avg_top), (_, p99_top) = latency_vs_rate(records, tmp_path / "one.png", "one rate")
     assert avg_top >= 1.12 * 1.5 and p99_top >= 1.12 * 3.0
 

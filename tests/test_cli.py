@@ -102,8 +102,9 @@ def test_serve_fails_with_one_line_when_the_repository_is_missing(tmp_path):
     proc = serve(tmp_path / "empty", fresh_ports())
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert err.strip().splitlines() == [f"preble serve: {tmp_path / 'empty'} holds no router model "
-                                        "(preble/config.pbtxt): see `preble repo`"]
+    assert err.strip().splitlines() == [
+        f"preble serve: {tmp_path / 'empty'} holds no router model (preble/config.pbtxt): see `preble repo`"
+    ]
 
 
 @pytest.mark.parametrize("layout", ["split", "single"])
@@ -196,6 +197,8 @@ def test_a_bad_config_value_is_one_line_naming_it(tmp_path):
     proc = serve(repo, fresh_ports(), "--openai-port", "0")
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
-    line = ("preble serve: engine preble_engine_0: tritonserver exited with code 1: model preble_engine_0 "
-            "failed to load: ValueError: chunk_size=0 is invalid: expected an integer >= 1")
+    line = (
+        "preble serve: engine preble_engine_0: tritonserver exited with code 1: model preble_engine_0 "
+        "failed to load: ValueError: chunk_size=0 is invalid: expected an integer >= 1"
+    )
     assert err.strip().splitlines() == [line], err

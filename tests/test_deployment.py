@@ -82,8 +82,13 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
         engine = pods.start("engine", "engine", eng)
         wait_http_ready(f"http://127.0.0.1:{eng.http}/v2/health/ready", 180, engine)
         routers = [
-            pods.start("router", f"router{i}", rtr, PREBLE_OPENAI_PORT="0",
-                       PREBLE_ENGINES=f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0")  # fmt: skip
+            pods.start(
+                "router",
+                f"router{i}",
+                rtr,
+                PREBLE_OPENAI_PORT="0",
+                PREBLE_ENGINES=f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0",
+            )  # fmt: skip
             for i, rtr in enumerate(ports)
         ]
         for rtr, router in zip(ports, routers):

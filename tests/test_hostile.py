@@ -60,6 +60,7 @@ def test_oversized_lists_and_constraints_fail_their_own_request_and_every_engine
         ({"guided_prefix_ids": [1] * 200_000}, b"at most 131072 ids"),
         ({"guided_regex": "("}, b"cannot be compiled"),
     ]
+
     def neighbour() -> float:
         began = time.monotonic()
         assert generate(stack, "A neighbour's question", max_tokens=32, ignore_eos=True)[0] == 200

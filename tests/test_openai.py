@@ -288,8 +288,9 @@ def test_the_responses_api(stack):
     jsonschema.validate(json.loads(typed.output_text), VERDICT)
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
     named = {"type": "function", "name": "get_weather"}
-    called = api.responses.create(model="preble", input="Weather in Oslo?", tools=[tool], tool_choice=named,
-                                  max_output_tokens=60)
+    called = api.responses.create(
+        model="preble", input="Weather in Oslo?", tools=[tool], tool_choice=named, max_output_tokens=60
+    )
     [item] = called.output
     assert item.type == "function_call" and item.name == "get_weather" and item.call_id
     jsonschema.validate(json.loads(item.arguments), tool["parameters"])

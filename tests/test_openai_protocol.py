@@ -54,11 +54,17 @@ def test_chat_renders_text_parts_and_prefers_max_completion_tokens():
         ({"model": "m", "prompt": "x", "best_of": 3}, 400, "best_of"),
         ({"model": "m", "prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format.type"),
         ({"model": "m", "prompt": "x", "response_format": {"type": "json_schema"}}, 400, "schema must be"),
-        ({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,
-         "both constrain"),
+        (
+            {"model": "m", "prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            400,
+            "both constrain",
+        ),
         ({"model": "m", "prompt": "x", "guided_choice": []}, 400, "guided_choice must be a non-empty list"),
-        ({"model": "m", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-         "tools are for /v1/chat/completions"),
+        (
+            {"model": "m", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools are for /v1/chat/completions",
+        ),
         ({"model": "m", "prompt": "x", "logprobs": True}, 400, "logprobs must be an integer"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "only allowed when"),
@@ -144,13 +150,19 @@ def test_structured_output_keys_become_one_sampling_parameter():
     assert SamplingParams.from_dict(call.params).guide.kind == "json_object"
     call = parse_completion({"model": "m", "prompt": "x", "guided_choice": ["yes", "no"]}, "m")
     assert call.params["guided_choice"] == ["yes", "no"] and call.ignored == []
-    assert "structured_outputs" not in parse_completion(
-        {"model": "m", "prompt": "x", "response_format": {"type": "text"}}, "m").params
+    assert (
+        "structured_outputs"
+        not in parse_completion(
+            {"model": "m", "prompt": "x", "response_format": {"type": "text"}}, "m"
+        ).params
+    )
 
 
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city",
-                                            "parameters": CITY}}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "weather", "description": "Weather in a city", "parameters": CITY},
+}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -169,24 +181,32 @@ def test_tool_choice_decides_the_constraint_and_the_parse():
     items = required.params["structured_outputs"]["json"]["items"]["anyOf"]
     assert items[0]["properties"]["name"] == {"const": "weather"}
     assert "maxItems" not in required.params["structured_outputs"]["json"]
-    assert chat_call(tool_choice="required", parallel_tool_calls=False).params["structured_outputs"]["json"][
-        "maxItems"] == 1
+    assert (
+        chat_call(tool_choice="required", parallel_tool_calls=False).params["structured_outputs"]["json"][
+            "maxItems"
+        ]
+        == 1
+    )
     answer = json.dumps([{"name": "weather", "parameters": {"city": "Oslo"}}])
     [call] = completion_body(required, "m", [Choice(answer, "stop")], Usage())["choices"][0]["message"][
-        "tool_calls"]
+        "tool_calls"
+    ]
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
     auto = chat_call()
     assert "structured_outputs" not in auto.params and auto.tools.choice == "auto"
     text = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     message = completion_body(auto, "m", [Choice(text, "stop")], Usage())["choices"][0]["message"]
     assert message["content"] == "Let me look." and json.loads(
-        message["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome"}
+        message["tool_calls"][0]["function"]["arguments"]
+    ) == {"city": "Rome"}
     plain = completion_body(auto, "m", [Choice("It is sunny.", "stop")], Usage())["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "It is sunny."}
     assert plain["finish_reason"] == "stop"
     unknown = '<tool_call>{"name": "nosuch", "arguments": {}}</tool_call>'
-    assert completion_body(auto, "m", [Choice(unknown, "stop")], Usage())["choices"][0]["message"][
-        "content"] == unknown
+    assert (
+        completion_body(auto, "m", [Choice(unknown, "stop")], Usage())["choices"][0]["message"]["content"]
+        == unknown
+    )
 
 
 @pytest.mark.parametrize("body, words", [
@@ -222,7 +242,7 @@ def test_tool_stream_holds_back_what_may_be_a_call():
     from preble_backend.frontend.tool_calls import ToolStream
 
     stream = ToolStream(chat_call().tools)
-    out = [stream.feed(t) for t in ("Sure", ". <tool", "_call>{\"name\": \"weather\", ", '"arguments": {}}')]
+    out = [stream.feed(t) for t in ("Sure", ". <tool", '_call>{"name": "weather", ', '"arguments": {}}')]
     assert out == ["Sure", ". ", "", ""]
     content, [call] = stream.finish()
     assert content is None and call["function"] == {"name": "weather", "arguments": "{}"}
@@ -233,8 +253,10 @@ def test_tool_stream_holds_back_what_may_be_a_call():
 def test_n_choices_each_have_an_index():
     call = parse_completion({"model": "m", "prompt": "x", "n": 3}, "m")
     body = completion_body(call, "m", [Choice("a", "stop"), Choice("b", "length")], Usage())
-    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [(0, "a", "stop"),
-                                                                                      (1, "b", "length")]
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "a", "stop"),
+        (1, "b", "length"),
+    ]
     assert chunk_body(call, "m", "b", None, index=2)["choices"][0]["index"] == 2
 
 

@@ -212,8 +212,11 @@ def test_a_server_listens_on_loopback_and_restricts_admin_apis_unless_told(tmp_p
     keyed = Access(host="0.0.0.0", api_key="k", admin_key="adm", http_host="127.0.0.1").server_args()
     assert keyed[:2] == ["--http-address=127.0.0.1", "--grpc-address=0.0.0.0"]
     client = "inference,metadata,model-config,statistics:authorization=Bearer k"
-    rules = [f"--{kind}={rule}" for rule in (admin, client) for kind in ("http-restricted-api",
-                                                                         "grpc-restricted-protocol")]
+    rules = [
+        f"--{kind}={rule}"
+        for rule in (admin, client)
+        for kind in ("http-restricted-api", "grpc-restricted-protocol")
+    ]
     assert keyed[3:] == rules
     with pytest.raises(ValueError, match="must differ from the API key"):
         Access(api_key="same", admin_key="same").server_args()
@@ -344,8 +347,10 @@ def test_metrics_federation_merges_families_and_labels_each_engine():
     router = ('# HELP nv_cpu_utilization CPU\n# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.5\n'
               '# HELP preble_router_engines engines\n# TYPE preble_router_engines gauge\n'
               'preble_router_engines{model="preble"} 2\n')  # fmt: skip
-    engine = ('# HELP nv_cpu_utilization CPU\n# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.25\n'
-              '# HELP lat seconds\n# TYPE lat histogram\nlat_bucket{le="1"} 3\nlat_sum 1.5\nlat_count 3\n')
+    engine = (
+        "# HELP nv_cpu_utilization CPU\n# TYPE nv_cpu_utilization gauge\nnv_cpu_utilization 0.25\n"
+        '# HELP lat seconds\n# TYPE lat histogram\nlat_bucket{le="1"} 3\nlat_sum 1.5\nlat_count 3\n'
+    )
     text = merge([(None, router), ("preble_engine_0", engine), ("preble_engine_1", engine)])
     lines = text.splitlines()
     assert lines.count("# TYPE nv_cpu_utilization gauge") == 1 and lines.count("# TYPE lat histogram") == 1

@@ -132,8 +132,14 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 def test_tool_calls_from_smollm2_validate(smollm2, tool_choice):
     path, tokenizer, engine = smollm2
     ask = "What is the weather in Paris in celsius?"
-    body = {"model": "m", "messages": [{"role": "user", "content": ask}],
-            "tools": [WEATHER, TIME], "tool_choice": tool_choice, "temperature": 0, "max_tokens": 100}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": ask}],
+        "tools": [WEATHER, TIME],
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": 100,
+    }
     call = parse_chat(body, "m", chat_renderer(path))
     assert "get_weather" in call.prompt  # SmolLM2's template ignores tools: they went into the system turn
     [out] = engine.generate([tokenizer(call.prompt, add_special_tokens=False).input_ids], call.params)

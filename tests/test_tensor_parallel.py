@@ -133,6 +133,7 @@ def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_mode
                            "parameters": {"preble_engine": "preble_engine_1"}}).encode()  # fmt: skip
         status, _, answer = http("POST", stack.url("/v2/models/preble/generate"), body, timeout=120)
         assert status == 200 and json.loads(answer)["text_output"] == texts[0], answer  # Hello's text
+
         def restarted() -> bool:
             try:
                 if stack.engine_stub("preble_engine_1") == stub:
@@ -193,6 +194,7 @@ def test_tp_with_an_abort_mid_batch(llama3_tied_model, make_engine):
         engine = make_engine(llama3_tied_model, tensor_parallel_size=tp, chunk_size=16)
         outputs: dict[str, list[int]] = {}
         for i, prompt in enumerate(_prompts(engine.model_config.vocab_size)):
+
             def collect(out) -> None:
                 outputs.setdefault(out.request_id, []).extend(out.token_ids)
 

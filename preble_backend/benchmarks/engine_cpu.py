@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{k} {r[k]['engine_tok_s']:.0f} vs {r[k]['transformers_tok_s']:.0f} tok/s ({r[k]['ratio']:.2f}x)"
             for k in ("prefill", "decode_b1", "decode_b8")
         )
-        print(f"  {backend:6s} {cells}  greedy: {r['greedy_identical']} of 8 identical to transformers' "
-              f"(earliest difference at token {r['first_difference']})")
+        print(
+            f"  {backend:6s} {cells}  greedy: {r['greedy_identical']} of 8 identical to transformers' "
+            f"(earliest difference at token {r['first_difference']})"
+        )
 
 
 if __name__ == "__main__":

@@ -70,10 +70,15 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--burn", type=int, default=0, help="processes spinning on the CPU meanwhile")
-    parser.add_argument("--kill", choices=("stub", "server"), default="stub",
-                        help="what is SIGKILLed: the engine's stub, or its whole tritonserver")
-    parser.add_argument("--every", type=float, default=11.0,
-                        help="seconds between an engine serving again and the next kill")
+    parser.add_argument(
+        "--kill",
+        choices=("stub", "server"),
+        default="stub",
+        help="what is SIGKILLed: the engine's stub, or its whole tritonserver",
+    )
+    parser.add_argument(
+        "--every", type=float, default=11.0, help="seconds between an engine serving again and the next kill"
+    )
     args = parser.parse_args()
     run = Path(tempfile.mkdtemp(prefix="preble-restart-"))
     repo = write_repository(run / "repo", cpu_engines=args.engines, max_num_tokens=8192)
@@ -88,6 +93,7 @@ def main() -> None:
     for line in serve.stdout:
         if line.startswith("ready"):
             break
+
     def read() -> None:
         for ln in serve.stdout:
             lines.append((time.monotonic(), ln))

@@ -130,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         front = start_openai_front(f"127.0.0.1:{server.ports.grpc}", 0, "tiny", work / "front.log",
                                    server=server, http_port=http_port, grpc_port=grpc_port)  # fmt: skip
         front.wait_healthy()
-        urls = {"direct": f"http://127.0.0.1:{server.ports.http}", "front": f"http://127.0.0.1:{front.http_port}"}
+        urls = {
+            "direct": f"http://127.0.0.1:{server.ports.http}",
+            "front": f"http://127.0.0.1:{front.http_port}",
+        }
         grpc_urls = {"direct": f"127.0.0.1:{server.ports.grpc}", "front": f"127.0.0.1:{grpc_port}"}
         print("| endpoint | clients | path | median ms | p99 ms | req/s | front CPU ms/req |")
         print("|---|---|---|---|---|---|---|")

@@ -118,7 +118,8 @@ def bench_engine(model_path: str, batch: int, max_tokens: int) -> dict:
         out[name] = {"tokens": tokens, "seconds": time.perf_counter() - t0}
         engine.flush_cache()
     out["guided_over_unguided_time_per_token"] = (out["guided"]["seconds"] / out["guided"]["tokens"]) / (
-        out["unguided"]["seconds"] / out["unguided"]["tokens"])
+        out["unguided"]["seconds"] / out["unguided"]["tokens"]
+    )
     return out
 
 

@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
                                           capture_output=True, text=True).stdout.strip().splitlines()[-1])
                 for size in args.sizes.split(",")]  # fmt: skip
     one = rows[0]
-    print("| TP size | layer weights on rank 0 (MB) | all parameters (MB) | peak RSS growth (MB) "
-          "| peak ÷ TP 1 | anonymous memory after (MB) | checkpoint pages mapped (MB) |")
+    print(
+        "| TP size | layer weights on rank 0 (MB) | all parameters (MB) | peak RSS growth (MB) "
+        "| peak ÷ TP 1 | anonymous memory after (MB) | checkpoint pages mapped (MB) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['size']} | {r['layer_bytes'] / 1e6:.0f} | {r['param_bytes'] / 1e6:.0f} | "

@@ -141,8 +141,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
     key = _bench_key(args)
     if not args.tokenizer and not args.simulate and not args.trace:
         args.tokenizer = _served_tokenizer(served_model_path(args.url.split(",")[0], args.model, key))
-        print(f"prompts sized in the served model's tokens ({args.tokenizer})" if args.tokenizer else
-              "prompts sized in words: the served model's tokenizer is not on this host (--tokenizer)")
+        print(
+            f"prompts sized in the served model's tokens ({args.tokenizer})"
+            if args.tokenizer
+            else "prompts sized in words: the served model's tokenizer is not on this host (--tokenizer)"
+        )
     cfg = BenchConfig(
         url=args.url, model=args.model, workload=args.workload, trace=args.trace, requests=args.requests,
         rates=args.rates, policies=args.policies,

@@ -44,7 +44,7 @@ def parse_guide(key: str, value) -> Guide:
                          f"expected one of {', '.join(KINDS)}")  # fmt: skip
     if len(given) != 1:
         raise ValueError(f"sampling parameter {key} must name exactly one of {', '.join(KINDS)}")
-    (kind, spec), = given.items()
+    ((kind, spec),) = given.items()
     return _one(f"{key}.{kind}", kind, spec)
 
 

@@ -97,7 +97,9 @@ class TritonPythonModel:
         self._responses: queue.PriorityQueue = queue.PriorityQueue()  # (priority, order, item)
         self._order = itertools.count()
         self._response_thread = threading.Thread(
-            target=self._response_loop, name="preble-responses", daemon=True  # joined in finalize
+            target=self._response_loop,
+            name="preble-responses",
+            daemon=True,  # joined in finalize
         )
         self.engine.on_fatal = self._fatal
         self.engine.start()
@@ -173,9 +175,7 @@ class TritonPythonModel:
                 self.engine.flush_cache()
             return encode_report(self._stats())
 
-        self.engine.run_in_loop(report).add_done_callback(
-            lambda done: self._put(CONTROL, (sender, done))
-        )
+        self.engine.run_in_loop(report).add_done_callback(lambda done: self._put(CONTROL, (sender, done)))
 
     def _put(self, priority: int, item) -> None:
         self._responses.put((priority, next(self._order), item))

@@ -121,7 +121,7 @@ def _guide(body: dict, tools: Tools | None = None) -> dict:
         raise bad_request(f"{' and '.join(given)} both constrain the answer: send one", next(iter(given)))
     if not given:
         return {}
-    (key, value), = given.items()
+    ((key, value),) = given.items()
     return {key if key in GUIDE_KEYS else "structured_outputs": value}
 
 
@@ -310,6 +310,7 @@ def logprobs_body(call: RouterCall, steps: list[dict], offset: int = 0) -> dict 
     sampled = [next(iter(step.values())) for step in steps]
     tops = [sorted(step.values(), key=lambda e: e["rank"])[: call.logprobs] for step in steps]
     if call.chat:
+
         def entry(e):
             token = e["decoded_token"]
             return {"token": token, "logprob": e["logprob"], "bytes": list(token.encode())}

@@ -142,10 +142,10 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
                 resp.close()
                 return _unreachable(exc)
             first = b""
-        if first.startswith(b"data: {\"error\"") and retryable(first.decode(errors="replace")):
+        if first.startswith(b'data: {"error"') and retryable(first.decode(errors="replace")):
             drain.upstreams.discard(resp)
             resp.close()  # refused before its first token: an HTTP error a client can retry on
-            return _retryable(400, first[len(b"data: "):].strip(), {})
+            return _retryable(400, first[len(b"data: ") :].strip(), {})
 
         async def relay():
             try:
@@ -200,7 +200,7 @@ async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, st
         return _bad(f"header {BINARY}={declared!r} is invalid: expected a byte count within the body's "
                     f"{len(body)}")  # fmt: skip
     else:
-        header, tensors = body[: int(declared)], body[int(declared):]
+        header, tensors = body[: int(declared)], body[int(declared) :]
     try:
         parsed = await asyncio.get_running_loop().run_in_executor(None, json.loads, header)
         encoded = json.dumps(parsed, separators=(",", ":"), allow_nan=False).encode()

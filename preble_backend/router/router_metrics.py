@@ -9,7 +9,10 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60,
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 FAILURES = {  # Triton error code's name -> the failures counter's reason
-    "INVALID_ARG": "invalid", "UNAVAILABLE": "unavailable", "CANCELLED": "cancelled", "INTERNAL": "internal",
+    "INVALID_ARG": "invalid",
+    "UNAVAILABLE": "unavailable",
+    "CANCELLED": "cancelled",
+    "INTERNAL": "internal",
 }
 METRICS = [  # as vLLM names its request metrics; per request, labelled by policy and engine
     MetricSpec("preble_router_decisions_total", "counter", "routing decisions"),

@@ -24,6 +24,7 @@ from preble_backend.serving.protocol import (
 ENGINE_MODEL_PY = "from preble_backend.engine_server.engine_model import TritonPythonModel  # noqa: F401\n"
 ROUTER_MODEL_PY = "from preble_backend.router.router_model import TritonPythonModel  # noqa: F401\n"
 
+
 def _io(inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...]) -> str:
     """The model's ``input`` and ``output`` blocks, rendered from the protocol's specs."""
 
@@ -67,8 +68,7 @@ def engine_config_pbtxt(name: str, model_path: str, gpu: int | None, **overrides
     return (
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         "model_transaction_policy { decoupled: true }\n"
-        f"{_io(ENGINE_INPUTS, ENGINE_OUTPUTS)}instance_group [ {group} ]\n"
-        + _parameters(config, skip=skip)
+        f"{_io(ENGINE_INPUTS, ENGINE_OUTPUTS)}instance_group [ {group} ]\n" + _parameters(config, skip=skip)
     )
 
 

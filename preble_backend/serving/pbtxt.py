@@ -21,5 +21,3 @@ def set_config_parameter(config_pbtxt: str, key: str, value: str) -> str:
     if re.search(pattern, config_pbtxt):
         return re.sub(pattern, lambda _: entry, config_pbtxt, count=1)
     return config_pbtxt.rstrip("\n") + "\n" + entry + "\n"
-
-

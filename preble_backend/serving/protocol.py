@@ -184,8 +184,7 @@ def parse_generate(
         raise BadRequest("missing required input 'text_input'")
     if isinstance(raw, bytes | np.bytes_) and len(raw) > max_text_bytes:
         raise BadRequest(
-            f"input 'text_input' is {len(raw)} bytes: more than the router's "
-            f"max_input_bytes={max_text_bytes}"
+            f"input 'text_input' is {len(raw)} bytes: more than the router's max_input_bytes={max_text_bytes}"
         )
     prompt = _text("text_input", raw)
     if not prompt:
