@@ -43,6 +43,7 @@ test: setup genai-perf
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(PY) -m preble_backend.benchmarks.prefix_cache
