@@ -76,7 +76,7 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
 def switch_policy(url: str, model: str, policy: str, key: str | None = None,
                   admin_key: str | None = None) -> None:  # fmt: skip
     """Switch the router to ``policy`` with every engine's cache flushed, through its admin
-    control request (``router/admin.py``): no model is reloaded, so the server needs no
+    control request (``router/cluster/admin.py``): no model is reloaded, so the server needs no
     model control. ``key``: the API key; ``admin_key``: the server's admin key."""
     PrebleClient(grpc_url=url, model=model, api_key=key).admin("configure", admin_key, policy=policy)
 

@@ -151,7 +151,7 @@ class PrebleClient:
     # ---- control ------------------------------------------------------------------------
 
     def admin(self, op: str, admin_key: str | None, policy: str | None = None, timeout: float = 120) -> dict:
-        """The router's admin control request (``router/admin.py``): ``status``, ``flush``
+        """The router's admin control request (``router/cluster/admin.py``): ``status``, ``flush``
         (every engine's cache) or ``configure`` (switch to ``policy``, flushed); returns the
         router's state. Sent with the API key like any request, the admin key inside."""
         params = {"preble_admin": op, "preble_admin_key": admin_key or ""}

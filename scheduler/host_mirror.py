@@ -1,5 +1,5 @@
 """What the router believes each engine's host tier holds: the chain hashes of its host
-pages (``preble_backend/engine/host_tier.py``).
+pages (``preble_backend/engine/cache/host_tier.py``).
 
 A chain hash names its page's whole prefix, so a set of them per engine is an exact
 picture, and how far a prompt continues in an engine's host tier past what its device

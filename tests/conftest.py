@@ -172,8 +172,8 @@ def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[lis
 
 def make_request(tokens: list[int], rid: int | str = 0):
     from preble_backend.common.sampling_params import SamplingParams
-    from preble_backend.engine.request import Request
-    from preble_backend.engine.sampling import SamplerState
+    from preble_backend.engine.outputs.sampling import SamplerState
+    from preble_backend.engine.scheduling.request import Request
 
     params = SamplingParams(max_tokens=1)
     return Request(str(rid), list(tokens), params, SamplerState.create(params, "cpu"))

@@ -14,7 +14,7 @@ from server_utils import Pods, fresh_ports, metric_value, wait_for, wait_http_re
 
 from client.triton_client import PrebleClient, PrebleError
 from preble_backend.router.config import RouterConfig
-from preble_backend.router.discovery import parse_dns_target
+from preble_backend.router.engines.discovery import parse_dns_target
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "deploy" / "k8s" / "preble.yaml"

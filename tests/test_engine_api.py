@@ -11,8 +11,8 @@ from conftest import random_prompts
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
-from preble_backend.engine.local_scheduler import ScheduledBatch
-from preble_backend.engine.sampling import SamplerState, sample
+from preble_backend.engine.outputs.sampling import SamplerState, sample
+from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch
 
 GREEDY = {"temperature": 0}
 

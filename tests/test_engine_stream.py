@@ -15,7 +15,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from client.triton_client import StreamError, open_grpc
-from preble_backend.router.engine_stream import EngineStream, StreamClosed
+from preble_backend.router.engines.engine_stream import EngineStream, StreamClosed
 
 
 class Echo(service_pb2_grpc.GRPCInferenceServiceServicer):

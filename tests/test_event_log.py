@@ -9,8 +9,8 @@ import threading
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent, EventBatch
-from preble_backend.engine.event_log import EventLog
-from preble_backend.router.event_feed import EventFeed
+from preble_backend.engine.cache.event_log import EventLog
+from preble_backend.router.engines.event_feed import EventFeed
 from preble_backend.serving.protocol import decode_report, encode_report
 from scheduler.global_tree import GlobalPrefixTree
 

@@ -14,8 +14,8 @@ from test_parity import expected
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cost_model import CostModel
-from preble_backend.engine.local_scheduler import LocalScheduler
-from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.scheduling.local_scheduler import LocalScheduler
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
 from scheduler.global_tree import GlobalPrefixTree
 
 

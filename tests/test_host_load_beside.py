@@ -12,8 +12,8 @@ from test_host_tier_admission import compute, tiered
 from test_parity import GREEDY, expected, vocab
 
 from preble_backend.common.cost_model import CostModel
-from preble_backend.engine.local_scheduler import LocalScheduler
-from preble_backend.engine.priority_queue import PriorityWaitQueue
+from preble_backend.engine.scheduling.local_scheduler import LocalScheduler
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
 
 
 def on_host(pages: int):

@@ -28,11 +28,11 @@ from test_parity import (  # noqa: F401
 from test_radix_cache import chunked_prefill, token_lists, walk
 
 from preble_backend.common.block_hash import chain_hashes
-from preble_backend.engine import host_tier
-from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.cache import host_tier
+from preble_backend.engine.cache.host_tier import HostTier
+from preble_backend.engine.cache.radix_cache import RadixCache
 from preble_backend.engine.config import EngineConfig
-from preble_backend.engine.host_tier import HostTier
-from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.engine.scheduling.block_manager import BlockManager
 from preble_backend.model.kv_pool import KVPool
 from scheduler.global_tree import GlobalPrefixTree
 

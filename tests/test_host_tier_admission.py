@@ -8,11 +8,11 @@ from conftest import make_request
 from test_host_tier import PAGE, pool
 from test_radix_cache import chunked_prefill
 
-from preble_backend.engine.block_manager import BlockManager
-from preble_backend.engine.host_tier import HostTier
-from preble_backend.engine.local_scheduler import LocalScheduler
-from preble_backend.engine.priority_queue import PriorityWaitQueue
-from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.engine.cache.host_tier import HostTier
+from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.engine.scheduling.local_scheduler import LocalScheduler
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
 from preble_backend.model.kv_pool import KVPool
 
 

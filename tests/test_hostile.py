@@ -20,7 +20,7 @@ from server_utils import GENERATE, generate_body, http, serve_stack, wait_for, w
 from client.triton_client import PrebleClient, PrebleError, open_grpc, stream_infer
 from preble_backend.common.procfs import process_alive
 from preble_backend.common.structured_outputs import Guide
-from preble_backend.router.guide_check import GuideCheck
+from preble_backend.router.requests.guide_check import GuideCheck
 from preble_backend.serving.protocol import BadRequest
 
 pytestmark = pytest.mark.server

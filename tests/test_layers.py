@@ -129,6 +129,42 @@ def test_no_module_passes_the_size_of_one_concept():
     assert not long, long
 
 
+# The rooms inside a layer, bottom to top (each package's docstring says what lives there):
+# a room imports only the modules and rooms before it in its list (and itself).
+ROOMS = {
+    "preble_backend.engine": ["config", "cache", "outputs", "scheduling", "runners", "engine"],
+    "preble_backend.router": ["config", "router_metrics", "engines", "requests", "cluster", "router_model"],
+}
+
+
+def test_every_module_of_a_layer_with_rooms_is_in_one():
+    for package, rooms in ROOMS.items():
+        folder = ROOT / package.replace(".", "/")
+        paths = [path.relative_to(folder) for path in folder.rglob("*.py")]
+        here = {path.parts[0].removesuffix(".py") for path in paths if path != Path("__init__.py")}
+        assert here == set(rooms), (package, here ^ set(rooms))
+        assert (folder / "__init__.py").read_text().startswith('"""'), f"{package} says what its rooms hold"
+        for room in rooms:
+            if (folder / room).is_dir():
+                assert (folder / room / "__init__.py").read_text().startswith('"""'), f"{package}.{room}"
+
+
+def test_rooms_import_only_the_rooms_below():
+    graph = module_imports()
+    wrong = []
+    for package, rooms in ROOMS.items():
+
+        def room(module: str, package: str = package) -> str | None:
+            return module[len(package) + 1 :].split(".")[0] if module.startswith(package + ".") else None
+
+        for module, targets in graph.items():
+            source = room(module)
+            for target in filter(None, map(room, targets)):
+                if source is not None and rooms.index(target) > rooms.index(source):
+                    wrong.append(f"{module} -> {package}.{target}")
+    assert not wrong, wrong
+
+
 def test_the_allowed_order_is_itself_a_layering():
     order = list(TopologicalSorter(ALLOWED).static_order())
     assert order.index("common") < order.index("scheduler") < order.index("serving") < order.index("cli")

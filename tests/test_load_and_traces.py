@@ -65,7 +65,7 @@ def test_load_view_samples_the_gpus_of_engines_on_this_host_by_uuid_first():
 def test_engines_at_loopback_addresses_are_on_this_host():
     """``preble serve`` puts each engine in a tritonserver of its own, reached at 127.0.0.1:
     their GPUs are this host's. An engine at any other address is not."""
-    from preble_backend.router.engine_client import LocalEngine, RemoteEngine
+    from preble_backend.router.engines.engine_client import LocalEngine, RemoteEngine
 
     here = ["127.0.0.1:8001", "127.3.4.5:9000", "localhost:8001", "[::1]:8001"]
     elsewhere = ["10.0.0.5:8001", "engines.example:8001", "[2001:db8::1]:8001"]
@@ -79,7 +79,7 @@ def test_an_engine_names_its_gpu_as_nvml_does():
     """The UUID an engine reports is one NVML knows, and the router's sampler reads it."""
     import pynvml
 
-    from preble_backend.engine.model_runner import device_facts
+    from preble_backend.engine.runners.model_runner import device_facts
     from scheduler.nvml_load import nvml_source
 
     read = nvml_source()

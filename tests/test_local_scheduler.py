@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from conftest import make_request, random_prompts, tiny_pool
 
-from preble_backend.engine.block_manager import BlockManager
-from preble_backend.engine.local_scheduler import LocalScheduler
-from preble_backend.engine.priority_queue import PriorityWaitQueue
-from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.engine.scheduling.local_scheduler import LocalScheduler
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from server_utils import (
 )
 from test_e2 import e2, req, stored
 
-from preble_backend.router.discovery import Discovery, dns_entries, split_entries
+from preble_backend.router.engines.discovery import Discovery, dns_entries, split_entries
 from scheduler.policies import ALL_POLICIES, make_policy
 from scheduler.policy import InstanceLoad
 

@@ -10,9 +10,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from preble_backend.common.block_hash import chain_hashes
 from preble_backend.common.cache_event import CacheEvent
-from preble_backend.engine.block_manager import BlockManager
-from preble_backend.engine.radix_cache import RadixCache
-from preble_backend.engine.request import Request
+from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.engine.scheduling.request import Request
 from scheduler.global_tree import GlobalPrefixTree
 
 PAGE = 4

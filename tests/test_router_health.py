@@ -16,10 +16,10 @@ import pytest
 
 from preble_backend.common.procfs import process_alive
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.router.engine_client import EngineError, LocalEngine, RemoteEngine
-from preble_backend.router.engine_monitor import EngineMonitor
-from preble_backend.router.flights import Flights
-from preble_backend.router.responder import Responder
+from preble_backend.router.engines.engine_client import EngineError, LocalEngine, RemoteEngine
+from preble_backend.router.engines.engine_monitor import EngineMonitor
+from preble_backend.router.requests.flights import Flights
+from preble_backend.router.requests.responder import Responder
 
 
 class Sender:
@@ -318,7 +318,7 @@ def test_remote_engine_refuses_fast_when_nothing_listens():
 
 
 def test_router_load_checks_its_local_engines(tmp_path):
-    from preble_backend.router.loopback import check_local_engines
+    from preble_backend.router.engines.loopback import check_local_engines
     from preble_backend.runtime.repository import write_repository
 
     repo = write_repository(tmp_path / "repo", cpu_engines=2, page_size=32)

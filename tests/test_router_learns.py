@@ -14,7 +14,7 @@ from pathlib import Path
 
 from test_router_health import FakeEngine, wait_for
 
-from preble_backend.router.engine_monitor import EngineMonitor
+from preble_backend.router.engines.engine_monitor import EngineMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,9 +58,9 @@ def __getattr__(name):
 
 SCENARIO = """
 from types import SimpleNamespace
-from preble_backend.router.admin_control import AdminControl
-from preble_backend.router.event_feed import EventFeed
-from preble_backend.router.router_state import RouterState
+from preble_backend.router.cluster.admin_control import AdminControl
+from preble_backend.router.engines.event_feed import EventFeed
+from preble_backend.router.cluster.router_state import RouterState
 from scheduler.policies import make_policy
 from scheduler.policy import InstanceLoad
 

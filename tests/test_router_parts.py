@@ -10,10 +10,10 @@ import pytest
 
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.router.config import RouterConfig
-from preble_backend.router.detokenizer import IncrementalDetokenizer
-from preble_backend.router.discovery import Discovery
-from preble_backend.router.engine_client import LocalEngine, RemoteEngine, make_engine_client
-from preble_backend.router.loopback import grpc_url_from_args
+from preble_backend.router.engines.discovery import Discovery
+from preble_backend.router.engines.engine_client import LocalEngine, RemoteEngine, make_engine_client
+from preble_backend.router.engines.loopback import grpc_url_from_args
+from preble_backend.router.requests.detokenizer import IncrementalDetokenizer
 from preble_backend.runtime.repository import write_repository
 from scheduler.policies import make_policy
 from scheduler.policy import InstanceLoad, RoutingRequest
@@ -246,7 +246,7 @@ def test_bench_finds_the_admin_key_serve_left_for_its_port(tmp_path, monkeypatch
 
 
 def _output(tokens, finished=False, logprobs=None):
-    from preble_backend.engine.request import RequestOutput
+    from preble_backend.engine.scheduling.request import RequestOutput
 
     return RequestOutput("r", tokens, finished, "length" if finished else None, 7, 0, 0, logprobs=logprobs)
 
@@ -307,7 +307,7 @@ def test_each_policy_name_leads_to_the_class_of_that_name():
 
 
 def test_quarantine_refuses_the_same_request_until_its_time_is_up():
-    from preble_backend.router.quarantine import Quarantine
+    from preble_backend.router.requests.quarantine import Quarantine
 
     now = [100.0]
     q = Quarantine(ttl_s=60.0, clock=lambda: now[0])
@@ -325,7 +325,7 @@ def test_quarantine_refuses_the_same_request_until_its_time_is_up():
 
 
 def test_an_admin_request_needs_the_admin_key_before_anything_else():
-    from preble_backend.router.admin import AdminRefused, parse_admin
+    from preble_backend.router.cluster.admin import AdminRefused, parse_admin
     from preble_backend.serving.protocol import BadRequest
 
     good = {"preble_admin": "configure", "preble_policy": "round_robin", "preble_admin_key": "adm"}

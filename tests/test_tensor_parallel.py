@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU with gloo (``model/tensor_parallel.py``, ``engine/tp_ranks.py``):
+"""Tensor parallelism on CPU with gloo (``model/tensor_parallel.py``, ``engine/runners/tp_ranks.py``):
 an engine split over 2 or 4 ranks generates exactly what the same engine on one device
 does, greedy and seeded, under chunked prefill, prefix sharing and preemption, on
 checkpoints whose heads split differently (GQA with fewer KV heads than ranks, tied
@@ -62,7 +62,7 @@ def test_heads_split_and_kv_heads_replicate_where_fewer_than_ranks(qwen2_gqa_mod
 
 
 def test_a_rank_that_dies_fails_its_engine_at_once_and_frees_its_pages(qwen2_gqa_model, make_engine):
-    from preble_backend.engine.tp_ranks import RankLost
+    from preble_backend.engine.runners.tp_ranks import RankLost
 
     engine = make_engine(qwen2_gqa_model, tensor_parallel_size=2)
     assert engine.generate([[5, 6, 7, 8]], GREEDY)[0]
@@ -178,7 +178,7 @@ def test_one_all_reduce_per_attention_block_and_per_mlp_per_pass(llama3_tied_mod
 def test_bad_tensor_parallel_configurations_are_refused_by_name(qwen2_gqa_model, device, size, message):
     import torch
 
-    from preble_backend.engine.model_runner import ModelRunner
+    from preble_backend.engine.runners.model_runner import ModelRunner
 
     if device.startswith("cuda") and torch.cuda.device_count() >= 2:
         pytest.skip("this host has the GPUs")
@@ -245,7 +245,7 @@ def test_the_engines_nccl_group_forms_on_a_gpu():
     """What one lent GPU can check (two ranks on one GPU is not a configuration NCCL
     runs, so TP 2 against TP 1 stays a gloo claim): an engine's NCCL group forms, sums in
     place and carries rank 0's messages; the TP-1 engine on CUDA is the parity suite's."""
-    from preble_backend.engine.tp_ranks import Group, _free_port
+    from preble_backend.engine.runners.tp_ranks import Group, _free_port
 
     group = Group(0, 1, _free_port(), "cuda:0", timeout_s=30.0)
     x = torch.arange(6.0, device="cuda:0")

@@ -13,7 +13,7 @@ import platform
 import random
 import time
 
-from preble_backend.engine.radix_cache import RadixCache
+from preble_backend.engine.cache.radix_cache import RadixCache
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ Matchers are driven as decoding drives them: each step fills the batch's masks, 
 them to random logits and accepts the likeliest allowed token (a uniformly random legal
 token), so they walk through keys, strings, numbers and arrays of the schema. The two
 libraries get the same schema, vocabulary, tokens and mask application (``np.unpackbits``
-as ``engine/guided.py`` applies it), so their fill times compare as a ratio."""
+as ``engine/outputs/guided.py`` applies it), so their fill times compare as a ratio."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from preble_backend.engine.guided import COMPACT_JSON
+from preble_backend.engine.outputs.guided import COMPACT_JSON
 
 SCHEMA = {  # a tool call's arguments: keys, bounded strings, enums, numbers, an array
     "type": "object",

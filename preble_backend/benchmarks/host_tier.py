@@ -36,9 +36,9 @@ from typing import TypeVar
 
 import torch
 
+from preble_backend.engine.cache.host_tier import copy_pages
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
-from preble_backend.engine.host_tier import copy_pages
 from preble_backend.model.pypi_models import resolve as resolve_model
 
 GREEDY = {"max_tokens": 1, "temperature": 0, "ignore_eos": True}

@@ -25,7 +25,7 @@ class CacheEvent:
     kind: Literal["stored", "evicted"]
     hashes: tuple[int, ...]  # chain hash of every page of the path, root first
     start: int  # first page of the span
-    tier: Tier = "device"  # where the span's pages are, or were (engine/host_tier.py)
+    tier: Tier = "device"  # where the span's pages are, or were (engine/cache/host_tier.py)
 
     @classmethod
     def of(cls, kind: Literal["stored", "evicted"], tokens, start: int, page_size: int,

@@ -29,7 +29,7 @@ class CostModel:
     attention_ms_per_context_token: float
     decode_step_ms: float
     source: str = ""
-    # KV copied between the device and the host tier (engine/host_tier.py), per token,
+    # KV copied between the device and the host tier (engine/cache/host_tier.py), per token,
     # either way: the engine's KV bytes per token over the host link's bandwidth (PCIe
     # moves pinned memory at about the same rate both ways). 0: no tier modelled.
     load_ms_per_token: float = 0.0

@@ -3,7 +3,7 @@
 Clients name it as vLLM's sampling parameters do: ``structured_outputs`` (an object with
 one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``), or the older
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` keys. The router
-checks the shape; the engine compiles it (``engine/guided.py``) and refuses what its
+checks the shape; the engine compiles it (``engine/outputs/guided.py``) and refuses what its
 grammar library cannot compile, naming the problem.
 """
 

@@ -21,16 +21,16 @@ import torch
 from preble_backend.common.cache_event import EventBatch
 from preble_backend.common.procfs import pin_process
 from preble_backend.common.sampling_params import SamplingParams
+from preble_backend.engine.cache.event_log import EventLog
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from preble_backend.engine.emulated_runner import EmulatedRunner
-from preble_backend.engine.event_log import EventLog
-from preble_backend.engine.guided import GuidedDecoding
-from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
-from preble_backend.engine.model_runner import ModelRunner, device_facts
-from preble_backend.engine.request import Request, RequestOutput, Status
-from preble_backend.engine.sampling import SamplerState, sample_one, token_logprobs
-from preble_backend.engine.stop_checker import StopChecker
-from preble_backend.engine.tp_ranks import RankLost
+from preble_backend.engine.outputs.guided import GuidedDecoding
+from preble_backend.engine.outputs.sampling import SamplerState, sample_one, token_logprobs
+from preble_backend.engine.runners.emulated_runner import EmulatedRunner
+from preble_backend.engine.runners.model_runner import ModelRunner, device_facts
+from preble_backend.engine.runners.tp_ranks import RankLost
+from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch, make_local_scheduler
+from preble_backend.engine.scheduling.request import Request, RequestOutput, Status
+from preble_backend.engine.scheduling.stop_checker import StopChecker
 
 log = logging.getLogger("preble.engine")
 
@@ -301,7 +301,7 @@ class Engine:
         time to first token on an H100 against 49 ms after. A prompt past the cascade
         threshold (any tokens: shapes matter), then two sharing it (cascade, chunks of
         several sizes, decodes); then the cache is flushed and the counters zeroed."""
-        from preble_backend.engine.local_scheduler import SchedulerStats
+        from preble_backend.engine.scheduling.local_scheduler import SchedulerStats
         from preble_backend.model.attention_triton import CASCADE_MIN_SHARED_TOKENS as DEFAULT
 
         threshold = getattr(getattr(self.runner, "backend", None), "min_shared_tokens", None) or DEFAULT

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from preble_backend.engine.request import RequestOutput
+from preble_backend.engine.scheduling.request import RequestOutput
 
 
 @dataclass

@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
-from preble_backend.engine.request import RequestOutput
+from preble_backend.engine.scheduling.request import RequestOutput
 from preble_backend.engine_server.coalescer import Coalescer
 from preble_backend.serving.backend_utils import (
     config_parameters,

@@ -36,11 +36,13 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.router.admin_control import AdminControl, admin_request
-from preble_backend.router.answer import Answer
+from preble_backend.router.cluster.admin_control import AdminControl, admin_request
+from preble_backend.router.cluster.membership import Membership
+from preble_backend.router.cluster.migration import Migration
+from preble_backend.router.cluster.router_state import RouterState
 from preble_backend.router.config import RouterConfig
-from preble_backend.router.discovery import Discovery
-from preble_backend.router.engine_client import (
+from preble_backend.router.engines.discovery import Discovery
+from preble_backend.router.engines.engine_client import (
     EngineClient,
     EngineError,
     EngineRefused,
@@ -48,17 +50,15 @@ from preble_backend.router.engine_client import (
     LocalEngine,
     make_engine_client,
 )
-from preble_backend.router.engine_monitor import EngineMonitor
-from preble_backend.router.event_feed import EventFeed
-from preble_backend.router.flights import Flight, Flights
-from preble_backend.router.guide_check import GuideCheck
-from preble_backend.router.loopback import check_local_engines, server_grpc_url
-from preble_backend.router.membership import Membership
-from preble_backend.router.migration import Migration
-from preble_backend.router.quarantine import Quarantine
-from preble_backend.router.responder import Responder
+from preble_backend.router.engines.engine_monitor import EngineMonitor
+from preble_backend.router.engines.event_feed import EventFeed
+from preble_backend.router.engines.loopback import check_local_engines, server_grpc_url
+from preble_backend.router.requests.answer import Answer
+from preble_backend.router.requests.flights import Flight, Flights
+from preble_backend.router.requests.guide_check import GuideCheck
+from preble_backend.router.requests.quarantine import Quarantine
+from preble_backend.router.requests.responder import Responder
 from preble_backend.router.router_metrics import FAILURES, METRICS
-from preble_backend.router.router_state import RouterState
 from preble_backend.serving.backend_utils import (
     config_parameters,
     error_response,

@@ -265,7 +265,7 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
 
 def encode_report(load: dict, batch: EventBatch | None = None) -> str:
     """An engine's load snapshot and, on a final response, the cache events after the
-    router's cursor (``engine/event_log.py``), as compact JSON."""
+    router's cursor (``engine/cache/event_log.py``), as compact JSON."""
     data: dict = {"load": load}
     if batch is not None:
         data["events"] = [[e.kind, e.start, e.hashes, *([e.tier] if e.tier != "device" else [])]

@@ -24,9 +24,9 @@ import torch
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
-from preble_backend.engine.local_scheduler import ScheduledBatch, make_local_scheduler
-from preble_backend.engine.request import Request
-from preble_backend.engine.sampling import SamplerState
+from preble_backend.engine.outputs.sampling import SamplerState
+from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch, make_local_scheduler
+from preble_backend.engine.scheduling.request import Request
 from preble_backend.model.kv_pool import KVPool
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
 

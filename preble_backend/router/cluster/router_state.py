@@ -19,14 +19,14 @@ from concurrent.futures import ThreadPoolExecutor
 import triton_python_backend_utils as pb_utils
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
-from preble_backend.router.answer import Answer
 from preble_backend.router.config import RouterConfig
-from preble_backend.router.engine_client import EngineClient
-from preble_backend.router.engine_monitor import EngineMonitor
-from preble_backend.router.event_feed import EventFeed
-from preble_backend.router.flights import Flight, Flights
-from preble_backend.router.quarantine import Quarantine
-from preble_backend.router.responder import Responder
+from preble_backend.router.engines.engine_client import EngineClient
+from preble_backend.router.engines.engine_monitor import EngineMonitor
+from preble_backend.router.engines.event_feed import EventFeed
+from preble_backend.router.requests.answer import Answer
+from preble_backend.router.requests.flights import Flight, Flights
+from preble_backend.router.requests.quarantine import Quarantine
+from preble_backend.router.requests.responder import Responder
 from preble_backend.serving.metrics import Metrics
 from scheduler.nvml_load import LoadView
 from scheduler.policy import FinishInfo, InstanceLoad, Policy

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.engine.radix_node import TreeNode
-from preble_backend.engine.sampling import SamplerState, TokenLogprobs
+from preble_backend.engine.cache.radix_node import TreeNode
+from preble_backend.engine.outputs.sampling import SamplerState, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -56,7 +56,7 @@ class Request:
     admitted: float | None = None  # when it first left the wait queue
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the request asks
-    matcher: object | None = None  # structured outputs: the grammar's state (engine/guided.py)
+    matcher: object | None = None  # structured outputs: the grammar's state (engine/outputs/guided.py)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

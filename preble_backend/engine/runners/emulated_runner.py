@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from preble_backend.common.cost_model import CostModel
-from preble_backend.engine.local_scheduler import ScheduledBatch
+from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_config import ModelConfig
 

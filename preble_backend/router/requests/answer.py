@@ -17,8 +17,8 @@ import json
 
 import numpy as np
 
-from preble_backend.router.detokenizer import IncrementalDetokenizer
-from preble_backend.router.engine_client import EngineResponse
+from preble_backend.router.engines.engine_client import EngineResponse
+from preble_backend.router.requests.detokenizer import IncrementalDetokenizer
 from preble_backend.serving.protocol import GenerateRequest
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from preble_backend.engine.local_scheduler import ScheduledBatch
-from preble_backend.engine.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
+from preble_backend.engine.runners.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
+from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
 from preble_backend.model.attention_backends import make_attention_backend
 from preble_backend.model.decode_graphs import DecodeGraphs

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from preble_backend.engine.radix_cache import RadixCache
-from preble_backend.engine.request import Request
+from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.scheduling.request import Request
 from preble_backend.model.kv_pool import KVPool
 
 

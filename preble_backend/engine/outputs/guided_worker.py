@@ -1,5 +1,5 @@
 """A grammar compiler in a process of its own: the router's check of a structured output
-before any engine compiles it (``router/guide_check.py``).
+before any engine compiles it (``router/requests/guide_check.py``).
 
 It compiles exactly as an engine does (``GuidedDecoding.matcher``), one constraint per
 line of JSON on stdin (``[kind, spec]``), and answers a line per constraint (``{}`` or
@@ -11,7 +11,7 @@ The compile runs on a thread whose stack is ``CHECK_STACK_BYTES``; engines compi
 of ``engine.guided.COMPILE_STACK_BYTES``, four times larger, so a constraint that passes
 here cannot exhaust an engine's stack.
 
-    python -m preble_backend.engine.guided_worker MODEL_DIR VOCAB_SIZE
+    python -m preble_backend.engine.outputs.guided_worker MODEL_DIR VOCAB_SIZE
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import threading
 
 from preble_backend.common.structured_outputs import Guide
-from preble_backend.engine.guided import CHECK_STACK_BYTES, GuidedDecoding
+from preble_backend.engine.outputs.guided import CHECK_STACK_BYTES, GuidedDecoding
 
 
 def compile_once(guided: GuidedDecoding, kind: str, spec: str, answer: dict) -> None:

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from collections.abc import Iterator
 
-from preble_backend.engine.request import Request
+from preble_backend.engine.scheduling.request import Request
 
 
 class PriorityWaitQueue:

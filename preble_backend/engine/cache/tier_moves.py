@@ -10,9 +10,9 @@ from collections import deque
 from collections.abc import Callable
 
 from preble_backend.common.prefix import longest_match
-from preble_backend.engine.cache_changes import Change
-from preble_backend.engine.host_tier import HostTier
-from preble_backend.engine.radix_node import TreeNode
+from preble_backend.engine.cache.cache_changes import Change
+from preble_backend.engine.cache.host_tier import HostTier
+from preble_backend.engine.cache.radix_node import TreeNode
 from preble_backend.model.kv_pool import KVPool
 
 

@@ -1,5 +1,5 @@
 """The router's check of a structured output before admission: compiled in a worker
-process (``engine/guided_worker.py``) with a time limit, so that a constraint which is
+process (``engine/outputs/guided_worker.py``) with a time limit, so that a constraint which is
 slow to compile holds only its own request, and one that crashes the compiler crashes no
 engine. Answers are remembered (the engines compile the same text the same way), so a
 schema that a client sends again costs nothing.
@@ -71,9 +71,10 @@ class GuideCheck:
         if not Path(python).name.startswith("python"):
             python = shutil.which("python3") or python
         worker = await asyncio.create_subprocess_exec(
-            python, "-m", "preble_backend.engine.guided_worker", self.model_path, str(self.vocab_size),
+            python, "-m", "preble_backend.engine.outputs.guided_worker",
+            self.model_path, str(self.vocab_size),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-            cwd=str(Path(__file__).resolve().parents[2]),
+            cwd=str(Path(__file__).resolve().parents[3]),
         )  # fmt: skip
         try:
             ready = await asyncio.wait_for(worker.stdout.readline(), START_TIMEOUT_S)

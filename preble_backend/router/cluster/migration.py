@@ -18,10 +18,10 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.router.answer import Answer
-from preble_backend.router.engine_client import EngineClient
-from preble_backend.router.flights import Flight
-from preble_backend.router.router_state import RouterState
+from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.engines.engine_client import EngineClient
+from preble_backend.router.requests.answer import Answer
+from preble_backend.router.requests.flights import Flight
 from preble_backend.serving.protocol import BadRequest, GenerateRequest
 from scheduler.policy import RoutingRequest
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 
 from preble_backend.common.procfs import process_alive
-from preble_backend.router.engine_client import EngineClient, EngineError, LocalEngine
+from preble_backend.router.engines.engine_client import EngineClient, EngineError, LocalEngine
 
 
 class EngineMonitor:

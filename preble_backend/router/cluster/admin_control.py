@@ -8,9 +8,9 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.router.admin import AdminRequest, parse_admin, router_admin_key
-from preble_backend.router.engine_client import EngineError
-from preble_backend.router.router_state import RouterState
+from preble_backend.router.cluster.admin import AdminRequest, parse_admin, router_admin_key
+from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.engines.engine_client import EngineError
 from scheduler.policies import make_policy
 
 

@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from preble_backend.router.flights import Flight
+from preble_backend.router.requests.flights import Flight
 
 
 class Responder:

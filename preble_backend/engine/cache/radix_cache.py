@@ -32,10 +32,10 @@ from collections import deque
 from preble_backend.common.block_hash import page_sums
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.prefix import longest_match
-from preble_backend.engine.cache_changes import Change, coalesce
-from preble_backend.engine.host_tier import HostTier
-from preble_backend.engine.radix_node import TreeNode
-from preble_backend.engine.tier_moves import TierMoves
+from preble_backend.engine.cache.cache_changes import Change, coalesce
+from preble_backend.engine.cache.host_tier import HostTier
+from preble_backend.engine.cache.radix_node import TreeNode
+from preble_backend.engine.cache.tier_moves import TierMoves
 
 _clock = itertools.count(1)
 

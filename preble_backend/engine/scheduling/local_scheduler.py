@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from preble_backend.engine.block_manager import BlockManager
+from preble_backend.engine.cache.host_tier import HostTier
+from preble_backend.engine.cache.radix_cache import RadixCache
 from preble_backend.engine.config import EngineConfig
-from preble_backend.engine.host_tier import HostTier
-from preble_backend.engine.priority_queue import PriorityWaitQueue
-from preble_backend.engine.radix_cache import RadixCache
-from preble_backend.engine.request import Request, Status
+from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
+from preble_backend.engine.scheduling.request import Request, Status
 from preble_backend.model.kv_pool import KVPool
 
 MAX_TOUCHED = 128  # waiting requests whose prefixes an eviction spares, the first in line

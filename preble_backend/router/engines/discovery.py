@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from preble_backend.router.engine_client import parse_engine_entry
+from preble_backend.router.engines.engine_client import parse_engine_entry
 
 NO_ADDRESSES = {getattr(socket, name) for name in ("EAI_NONAME", "EAI_NODATA") if hasattr(socket, name)}
 

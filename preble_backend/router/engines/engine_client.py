@@ -17,7 +17,7 @@ import numpy as np
 
 from client.triton_client import StreamError, open_grpc, stream_infer
 from preble_backend.common.keys import engine_key, grpc_bearer
-from preble_backend.router.engine_stream import EngineStream, StreamClosed
+from preble_backend.router.engines.engine_stream import EngineStream, StreamClosed
 from preble_backend.serving.protocol import ENGINE_OUTPUTS, REFUSED, names, not_loaded
 
 OUTPUTS = names(ENGINE_OUTPUTS)

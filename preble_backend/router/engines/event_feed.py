@@ -1,4 +1,4 @@
-"""The router's side of one engine's cache event log (``engine/event_log.py``): the
+"""The router's side of one engine's cache event log (``engine/cache/event_log.py``): the
 cursor it sends with each request, and which events of a report it has not applied yet.
 
 Reports arrive out of order (each request carries the cursor of the moment it was sent,

@@ -15,9 +15,9 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from preble_backend.router.engine_client import make_engine_client
-from preble_backend.router.event_feed import EventFeed
-from preble_backend.router.router_state import RouterState
+from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.engines.engine_client import make_engine_client
+from preble_backend.router.engines.event_feed import EventFeed
 from scheduler.policy import InstanceLoad
 
 

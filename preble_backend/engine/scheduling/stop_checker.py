@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from preble_backend.engine.request import Request
+from preble_backend.engine.scheduling.request import Request
 
 
 class StopChecker:
