@@ -307,6 +307,7 @@ def test_host_tier_settings_are_checked():
 # ---- served ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.server  # a real tritonserver
 def test_served_engines_load_back_from_the_host_tier(tmp_path, capsys):
     """``preble repo --host-kv-tokens`` writes the engines' parameter; served by
     tritonserver behind the router, a document pushed out of a 1,024-token device pool by

@@ -88,6 +88,40 @@ def test_oversized_lists_and_constraints_fail_their_own_request_and_every_engine
     assert {model: stack.engine_stub(model) for model in ENGINES} == stubs  # no engine restarted
 
 
+def test_constraints_that_allow_nothing_are_400_naming_them_and_never_a_500(stack):
+    """Refused at admission where the bounded checks decide it; otherwise ended mid-answer
+    (llguidance-only syntax the static check does not read, a first choice too wide for the
+    probe): 400 on the non-streaming APIs, an error event naming it on a stream. No body
+    carries the grammar library's state, and every engine serves on."""
+    stubs = {model: stack.engine_stub(model) for model in ENGINES}
+    leaks = (b"<state>", b"NoExtensionBias", b"Parser", b"rejected token", b"internal")
+    whole = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    chain = {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}
+    refused = [({"guided_regex": r"[^\s\S]"}, b"matches no string"),
+               ({"guided_grammar": 'start: a\na: "x" a'}, b"no base case"),
+               ({"guided_json": {"$ref": "#"}}, b"no base case"),
+               ({"guided_json": chain}, b"no base case"),
+               ({"guided_json": whole}, b"no base case")]  # fmt: skip
+    for params, words in refused:
+        status, answer = generate(stack, max_tokens=8, **params)
+        assert status == 400 and b"allows no output: " in answer and words in answer, (params, status, answer)
+        assert not any(leak in answer for leak in leaks), answer
+    schema = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}
+    status, answer = chat(stack, response_format=schema)
+    assert status == 400 and "structured output json allows no output" in answer["error"]["message"], answer
+    undecided = 'start: /[a-z]/ b\nb: "x" b | %json {"$ref": "#"}'
+    status, answer = generate(stack, max_tokens=8, temperature=0, guided_grammar=undecided)
+    assert status == 400 and b"allows no complete output after 1 token: " in answer, (status, answer)
+    assert not any(leak in answer for leak in leaks), answer
+    body = generate_body("Hello", max_tokens=8, temperature=0, guided_grammar=undecided)
+    status, _, streamed = http("POST", stack.url(GENERATE + "_stream"), body)
+    events = [json.loads(line[5:]) for line in streamed.decode().splitlines() if line.startswith("data:")]
+    assert "allows no complete output after 1 token" in events[-1]["error"], events
+    assert not any(leak.decode() in events[-1]["error"] for leak in leaks)
+    assert generate(stack, "Still serving", max_tokens=4)[0] == 200
+    assert {model: stack.engine_stub(model) for model in ENGINES} == stubs  # no engine restarted
+
+
 def test_wrongly_typed_generate_inputs_are_400_naming_the_input(stack):
     cases = [({"text_input": 5}, "generate", b"'text_input' must be a string"),
              ({"text_input": "Hi", "stream": "yes"}, "generate_stream", b"'stream' must be a boolean"),

@@ -92,6 +92,7 @@ def test_preble_repo_groups_gpus_into_tensor_parallel_engines(tmp_path, capsys):
     assert "gpus=[0, 1, 2] is invalid for tensor_parallel_size=2" in capsys.readouterr().err
 
 
+@pytest.mark.server  # a real tritonserver
 def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_model):
     """Two engines behind the router, one of them split over two ranks: pinned to either,
     a greedy request gets the same text; the router sees two engines. A rank killed: the

@@ -23,11 +23,12 @@ from preble_backend.common.procfs import pin_process
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.cache.event_log import EventLog
 from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from preble_backend.engine.outputs.guided import GuidedDecoding
+from preble_backend.engine.outputs import guided
 from preble_backend.engine.outputs.sampling import SamplerState, sample_one, token_logprobs
 from preble_backend.engine.runners.emulated_runner import EmulatedRunner
 from preble_backend.engine.runners.model_runner import ModelRunner, device_facts
 from preble_backend.engine.runners.tp_ranks import RankLost
+from preble_backend.engine.runners.warm_up import warm_up
 from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.scheduling.request import Request, RequestOutput, Status
 from preble_backend.engine.scheduling.stop_checker import StopChecker
@@ -66,7 +67,7 @@ class Engine:
         self._aborts: deque[str] = deque()
         self._calls: deque[tuple[Callable[[], object], Future]] = deque()
         self._wake = threading.Condition()
-        self._guided: GuidedDecoding | None = None  # built on the first guided request
+        self._guided: guided.GuidedDecoding | None = None  # built on the first guided request
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.num_finished = 0
@@ -143,7 +144,7 @@ class Engine:
             return None
         with self._wake:
             if self._guided is None:
-                self._guided = GuidedDecoding(self.config.model_path, self.model_config.vocab_size,
+                self._guided = guided.GuidedDecoding(self.config.model_path, self.model_config.vocab_size,
                                               self.stops.eos_token_ids)  # fmt: skip
         return self._guided.matcher_on_own_stack(params.guide, params.guided_prefix_ids)
 
@@ -195,7 +196,7 @@ class Engine:
             for k, (row, i) in enumerate(zip(logits, rows)):
                 req = part.requests[i]
                 if k in failed:
-                    self._finish(req, "error", error=failed[k])
+                    self._constraint_failed(req, failed[k])
                 elif k in complete:
                     self._finish(req, "stop")  # the structured answer is whole
                 else:
@@ -232,21 +233,32 @@ class Engine:
             return {}, set(), {}
         try:
             return self._guided.mask(logits, rows)
-        except Exception as exc:  # the guided requests fail; their batch-mates sample on
+        except Exception:  # the guided requests fail; their batch-mates sample on
             log.exception("structured output masks failed")
-            return {}, set(), {k: f"structured output failed: {exc}" for k, _ in rows}
+            return {}, set(), dict.fromkeys(k for k, _ in rows)
+
+    def _constraint_failed(self, req: Request, why: str | None) -> None:
+        """The request's structured output allows nothing more: finish reason ``constraint``,
+        an error naming it (fronts answer 400), no token sampled. None: the masks failed."""
+        if why is None:
+            return self._finish(req, "error", error="structured output masks failed (see the engine's log)")
+        message = guided.constraint_message(req.params.guide, len(req.output_ids), why)
+        self._finish(req, "constraint", error=message)
 
     def _sample(self, req: Request, row: torch.Tensor) -> None:
+        banned = self.stops.banned(req)
+        left = None if req.matcher is None else guided.tokens_left(row, banned)
+        if left is not None and not bool(left.any()):
+            return self._constraint_failed(req, guided.BANNED)
         try:
-            token = sample_one(row, req.sampler, self.stops.banned(req), req.prompt_ids, req.output_ids)
+            token = sample_one(row, req.sampler, banned, req.prompt_ids, req.output_ids)
             logprobs = token_logprobs(row, token, req.params.logprobs) if req.logprobs is not None else None
         except Exception as exc:  # this request's sampling failed: it alone ends
             log.exception("sampling request %s failed", req.request_id)
             self._finish(req, "error", error=f"sampling failed: {exc}")
             return
-        if req.matcher is not None and not req.matcher.consume_token(token):
-            self._finish(req, "error", error=f"structured output: the grammar rejected token {token}")
-            return
+        if left is not None and not (bool(left[token]) and req.matcher.consume_token(token)):
+            return self._constraint_failed(req, guided.ENDLESS if bool(left[token]) else guided.NO_TOKEN)
         req.output_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)
@@ -296,23 +308,8 @@ class Engine:
         return [outputs.get(rid, []) for rid in ids]
 
     def warm_up(self) -> None:
-        """Run the attention paths once before the first request: on a GPU, Triton's kernels
-        (and FlashInfer's) compile at first use, which put 1.8 s into the first request's
-        time to first token on an H100 against 49 ms after. A prompt past the cascade
-        threshold (any tokens: shapes matter), then two sharing it (cascade, chunks of
-        several sizes, decodes); then the cache is flushed and the counters zeroed."""
-        from preble_backend.engine.scheduling.local_scheduler import SchedulerStats
-        from preble_backend.model.attention_triton import CASCADE_MIN_SHARED_TOKENS as DEFAULT
-
-        threshold = getattr(getattr(self.runner, "backend", None), "min_shared_tokens", None) or DEFAULT
-        length = min(threshold + self.pool.page_size + 7, self.model_config.max_context - 8,
-                     self.pool.capacity_tokens // 2 - 8)  # fmt: skip
-        shared = [3 + (i * 7919) % (self.model_config.vocab_size - 3) for i in range(length)]
-        params = {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
-        self.generate([shared], params)
-        self.generate([shared + [5], shared + [6, 7, 8]], params)
-        self.flush_cache()
-        self.scheduler.stats, self.num_finished = SchedulerStats(), 0
+        """Run the attention paths once before the first request (``runners/warm_up.py``)."""
+        warm_up(self)
 
     # ---- the engine thread ----------------------------------------------------------------
 

@@ -212,8 +212,11 @@ class TritonPythonModel:
                 self._publish_metrics()
 
     def _send(self, sender, out: RequestOutput, report: str | None) -> None:
-        if out.error is not None:
-            send_error(sender, out.error)
+        if out.error is not None:  # a constraint that allows nothing more is the request's fault
+            if out.finish_reason == "constraint":
+                send_error(sender, f"{REFUSED}{out.error}", pb_utils.TritonError.INVALID_ARG)
+            else:
+                send_error(sender, out.error)
             return
         tensors = [pb_utils.Tensor("token_ids", np.asarray(out.token_ids, dtype=np.int32))]
         if out.logprobs:

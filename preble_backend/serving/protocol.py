@@ -115,7 +115,7 @@ def not_loaded(message: str) -> bool:
 INVALID = ("is invalid", "must be", "input '", "encodes to no", "over the model's context length",
            "exceeds the KV pool", "outside the vocabulary", "is not valid JSON", "cannot be compiled",
            "both constrain", "need a tokenizer", "do not match the structured output", "over the limit",
-           "took more than", "crashed the grammar compiler", "is refused for")  # fmt: skip
+           "took more than", "crashed the grammar compiler", "is refused for", "allows no")  # fmt: skip
 
 
 def invalid(message: str) -> bool:
