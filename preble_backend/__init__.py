@@ -10,6 +10,8 @@ import importlib.abc
 import importlib.util
 import sys
 
+from preble_backend.common.version import __version__ as __version__
+
 MOVED = {
     "preble_backend.serving.router_model": "preble_backend.router.router_model",
     "preble_backend.serving.engine_model": "preble_backend.engine_server.engine_model",

@@ -3,7 +3,9 @@ port is taken or the repository is missing."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from server_utils import fresh_ports, write_test_repository
+from server_utils import fresh_ports, http, write_test_repository
+
+from preble_backend.common.version import __version__
 
 pytestmark = pytest.mark.server
 
@@ -47,6 +51,11 @@ def test_serve_prints_endpoints_and_stops_cleanly_on_sigterm(tmp_path, tiny_mode
     assert any(f"127.0.0.1:{ports.grpc}" in ln for ln in lines), lines
     [model] = [ln for ln in lines if ln.startswith("  model ")]  # which model, its size and dtype
     assert "tiny: 4.2M parameters, float32, context 4096 tokens" in model and "random weights" in model
+    assert f"; preble {__version__}" in model and re.fullmatch(r"\d+\.\d+\.\d+", __version__)
+    assert any(ln.startswith(f"preble serve {__version__}: starting tritonserver") for ln in lines), lines
+    status, _, body = http("GET", f"http://127.0.0.1:{ports.http}/v2")  # Triton's metadata, and ours
+    assert status == 200 and json.loads(body)["preble_version"] == __version__, body
+    assert json.loads(body)["name"] == "triton" and "extensions" in json.loads(body)
     [targets] = [Path(ln.split(" in ")[-1].strip()) for ln in lines if "engine scrape targets" in ln]
     assert_scrape_config_finds(targets, ports.metrics)
     proc.send_signal(stop)

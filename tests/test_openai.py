@@ -48,6 +48,9 @@ def test_models_lists_the_served_model(stack):
     card = api.models.retrieve("preble")
     assert card.id == "preble" and card.root.endswith("tiny-llama-v2") and card.max_model_len == 4096
     assert card.dtype == "float32" and card.parameters > 4_000_000
+    from preble_backend.common.version import __version__
+
+    assert card.served_by == f"preble {__version__}"
     with pytest.raises(openai.NotFoundError):
         api.models.retrieve("gpt-4")
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV, ENGINE_KEY_ENV
+from preble_backend.common.version import __version__
 from preble_backend.model.model_card import ModelCard, model_card
 from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.model.tiny_model import cache_root
@@ -91,7 +92,7 @@ def serve(args: argparse.Namespace) -> int:
         if stop:
             return 0
         ports = ServerPorts(*free_ports(3, avoid=public_ports))  # the public ones are the front's
-        print(f"preble serve: starting tritonserver on {repository} (log: {log})", flush=True)
+        print(f"preble serve {__version__}: starting tritonserver on {repository} (log: {log})", flush=True)
         router = Supervised(
             "preble", router_repo, ports, log, access=public, env=env, watch_stub=False, role="router",
         )  # fmt: skip

@@ -27,6 +27,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from preble_backend.common.version import __version__
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.serving.protocol import FORBIDDEN, retryable
 
@@ -79,7 +80,10 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
     (``http://127.0.0.1:port``); ``session_of()``: the app's ``aiohttp`` session."""
 
     async def ready_answer(path: str) -> Response | None:
-        """The honest answer to a readiness probe of the server or the router model."""
+        """The honest answer to a readiness probe of the server or the router model; the
+        server's metadata with this release's version beside Triton's."""
+        if path == "":
+            return await server_metadata()
         if path not in ("health/ready", f"models/{router_model}/ready"):
             return None
         session = session_of()
@@ -91,6 +95,16 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
             return _unreachable(exc)
         up, why = await engines.serving(session)
         return Response(status_code=200) if up else JSONResponse({"error": why}, status_code=503)
+
+    async def server_metadata() -> Response:
+        try:
+            async with session_of().get(f"{upstream}/v2") as resp:
+                if resp.status != 200:
+                    return Response(status_code=resp.status, content=await resp.read())
+                metadata = await resp.json(content_type=None)
+        except aiohttp.ClientError as exc:
+            return _unreachable(exc)
+        return JSONResponse({**metadata, "preble_version": __version__})
 
     @app.api_route("/v2", methods=["GET"])
     @app.api_route("/v2/{path:path}", methods=["GET", "POST"])

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from preble_backend.common.version import __version__
 from preble_backend.model.pypi_models import is_named
 from preble_backend.model.safetensors_slices import read_header
 
@@ -19,6 +20,7 @@ class ModelCard:
     parameters: int
     dtype: str  # as the engines run it
     max_model_len: int
+    served_by: str = f"preble {__version__}"
 
     def line(self) -> str:
         size = f"{self.parameters / 1e9:.1f}B" if self.parameters >= 1e9 else f"{self.parameters / 1e6:.1f}M"
@@ -26,7 +28,8 @@ class ModelCard:
         note = ""
         if self.name == "tiny":
             note = "; random weights, random text: for a trained model, preble repo DIR --model-path smollm2"
-        return f"{self.name}: {size} parameters, {self.dtype}, {context} ({self.path}){note}"
+        where = f"({self.path}); {self.served_by}"
+        return f"{self.name}: {size} parameters, {self.dtype}, {context} {where}{note}"
 
 
 def model_card(model_path: str, resolved: str | Path, dtype: str = "auto", device: str = "cpu") -> ModelCard:
