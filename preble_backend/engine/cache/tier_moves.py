@@ -165,7 +165,7 @@ class TierMoves:
         the host's own leaves, least recently used first, the only KV of their prefixes.
         Without (room for copies ahead, which must not trade one copy for another), the
         host's own leaves only. Measured against dropping the host's own leaves first:
-        BENCHMARKS, "Host order with copies ahead"."""
+        docs/benchmarks/host-tier.md, "Host order with copies ahead"."""
         self.host.settle()
         self.host.finish_loads()
         freed = 0

@@ -4,7 +4,7 @@ Triton's ``ModelStreamInfer`` takes any number of requests on one call and answe
 with responses that carry the request's ``id`` (errors included). Against the do-nothing
 relay of ``benchmarks/relay_floor.py`` at 40 requests/s, a call per request cost its client and
 the server ~0.75 ms of CPU per request more than one long-lived call (the router: 6-12%,
-docs/BENCHMARKS.md), so the router keeps one call per engine, writes each request to it
+docs/benchmarks/serving.md), so the router keeps one call per engine, writes each request to it
 and hands each response to the request it names. A reader task owns the call; when the
 call ends (the engine's server went away, or ``cancel``), every request still open on it
 fails with ``StreamClosed`` and the next request opens a new call.
