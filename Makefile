@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup genai-perf serve demo test lint bench
+.PHONY: setup genai-perf serve demo test check lint bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -44,6 +44,11 @@ test: setup genai-perf
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# The quick loop: lint, then every test that starts no tritonserver (under 5 minutes on
+# the project's 2-core machine). `make test` is the full suite and CI's command.
+check: lint
+	$(PY) -m pytest -q -p no:cacheprovider -m "not server"
 
 bench: setup
 	$(PY) -m preble_backend.benchmarks.prefix_cache

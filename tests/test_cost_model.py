@@ -46,10 +46,18 @@ def test_a_noisy_fit_is_flagged_poor():
     assert quality.poor and quality.r2 < 0.9
 
 
-def test_profile_times_the_tiny_model_and_reports_its_fit(tiny_model):
-    from scheduler.sim.profile import profile
+def test_profile_times_the_tiny_model_and_reports_its_fit(tiny_model, monkeypatch):
+    """The measuring and the fit, on a grid of seven configurations (the shipped grid's 19
+    took 13 s of the quick loop): three prefills and four decode batches still pin all four
+    coefficients."""
+    from scheduler.sim import profile as profiling
 
-    model, quality = profile(tiny_model, repeats=1, log=lambda *_: None)
+    monkeypatch.setattr(profiling, "PREFILL_LENGTHS", (32, 128, 512))
+    monkeypatch.setattr(profiling, "DECODE_BATCHES", (1, 16))  # 16 x 512: the typical decode step
+    monkeypatch.setattr(profiling, "DECODE_CONTEXTS", (128, 512))
+    lines: list[str] = []
+    model, quality = profiling.profile(tiny_model, repeats=1, log=lines.append)
+    assert sum(line.startswith(("prefill", "decode")) for line in lines) == 7, lines
     assert model.prefill_ms_per_token > 0 and model.decode_step_ms > 0
     rest = (model.base_ms, model.decode_ms_per_request, model.attention_ms_per_context_token)
     assert all(v >= 0 for v in rest)

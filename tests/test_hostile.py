@@ -118,6 +118,15 @@ def test_constraints_that_allow_nothing_are_400_naming_them_and_never_a_500(stac
     events = [json.loads(line[5:]) for line in streamed.decode().splitlines() if line.startswith("data:")]
     assert "allows no complete output after 1 token" in events[-1]["error"], events
     assert not any(leak.decode() in events[-1]["error"] for leak in leaks)
+    status, answer = chat(stack, max_tokens=8, temperature=0, guided_grammar=undecided)
+    assert status == 400 and "allows no complete output" in answer["error"]["message"], answer
+    request = {"model": "preble", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+               "temperature": 0, "stream": True, "guided_grammar": undecided}  # fmt: skip
+    _, _, streamed = http("POST", stack.url("/v1/chat/completions", stack.openai_port),
+                          json.dumps(request).encode(), {"Content-Type": "application/json"})  # fmt: skip
+    chunks = [line[6:] for line in streamed.decode().splitlines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]", chunks
+    assert "allows no complete output" in json.loads(chunks[-2])["error"]["message"], chunks
     assert generate(stack, "Still serving", max_tokens=4)[0] == 200
     assert {model: stack.engine_stub(model) for model in ENGINES} == stubs  # no engine restarted
 
