@@ -117,6 +117,31 @@ def test_the_static_checks_answer_only_what_they_can_read():
     assert "and 4994 more" in lark_empty(long_chain.replace('r5000: "y"', 'r5000: "y" r0'))
 
 
+def random_json(rng: random.Random, depth: int = 0):
+    """Any JSON value, keywords of JSON Schema among its keys."""
+    keys = ["$ref", "type", "properties", "required", "items", "minItems", "anyOf", "allOf", "oneOf",
+            "$defs", "prefixItems", "a", "#"]  # fmt: skip
+    leaves = [None, True, False, 0, 1, -3, 2.5, "#", "#/$defs/a", "object", "array", "x", ""]
+    if depth > 3 or rng.random() < 0.3:
+        return rng.choice(leaves)
+    if rng.random() < 0.3:
+        return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_static_checks_never_raise_on_any_text(seed):
+    """Whatever a client sends, the checks answer (a reason or None); the compiler refuses
+    what is malformed."""
+    rng = random.Random(seed)
+    for value in (random_json(rng), {"$defs": {"a": random_json(rng)}, "$ref": "#/$defs/a"}):
+        assert schema_empty(json.dumps(value)) is None or "no base case" in schema_empty(json.dumps(value))
+    alphabet = ['start', ':', 'a', 'b', '|', '"x"', '(', ')', '[', ']', '?', '*', '+', '~', '2', '..',
+                '\n', ' ', '/re/', '%import', '->', 'A', '{', '}', '<[1]>', '//']  # fmt: skip
+    text = "start: " + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+    assert lark_empty(text) is None or "no base case" in lark_empty(text)
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     from preble_backend.engine.config import EngineConfig

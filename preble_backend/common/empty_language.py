@@ -249,7 +249,7 @@ def schema_empty(text: str) -> str | None:
             changed = changed or len(targets) > known
         if finite(root):
             return None
-    except (Unread, KeyError, IndexError, ValueError, TypeError, RecursionError):
+    except (Unread, KeyError, IndexError, ValueError, TypeError, AttributeError, RecursionError):
         return None
     return "it refers to itself with no base case ($ref through parts every instance must have)"
 
