@@ -4,7 +4,7 @@ of its own rather than through a memory map.
 Through a map, a column slice (a few bytes of every row: ``o_proj`` and ``down_proj`` at
 TP N) faults in whole pages of every row, and the kernel maps the neighbouring pages
 around each fault, so a rank's resident memory held far more of the file than its slice
-(benchmarks/engine.md, "Tensor parallelism: what a rank loads"). Read row by row, a rank's memory
+(docs/benchmarks/engine.md, "Tensor parallelism: what a rank loads"). Read row by row, a rank's memory
 grows by its slice and nothing else; the file's pages stay in the page cache, shared and
 reclaimable, not mapped into the rank.
 """
