@@ -134,7 +134,8 @@ class GuidedDecoding:
 
         try:
             found = search(matcher)
-        except RecursionError:
+        except Exception:  # the probe only refuses what it proves; anything else is undecided
+            log.warning("structured output probe gave up", exc_info=True)
             return None
         if found is not False:
             return None
