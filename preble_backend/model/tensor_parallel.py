@@ -32,7 +32,7 @@ from preble_backend.model.model_config import ModelConfig
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place among the ranks of one engine; ``group`` sums a tensor over
-    them (``engine/tp_ranks.Group``)."""
+    them (``engine/runners/tp_ranks.Group``)."""
 
     rank: int
     size: int

@@ -13,9 +13,9 @@ engine's cache and load current. An engine monitor watches the engines: one that
 routed around, its requests end with an error at once, and its cache is forgotten.
 
 What the router knows of its engines, and its verdicts on them, live in
-``router_state.py``; the engines may change while it serves (``membership.py`` adds and
-removes them as ``discovery.py`` finds them); a request whose engine dies moves on as
-``migration.py`` decides.
+``cluster/router_state.py``; the engines may change while it serves
+(``cluster/membership.py`` adds and removes them as ``engines/discovery.py`` finds them);
+a request whose engine dies moves on as ``cluster/migration.py`` decides.
 
 Which thread makes which ``pb_utils`` call is listed in docs/SERVING.md.
 """

@@ -1,4 +1,4 @@
-"""The router's engines as discovery changes them (``discovery.py``), on the event loop.
+"""The router's engines as discovery changes them (``engines/discovery.py``), on the event loop.
 
 Every per-engine table of the router is indexed by slot. An engine that joins gets a new
 slot in each (and in the policy) and takes requests once a health probe answers; one

@@ -6,7 +6,7 @@ tokens already generated (as NVIDIA Dynamo migrates). Before a migrating request
 its new engine's failure against itself, that engine must answer a probe: two engines
 dead at once are not the request's doing. A request whose engines failed under it past
 the limit is failed with an error its client does not retry, and an identical one is
-refused for ``poison_ttl_s`` (``quarantine.py``).
+refused for ``poison_ttl_s`` (``requests/quarantine.py``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Migration:
             return False
 
     def poisoned(self, req: GenerateRequest, failures: int, reason: str) -> BadRequest:
-        """The request's last engine failed too: remember it (``quarantine.py``) and fail it
+        """The request's last engine failed too: remember it (``requests/quarantine.py``) and fail it
         with an error its client does not retry."""
         r = self.router
         r.quarantine.add(req.prompt, req.params_json)

@@ -5,7 +5,7 @@ the policy holds the global prefix tree and each engine's load history. The verd
 land here, on the event loop: an engine down (routed around, its cache forgotten, its
 streams cancelled) or up again, a final response's report learnt (its cache events
 mirrored into the policy, its load snapshot), a request settled or failed, a finished
-request's series observed. The router model (``router_model.py``) serves requests over
+request's series observed. The router model (``router/router_model.py``) serves requests over
 this state; membership and the admin control change it.
 """
 
