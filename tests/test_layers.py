@@ -171,3 +171,27 @@ def test_the_allowed_order_is_itself_a_layering():
     assert order.index("serving") < order.index("router") < order.index("runtime") < order.index("cli")
     assert not ALLOWED["kernels"] and ALLOWED["client"] == {"common"}
     assert ALLOWED["scheduler"] == {"common"}  # policies: no engine, no serving
+
+
+def test_an_older_repositorys_entry_points_load_the_models_from_their_rooms(tmp_path):
+    """A ``model.py`` written before the serving layer split (``preble_backend.serving.*``)
+    imports the router and engine models from where they live now (``MOVED``), the same
+    module objects; the Triton stub's ``pb_utils`` is a stand-in here."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "triton_python_backend_utils.py").write_text(
+        "def __getattr__(name):\n    return type(name, (), {})\n"
+    )
+    scenario = (
+        "import preble_backend.serving.router_model as old_r, preble_backend.router.router_model as r\n"
+        "import preble_backend.serving.engine_model as old_e\n"
+        "import preble_backend.engine_server.engine_model as e\n"
+        "assert old_r is r and old_e is e and r.TritonPythonModel and e.TritonPythonModel\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    command = [sys.executable, "-c", scenario]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
