@@ -220,10 +220,7 @@ def schema_empty(text: str) -> str | None:
         ok = True
         if "$ref" in node:
             ref = node["$ref"]
-            if ref not in targets:
-                targets[ref] = False
-                resolve(ref)
-            ok = targets[ref]
+            ok = targets.setdefault(ref, False)  # resolved in the fixpoint below
         for key in ("anyOf", "oneOf"):
             if isinstance(node.get(key), list) and node[key]:
                 ok = ok and any(finite(sub, depth + 1) for sub in node[key])
@@ -247,7 +244,7 @@ def schema_empty(text: str) -> str | None:
                 if not targets[ref] and finite(resolve(ref)):
                     targets[ref] = changed = True
             changed = changed or len(targets) > known
-        if finite(root):
+        if targets["#"]:
             return None
     except (Unread, KeyError, IndexError, ValueError, TypeError, AttributeError, RecursionError):
         return None

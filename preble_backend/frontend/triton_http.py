@@ -80,10 +80,7 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
     (``http://127.0.0.1:port``); ``session_of()``: the app's ``aiohttp`` session."""
 
     async def ready_answer(path: str) -> Response | None:
-        """The honest answer to a readiness probe of the server or the router model; the
-        server's metadata with this release's version beside Triton's."""
-        if path == "":
-            return await server_metadata()
+        """The honest answer to a readiness probe of the server or the router model."""
         if path not in ("health/ready", f"models/{router_model}/ready"):
             return None
         session = session_of()
@@ -97,6 +94,7 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         return Response(status_code=200) if up else JSONResponse({"error": why}, status_code=503)
 
     async def server_metadata() -> Response:
+        """Triton's server metadata with this release's version beside it."""
         try:
             async with session_of().get(f"{upstream}/v2") as resp:
                 if resp.status != 200:
@@ -109,6 +107,8 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
     @app.api_route("/v2", methods=["GET"])
     @app.api_route("/v2/{path:path}", methods=["GET", "POST"])
     async def forward(request: Request, path: str = ""):
+        if request.method == "GET" and not path:
+            return await server_metadata()
         if request.method == "GET" and (answer := await ready_answer(path)) is not None:
             return answer
         if MODEL_CONTROL.match(path):  # Triton's own answer blames "polling", and is a 503

@@ -20,7 +20,10 @@ class ModelCard:
     parameters: int
     dtype: str  # as the engines run it
     max_model_len: int
-    served_by: str = f"preble {__version__}"
+
+    @property
+    def served_by(self) -> str:
+        return f"preble {__version__}"
 
     def line(self) -> str:
         size = f"{self.parameters / 1e9:.1f}B" if self.parameters >= 1e9 else f"{self.parameters / 1e6:.1f}M"
