@@ -246,9 +246,8 @@ class Engine:
         self._finish(req, "constraint", error=message)
 
     def _sample(self, req: Request, row: torch.Tensor) -> None:
-        banned = self.stops.banned(req)
-        left = None if req.matcher is None else guided.tokens_left(row, banned)
-        if left is not None and not bool(left.any()):
+        banned = self.stops.banned(req)  # the mask leaves a token (mask()); bans may take it
+        if req.matcher is not None and banned and not bool(guided.tokens_left(row, banned).any()):
             return self._constraint_failed(req, guided.BANNED)
         try:
             token = sample_one(row, req.sampler, banned, req.prompt_ids, req.output_ids)
@@ -257,8 +256,10 @@ class Engine:
             log.exception("sampling request %s failed", req.request_id)
             self._finish(req, "error", error=f"sampling failed: {exc}")
             return
-        if left is not None and not (bool(left[token]) and req.matcher.consume_token(token)):
-            return self._constraint_failed(req, guided.ENDLESS if bool(left[token]) else guided.NO_TOKEN)
+        if req.matcher is not None:
+            allowed = bool(torch.isfinite(row[token])) and token not in banned
+            if not (allowed and req.matcher.consume_token(token)):
+                return self._constraint_failed(req, guided.ENDLESS if allowed else guided.NO_TOKEN)
         req.output_ids.append(token)
         if logprobs is not None:
             req.logprobs.append(logprobs)
