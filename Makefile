@@ -9,7 +9,7 @@ PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup genai-perf serve demo test check lint bench
+.PHONY: setup genai-perf serve demo test check lint bench rehearsal
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -52,3 +52,9 @@ check: lint
 
 bench: setup
 	$(PY) -m preble_backend.benchmarks.prefix_cache
+
+# The device script's stack step on this CPU, in a virtual environment with the device
+# image's versions (numpy 2, its torch and triton; kernels/rehearsal.py): run it before
+# spending a lent GPU's minutes.
+rehearsal: setup
+	$(PY) -m kernels.rehearsal

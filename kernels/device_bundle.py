@@ -185,17 +185,18 @@ def tracked_bytes(root: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".device")
+    ap.add_argument("--python", default=DEVICE_PYTHON, help="the Python whose stub and wheels travel")
     args = ap.parse_args(argv)
     if unmet := unmet_requirements():
         print(f"not on the device image and not carried: {unmet} (add them to LACKING)", file=sys.stderr)
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = [server_archive(out), packages_archive(out)]
+    files = [server_archive(out, args.python), packages_archive(out, args.python)]
     sizes = {str(f.relative_to(out)): f.stat().st_size for f in files}
     repo = tracked_bytes(Path.cwd())
     total = repo + sum(sizes.values())
-    manifest = {"python": DEVICE_PYTHON, "files": sizes, "repository_bytes": repo, "total_bytes": total,
+    manifest = {"python": args.python, "files": sizes, "repository_bytes": repo, "total_bytes": total,
                 "limit_bytes": CARRY_LIMIT}  # fmt: skip
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     for name, size in sizes.items():

@@ -4,6 +4,9 @@
 #
 #     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench graphs backends parity tp tier (default: all)
 #
+# DEVICE=cpu runs the stack step with a CPU engine: `python -m kernels.rehearsal` runs it so,
+# in a virtual environment with the device image's versions, before any device minute.
+#
 # Logs and the kernel table go to gpu-out/ (or $CHECK_DIR); summary.txt has one line per
 # step. Where $OUT is set (the device tool's folder that comes back, at most 8 files), the
 # folder is packed into $OUT/gpu-check.tar.gz after every step, beside summary.txt and
@@ -12,28 +15,32 @@
 # tritonserver, the front's packages, perf_analyzer, numpy 1 for the backend stubs) and
 # .whl/ (FlashInfer), unpacked into /tmp/site first: the device cannot reach PyPI.
 set -u
+DEVICE=${DEVICE:-cuda}
+SITE=${SITE:-/tmp/site}  # where .device/ unpacks
 BACK=${OUT:-}  # the device tool's return folder, if any
 OUT=${CHECK_DIR:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # FlashInfer compiles its kernels at first use: for this card only, on every core, into a
 # cache under the repository (kept between runs on the same host).
-CC_MAJOR_MINOR=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-${CC_MAJOR_MINOR}a}
+if [ "$DEVICE" = cuda ]; then
+    CC_MAJOR_MINOR=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-${CC_MAJOR_MINOR}a}
+fi
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 
-mkdir -p /tmp/site
-export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
+mkdir -p "$SITE"
+export PYTHONPATH=$PYTHONPATH:$SITE PATH=$SITE/bin:$PATH
 for archive in .device/site.tar.xz .device/packages.tar.xz; do
-    [ -f "$archive" ] && tar -xJf "$archive" -C /tmp/site
+    [ -f "$archive" ] && tar -xJf "$archive" -C "$SITE"
 done
 WHEELS=$(compgen -G ".whl/*.whl")
 if [ -n "$WHEELS" ]; then
     # shellcheck disable=SC2086
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site $WHEELS
+        --target "$SITE" $WHEELS
 fi
 
 # pytest-xdist where it is installed: each kernel variant compiles once per test, on its own core.
@@ -53,12 +60,12 @@ step() {  # name, seconds, command...
     fi
 }
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
-    | tee "$OUT/machine.txt"
+[ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem \
+    --format=csv | tee "$OUT/machine.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/machine.txt"
 # The Python backend stub links this Python's libpython: a missing one is the stack step's first suspect.
-for stub in /tmp/site/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub; do
+for stub in "$SITE"/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub; do
     [ -f "$stub" ] && { echo "$stub:"; LD_LIBRARY_PATH=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \
         ldd "$stub" | grep -E "python|not found"; } | tee -a "$OUT/machine.txt"
 done
@@ -66,7 +73,7 @@ done
 for s in "${@:-stack tests bench graphs backends parity tp tier}"; do
     for name in $s; do
         case $name in
-            stack) step stack 480 python3 -m preble_backend.benchmarks.gpu_stack --out "$OUT/stack" ;;
+            stack) step stack 480 python3 -m preble_backend.benchmarks.gpu_stack --device "$DEVICE" --out "$OUT/stack" ;;
             tests) step tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short $XDIST tests/test_kernels.py \
                 tests/test_triton_backend.py tests/test_decode_graphs.py tests/test_attention_sdpa.py tests/test_load_and_traces.py ;;
             bench) cp docs/KERNELS.md "$OUT/KERNELS.md"
