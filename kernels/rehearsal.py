@@ -41,7 +41,8 @@ VENV = ROOT / ".rehearsal" / "venv"
 # What the project imports that the image has, beyond DEVICE_VERSIONS (at the image's
 # version where KINDS.md gives one; the rest at PyPI's newest, as the image's are recent).
 ALSO_ON_IMAGE = {"huggingface-hub": "1.33.0", "accelerate": "1.15.0", "grpcio": "", "nvidia-ml-py": "",
-                 "matplotlib": "", "tqdm": "", "aiohttp": "", "pyyaml": "", "requests": "", "packaging": ""}  # fmt: skip
+                 "matplotlib": "", "tqdm": "", "aiohttp": "", "pyyaml": "", "requests": "",
+                 "packaging": ""}  # fmt: skip
 # numpy 2.5 needs Python 3.12: elsewhere the newest 2.x stands in for the image's
 NUMPY_BEFORE_312 = "numpy>=2,<2.5"
 
@@ -131,8 +132,8 @@ def rehearse(out: Path, venv: Path = VENV, timeout: float = 900) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(PATH=os.pathsep.join(path), DEVICE="cpu", SITE=str(Path(tmp) / "site"), CHECK_DIR=str(out))
         out.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(["bash", "kernels/gpu_check.sh", "stack"], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=timeout)  # fmt: skip
+        script = ["bash", "kernels/gpu_check.sh", "stack"]
+        done = subprocess.run(script, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
         (out / "gpu_check.log").write_text(done.stdout + done.stderr)
         stack = out / "stack" / "stack.json"
         results = json.loads(stack.read_text()) if stack.is_file() else {"steps": {}}
@@ -156,9 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = results["steps"]
     for name, step in steps.items():
         print(f"{name:14s} {'ok' if step['ok'] else 'FAILED'}  {step.get('error', '')[:300]}")
-    print(
-        f"versions: {results['versions']}; differs from the image: {results['differs_from_image'] or 'nothing'}"
-    )
+    print(f"versions: {results['versions']}")
+    print(f"differs from the image: {results['differs_from_image'] or 'nothing'}")
     print(f"not on the image and not carried: {results['unmet_requirements'] or 'nothing'}")
     print(results["summary"])
     ok = results["exit"] == 0 and steps and all(s["ok"] for s in steps.values())
