@@ -3,6 +3,7 @@ live benchmark (``preble bench``) and the simulator's sweeps draw the same pictu
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +50,24 @@ def latency_vs_rate(records: list[dict], path: str | Path, caption: str) -> list
     axes[0].legend(loc="upper left")
     fig.suptitle(caption)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save_png(fig, path)
     limits = [ax.get_ylim() for ax in axes]
     plt.close(fig)
     return limits
+
+
+def save_png(fig, path: str | Path) -> None:
+    """The figure as a 256-colour PNG: a third of matplotlib's RGBA bytes for a picture of
+    a few line colours, so the records the repository keeps stay small enough to travel
+    with every device call (``kernels/device_bundle.py``)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=90, format="png")
+    palette = (
+        Image.open(buffer).convert("RGB").quantize(256, Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    )
+    palette.save(path, format="PNG", optimize=True)
 
 
 def _clip_outlier(ax, peak: dict[str, float], factor: float = 2.5) -> None:

@@ -14,7 +14,9 @@ tritonserver and none of the front's packages, and nothing can be fetched there
   installed for the device's Python (``pip install --target`` with its platform tags;
   ``tritonclient``'s manylinux wheel carries ``perf_analyzer``), without tests, bytecode
   or ``perf_client`` (a second copy of ``perf_analyzer``): 19.3 MiB, numpy 1 included,
-  where the wheels without numpy took 24.6.
+  where the wheels without numpy took 24.6;
+- ``.device/flashinfer.tar.xz``: FlashInfer, the kernels' comparison point, the same way
+  (``FLASHINFER``), so the ratio columns come from the call that serves the stack.
 
 Before building, every requirement of what travels, and of the project, for the device's
 Python must travel too or be on the image at a version it allows (``unmet_requirements``,
@@ -78,6 +80,11 @@ DEVICE_IMAGE = frozenset(
 # Versions on the image (KINDS.md's pip list, 2026-11), for the requirements it meets by name.
 DEVICE_VERSIONS = {"numpy": "2.5.2", "torch": "2.11.0", "transformers": "5.17.0", "triton": "3.6.0",
                    "tokenizers": "0.23.2", "safetensors": "0.8.0"}  # fmt: skip
+# FlashInfer is not installed here (no GPU): pinned. Its wheel carries its CUDA sources and
+# CUTLASS headers and compiles the paged kernels on the device at first use; what it
+# requires beyond the image (nvidia-cudnn-frontend, nvidia-cutlass-dsl: 11 MiB and more)
+# serves other kernels, and 0.5.3 imports without them (the rehearsal checks the import).
+FLASHINFER = ["flashinfer-python==0.5.3", "apache-tvm-ffi==0.1.15.post2"]
 USED_EXTRAS = {"tritonclient": ("grpc",)}  # the project imports tritonclient.grpc only
 # The project's own requirements that need not travel as wheels, and why.
 NOT_AS_WHEELS = {
@@ -88,6 +95,10 @@ PROJECT = "preble-triton"
 # the newest is nvidia-pytriton's own (glibc 2.35): the device runs that wheel's server already
 PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in (35, 34, 31, 28, 17)] + ["manylinux2014_x86_64"]
 CARRY_LIMIT = 64 << 20
+# The repository's share: the archives took 49.8 MiB on 2026-11-29, so 10 MiB of tracked
+# files leaves 4 MiB for them to grow (the simulator's records, kept compressed, were once
+# 11.4 MiB of 13.9 tracked and crowded FlashInfer out).
+TRACKED_BUDGET = 10 << 20
 
 
 def server_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> Path:
@@ -119,10 +130,16 @@ def server_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> P
     return path
 
 
-def packages_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> Path:
-    """``LACKING`` at the versions installed here, installed for the device's Python into a
-    folder that becomes ``packages.tar.xz`` (unpacked into the device's ``/tmp/site``)."""
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in LACKING]
+def packages_archive(
+    out: Path,
+    python: str = DEVICE_PYTHON,
+    preset: int = 6,
+    pins: list[str] | None = None,
+    name: str = "packages.tar.xz",
+) -> Path:
+    """``pins`` (``LACKING`` at the versions installed here) installed for the device's
+    Python into a folder that becomes ``name`` (unpacked into the device's ``/tmp/site``)."""
+    pins = pins or [f"{n}=={importlib.metadata.version(n)}" for n in LACKING]
     platforms = [f"--platform={p}" for p in PLATFORMS]
     with tempfile.TemporaryDirectory() as target:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
@@ -136,11 +153,17 @@ def packages_archive(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) ->
                 return None
             return info
 
-        path = out / "packages.tar.xz"
+        path = out / name
         with tarfile.open(path, "w:xz", preset=preset) as tar:
             for item in sorted(Path(target).iterdir()):
                 tar.add(item, arcname=item.name, filter=keep)
     return path
+
+
+def archives(out: Path, python: str = DEVICE_PYTHON, preset: int = 6) -> list[Path]:
+    """Everything ``.device/`` holds, built into ``out``."""
+    flashinfer = packages_archive(out, python, preset, pins=FLASHINFER, name="flashinfer.tar.xz")
+    return [server_archive(out, python, preset), packages_archive(out, python, preset), flashinfer]
 
 
 def unmet_requirements(
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    files = [server_archive(out, args.python), packages_archive(out, args.python)]
+    files = archives(out, args.python)
     sizes = {str(f.relative_to(out)): f.stat().st_size for f in files}
     repo = tracked_bytes(Path.cwd())
     total = repo + sum(sizes.values())

@@ -12,8 +12,9 @@
 # folder is packed into $OUT/gpu-check.tar.gz after every step, beside summary.txt and
 # stack.json, so a call cut off at its limit still returns what finished. What the device
 # image lacks comes from .device/ (`python -m kernels.device_bundle` builds it here:
-# tritonserver, the front's packages, perf_analyzer, numpy 1 for the backend stubs) and
-# .whl/ (FlashInfer), unpacked into /tmp/site first: the device cannot reach PyPI.
+# tritonserver, the front's packages, perf_analyzer, numpy 1 for the backend stubs,
+# FlashInfer) and any wheels in .whl/, unpacked into /tmp/site first: the device cannot
+# reach PyPI.
 set -u
 DEVICE=${DEVICE:-cuda}
 SITE=${SITE:-/tmp/site}  # where .device/ unpacks
@@ -33,7 +34,7 @@ export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
 
 mkdir -p "$SITE"
 export PYTHONPATH=$PYTHONPATH:$SITE PATH=$SITE/bin:$PATH
-for archive in .device/site.tar.xz .device/packages.tar.xz; do
+for archive in .device/site.tar.xz .device/packages.tar.xz .device/flashinfer.tar.xz; do
     [ -f "$archive" ] && tar -xJf "$archive" -C "$SITE"
 done
 WHEELS=$(compgen -G ".whl/*.whl")
@@ -64,6 +65,8 @@ step() {  # name, seconds, command...
     --format=csv | tee "$OUT/machine.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
     | tee -a "$OUT/machine.txt"
+python3 -c "import flashinfer, kernels.flashinfer_paged; print('flashinfer', flashinfer.__version__)" 2>&1 \
+    | tail -n 1 | tee -a "$OUT/machine.txt"
 # The Python backend stub links this Python's libpython: a missing one is the stack step's first suspect.
 for stub in "$SITE"/pytriton/tritonserver/python_backend_stubs/*/triton_python_backend_stub; do
     [ -f "$stub" ] && { echo "$stub:"; LD_LIBRARY_PATH=$(python3 -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))") \

@@ -28,13 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kernels.device_bundle import (
-    DEVICE_VERSIONS,
-    LACKING,
-    packages_archive,
-    server_archive,
-    unmet_requirements,
-)
+from kernels.device_bundle import DEVICE_VERSIONS, LACKING, archives, unmet_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".rehearsal" / "venv"
@@ -123,8 +117,7 @@ def rehearse(out: Path, venv: Path = VENV, timeout: float = 900) -> dict:
     with tempfile.TemporaryDirectory(prefix="preble-rehearsal-") as tmp:
         work = work_tree(Path(tmp) / "work")
         (work / ".device").mkdir()
-        server_archive(work / ".device", version, preset=0)
-        packages_archive(work / ".device", version, preset=0)
+        archives(work / ".device", version, preset=0)
         path = [
             str(python.parent),
             *(p for p in os.environ["PATH"].split(os.pathsep) if not p.startswith(str(ROOT))),
@@ -138,10 +131,13 @@ def rehearse(out: Path, venv: Path = VENV, timeout: float = 900) -> dict:
         stack = out / "stack" / "stack.json"
         results = json.loads(stack.read_text()) if stack.is_file() else {"steps": {}}
         results["tritonserver"] = results.get("tritonserver", "").replace(tmp, "$REHEARSAL")
-    summary = (out / "summary.txt").read_text().strip() if (out / "summary.txt").is_file() else ""
-    return {**results, "exit": done.returncode, "summary": summary, "versions": {n: have.get(n) for n in
-            (*DEVICE_VERSIONS, "numpy")}, "differs_from_image": check_image(have),
-            "unmet_requirements": unmet_requirements()}  # fmt: skip
+    read = [
+        (out / n).read_text().strip() if (out / n).is_file() else "" for n in ("summary.txt", "machine.txt")
+    ]
+    summary, machine = read
+    versions = {n: have.get(n) for n in (*DEVICE_VERSIONS, "numpy")}
+    return {**results, "exit": done.returncode, "summary": summary, "machine": machine, "versions": versions,
+            "differs_from_image": check_image(have), "unmet_requirements": unmet_requirements()}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"versions: {results['versions']}")
     print(f"differs from the image: {results['differs_from_image'] or 'nothing'}")
     print(f"not on the image and not carried: {results['unmet_requirements'] or 'nothing'}")
+    print(results["machine"])
     print(results["summary"])
     ok = results["exit"] == 0 and steps and all(s["ok"] for s in steps.values())
     ok = ok and not results["differs_from_image"] and not results["unmet_requirements"]

@@ -28,6 +28,23 @@ def test_the_server_archive_keeps_one_stub_and_no_bundled_libpython(tmp_path):
     assert not [n for n in names if Path(n).name.startswith("libpython3") or "__pycache__" in n]
 
 
+def test_the_tracked_files_leave_the_bundle_its_room():
+    """A device call carries the repository's tracked files beside ``.device/``: they stay
+    under their budget, and the simulator's records stay compressed (JSON gzipped, plots
+    in 256 colours), as ``scheduler/sim/sweep.py`` and ``client/plots.py`` write them."""
+    from PIL import Image
+
+    from kernels.device_bundle import TRACKED_BUDGET, tracked_bytes
+
+    root = Path(__file__).resolve().parents[1]
+    assert tracked_bytes(root) <= TRACKED_BUDGET
+    names = subprocess.run(
+        ["git", "ls-files", "docs/sim"], cwd=root, capture_output=True, text=True
+    ).stdout.split()
+    assert names and not [n for n in names if n.endswith(".json")]
+    assert not [n for n in names if n.endswith(".png") and Image.open(root / n).mode != "P"]
+
+
 def test_every_requirement_of_what_travels_is_carried_or_on_the_device_image():
     """The first lent H200 lacked ``python-rapidjson`` (``tritonclient.grpc`` imports it) and
     would have lacked ``opentelemetry-api`` (``fastapi`` imports it): the bundle now checks

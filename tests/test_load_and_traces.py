@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import re
@@ -133,7 +134,7 @@ def test_workload_and_simulate_commands(tmp_path, capsys, monkeypatch):
                  "--policies", "e2,round_robin", "--output", str(tmp_path / "sim")]) == 0  # fmt: skip
     bars = terminal.getvalue()  # the stress-rate search, then the runs
     assert "finding the stress rate" in bars and "toolbench x2: 100%" in bars and "run/s" in bars
-    records = json.loads((tmp_path / "sim" / "toolbench_2.json").read_text())
+    records = json.loads(gzip.decompress((tmp_path / "sim" / "toolbench_2.json.gz").read_bytes()))
     assert {r["policy"] for r in records} == {"e2", "round_robin", "reference", "lower_bound"}
     for r in records:  # every run read against perfect placement at its rate; no policy beats the bound
         ref = next(x for x in records if x["policy"] == "reference" and x["rps"] == r["rps"])

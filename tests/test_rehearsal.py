@@ -41,6 +41,9 @@ def test_the_device_scripts_stack_step_passes_in_the_device_images_environment(t
     assert results["differs_from_image"] == [] and results["unmet_requirements"] == {}
     assert results["versions"]["numpy"].startswith("2.") and results["versions"]["torch"] == "2.11.0"
     assert results["tritonserver"] == "$REHEARSAL/site/pytriton/tritonserver"
+    assert (
+        "flashinfer 0.5.3" in results["machine"]
+    )  # carried in .device/, it imports beside the image's torch
     steps = results["steps"]
     assert [name for name, step in steps.items() if not step["ok"]] == [], results["summary"]
     for front in ("grpc", "openai"):

@@ -172,6 +172,7 @@ def test_a_generated_chat_trace_keeps_its_conversations(tmp_path):
 def test_simulate_runs_chat_at_given_fractions_of_a_given_stress_rate(tmp_path, capsys):
     """``--stress-rps`` skips the search (and the light rate); records name the capacity
     and count the turns that moved."""
+    import gzip
     import json
 
     from preble_backend.cli import main
@@ -179,7 +180,7 @@ def test_simulate_runs_chat_at_given_fractions_of_a_given_stress_rate(tmp_path, 
     assert main(["simulate", "--workload", "chat", "--instances", "2", "--requests", "40",
                  "--stress-rps", "4", "--fractions", "0.5,1", "--policies", "e2,cache_aware",
                  "--capacity-tokens", "30000", "--jobs", "1", "--output", str(tmp_path)]) == 0  # fmt: skip
-    records = json.loads((tmp_path / "chat_2_kv30k.json").read_text())
+    records = json.loads(gzip.decompress((tmp_path / "chat_2_kv30k.json.gz").read_bytes()))
     assert sorted({r["rps"] for r in records}) == [2.0, 4.0]
     assert all(r["capacity_tokens"] == 30000 and r["followers"] > 0 for r in records)
     assert all(0 <= r["follower_moves"] <= r["followers"] for r in records)

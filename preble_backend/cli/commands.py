@@ -133,7 +133,7 @@ def simulate_cmd(args: argparse.Namespace) -> int:
     if args.host_kv_tokens:
         name += f"_host{args.host_kv_tokens // 1000}k" + ("" if args.host_copy_ahead else "_in_line")
     write(records, args.output, name)
-    print(f"wrote {args.output}/{name}.json and .png")
+    print(f"wrote {args.output}/{name}.json.gz and .png")
     return 0
 
 

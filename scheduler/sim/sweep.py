@@ -11,6 +11,7 @@ requests and arrival times (and on more traces with ``seeds``), and returns one
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -199,5 +200,7 @@ def plot(records: list[dict], path: str | Path) -> None:
 def write(records: list[dict], out_dir: str | Path, name: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(records, indent=1))
+    # compressed, as every record under docs/sim/: they travel with each device call
+    with gzip.GzipFile(out / f"{name}.json.gz", "wb", mtime=0) as f:
+        f.write(json.dumps(records, indent=1).encode())
     plot(records, out / f"{name}.png")
