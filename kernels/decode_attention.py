@@ -54,11 +54,10 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
+    for start in range(lo - lo % BLOCK_N, hi, BLOCK_N):  # aligned, for block gathers
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, h, pos, pos < hi, KCache, VCache, page_row, kv_head,
-            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, False, UPCAST, PRECISION,
+            acc, m_i, l_i, q, h, start, lo, hi, KCache, VCache, page_row, kv_head,
+            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, BLOCK_N, False, UPCAST, PRECISION,
         )  # fmt: skip
     out, lse = finish(acc, m_i, l_i)
     # Mid [B, H, splits, D] and MidLse [B, H, splits], contiguous.

@@ -69,23 +69,24 @@ def _extend_kernel(
     # Every key before the tile's first query position is visible to all its rows: the
     # prefix and the chunk's own keys up to that point run unmasked, and only the few
     # blocks on the tile's diagonal pay for the causal mask. (A cascade item has no chunk
-    # part: kv_end == prefix_end bounds it.)
+    # part: kv_end == prefix_end bounds it.) Loops start on multiples of BLOCK_N, so each
+    # block's pages are gathered whole (``block_slots``).
     first_tok = (pid_m * BLOCK_M) // GROUP
     open_end = tl.minimum(prefix_end + first_tok + 1, kv_end)
-    for start in range(kv_start, open_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
+    lo = kv_start - kv_start % BLOCK_N
+    open_aligned = tl.maximum(lo, open_end - open_end % BLOCK_N)
+    for start in range(lo, open_aligned, BLOCK_N):
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, q_pos, pos, pos < open_end, KCache, VCache, page_row, kv_head,
-            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, False, UPCAST, PRECISION,
+            acc, m_i, l_i, q, q_pos, start, kv_start, open_aligned, KCache, VCache, page_row, kv_head,
+            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, BLOCK_N, False, UPCAST, PRECISION,
         )  # fmt: skip
     # The diagonal, causally, up to the last query row of this tile.
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
     self_end = tl.minimum(kv_end, prefix_end + last_tok + 1)
-    for start in range(open_end, self_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
+    for start in range(open_aligned, self_end, BLOCK_N):
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, q_pos, pos, pos < self_end, KCache, VCache, page_row, kv_head,
-            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, True, UPCAST, PRECISION,
+            acc, m_i, l_i, q, q_pos, start, kv_start, self_end, KCache, VCache, page_row, kv_head,
+            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, BLOCK_N, True, UPCAST, PRECISION,
         )  # fmt: skip
 
     out, lse = finish(acc, m_i, l_i)

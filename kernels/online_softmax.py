@@ -14,15 +14,37 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def block_slots(page_row, start, lo, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The KV slots of context positions ``[start, start + BLOCK_N)``, ``start`` a multiple
+    of ``BLOCK_N``, gathered by page rather than by slot: where a page holds the block (both
+    powers of two, ``PAGE >= BLOCK_N``) one page-table read and a contiguous run of slots;
+    otherwise one read per page, ``BLOCK_N // PAGE`` runs of ``PAGE``. Pages wholly outside
+    ``[lo, hi)`` are not read (a window's dropped pages may hold nothing)."""
+    if PAGE >= BLOCK_N:
+        page = tl.load(page_row + start // PAGE).to(tl.int64)
+        slots = page * PAGE + start % PAGE + tl.arange(0, BLOCK_N)
+    else:
+        index = start // PAGE + tl.arange(0, BLOCK_N // PAGE)
+        held = (index * PAGE < hi) & ((index + 1) * PAGE > lo)
+        pages = tl.load(page_row + index, mask=held, other=0).to(tl.int64)
+        slots = tl.reshape(pages[:, None] * PAGE + tl.arange(0, PAGE)[None, :], [BLOCK_N])
+    return slots
+
+
+@triton.jit
 def attend_block(
-    acc, m_i, l_i, q, q_pos, pos, kv_ok,
+    acc, m_i, l_i, q, q_pos, start, lo, hi,
     KCache, VCache, page_row, kv_head, stride_ct, stride_ch, sm_scale_log2, d, d_ok,
-    PAGE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Fold the keys at context positions ``pos`` (valid where ``kv_ok``) into the state of
-    the query rows ``q``; with CAUSAL, a key after a row's position ``q_pos`` is masked."""
-    page = tl.load(page_row + pos // PAGE, mask=kv_ok, other=0).to(tl.int64)
-    slot = page * PAGE + pos % PAGE
+    """Fold the keys at context positions ``[start, start + BLOCK_N)`` that lie in
+    ``[lo, hi)`` into the state of the query rows ``q``; ``start`` is a multiple of
+    ``BLOCK_N`` (callers align their loops down; ``lo`` masks what precedes the range). With
+    CAUSAL, a key after a row's position ``q_pos`` is masked."""
+    pos = start + tl.arange(0, BLOCK_N)
+    kv_ok = (pos >= lo) & (pos < hi)
+    slot = block_slots(page_row, start, lo, hi, PAGE, BLOCK_N)
     offs = slot[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
     kv_mask = kv_ok[:, None] & d_ok[None, :]
     k = tl.load(KCache + offs, mask=kv_mask, other=0.0)

@@ -93,6 +93,29 @@ def test_decode_matches_reference(dtype, group, head_dim, num_splits):
     assert rel_err(lse, expect_lse) < TOL[dtype]
 
 
+@pytest.mark.parametrize("page_size", [1, 4, 16, 64])  # below, at and above the interpreter's BLOCK_N (16)
+@pytest.mark.parametrize("kind", ["extend", "decode"])
+def test_block_gathers_with_ranges_that_start_anywhere(page_size, kind):
+    """Each block's K/V is gathered by page (``block_slots``) from loops aligned down to
+    BLOCK_N: ranges that start mid-block and mid-page (decode splits, a window's start)
+    give the reference's answer, and the page-table entries of pages wholly before a
+    range, which a window may have dropped, are never dereferenced (garbage there)."""
+    q_lens = [3, 1, 17, 1] if kind == "extend" else [1] * 4
+    prefix_lens, kv_starts = [40, 77, 130, 9], [5, 64, 33, 0]
+    q, k, v, table = paged_batch(q_lens, prefix_lens, 8, 2, 64, page_size, seed=page_size)
+    for b, start in enumerate(kv_starts):
+        table[b, : start // page_size] = 1 << 28  # far outside the pool
+    (ql, kl, vl), (q64, k64, v64) = cast(torch.float32, q, k, v)
+    starts = torch.tensor(kv_starts, dtype=torch.int32, device=DEVICE)
+    if kind == "extend":
+        out = extend_attention(ql, kl, vl, table.to(DEVICE), q_lens, prefix_lens, page_size, kv_starts=starts)
+    else:
+        lens = torch.tensor([p + 1 for p in prefix_lens], dtype=torch.int32, device=DEVICE)
+        out = decode_attention(ql, kl, vl, table.to(DEVICE), lens, page_size, kv_starts=starts, num_splits=3)
+    expect, _ = ref.extend_attention_ref(q64, k64, v64, table, q_lens, prefix_lens, page_size, kv_starts)
+    assert rel_err(out, expect) < TOL[torch.float32]
+
+
 def test_decode_split_count_follows_batch_shape():
     from kernels.decode_attention import choose_num_splits
     from kernels.tuning import TABLE
