@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.online_softmax import LOG2E, attend_block, finish
-from kernels.tuning import blocks_for, upcast_loads
+from kernels.tuning import ExtendTile, blocks_for, chunk_tile, upcast_loads
 
 # q rows [q_start, q_start + q_len) sit at positions prefix_end + i; they attend to
 # [kv_start, prefix_end) unmasked and [prefix_end, kv_end) causally; output rows start at
@@ -114,7 +114,7 @@ def extend_attention_items(
 ) -> None:
     """Run ``items`` (see ``ITEM_FIELDS``). ``out`` is [rows, H, D] or [rows, H, splits, D]
     and ``lse`` the matching [rows, H(, splits)] fp32 tensor, or None. ``chunks``: plain
-    prefill chunks, whose best warp count differs from cascade's (``tuning.Blocks``)."""
+    prefill chunks, whose best tile differs from cascade's and by shape (``tuning.chunk_tile``)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -129,17 +129,20 @@ def extend_attention_items(
         (lse.stride(0), lse.stride(1), lse.stride(2) if lse.dim() == 3 else 0) if has_lse else (0, 0, 0)
     )
     upcast = upcast_loads(q.dtype)
-    warps = blocks.chunk_warps if chunks and not upcast else blocks.num_warps
-    grid = (items.shape[0], num_kv_heads, triton.cdiv(max_q_len * group, blocks.extend_m))
+    if chunks:
+        tile = chunk_tile(q.device, head_dim, max_q_len, upcast)
+    else:
+        tile = ExtendTile(blocks.extend_m, blocks.extend_n, blocks.num_warps, blocks.num_stages)
+    grid = (items.shape[0], num_kv_heads, triton.cdiv(max_q_len * group, tile.extend_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, lse_t, page_table, items,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), split_o, *lse_strides, page_table.stride(0),
         scale * LOG2E,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=blocks.extend_m, BLOCK_N=blocks.extend_n,
+        BLOCK_M=tile.extend_m, BLOCK_N=tile.extend_n,
         UPCAST=upcast, PRECISION="ieee" if upcast else "tf32", HAS_LSE=has_lse,
-        num_warps=warps, num_stages=blocks.num_stages,
+        num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
 
 

@@ -6,11 +6,12 @@ Two lent GPU sessions were lost to the environment, not the code: the Python bac
 ignored ``PYTHONPATH`` (where the device unpacks what its image lacks), and Triton 2.51's
 stub misread the image's numpy 2. Neither shows in this project's own virtual environment,
 which has numpy 1 and every package installed. So this builds a second one with the device
-image's versions (``IMAGE``: torch, triton, transformers, numpy 2, ...) and none of the
+image's versions (``image_pins``: torch, triton, transformers, numpy 2, ...) and none of the
 packages the image lacks (``device_bundle.LACKING``, numpy apart), copies the work tree as a
 device call does, builds ``.device/`` into it for this Python, and runs
-``kernels/gpu_check.sh stack`` there with ``DEVICE=cpu``: the device's script, from the
-unpacked bundle, with a CPU engine.
+``kernels/gpu_check.sh stack tests`` there with ``DEVICE=cpu``: the device's script, from the
+unpacked bundle, with a CPU engine, then the kernels' tests under the image's Triton (its
+interpreter, here).
 
 What differs from the device: the Python is this machine's (3.11; the image's 3.12 cannot be
 installed here), so the stub is 3.11's and numpy is the newest 2.x for it (2.4.6, where the
@@ -36,7 +37,7 @@ VENV = ROOT / ".rehearsal" / "venv"
 # version where KINDS.md gives one; the rest at PyPI's newest, as the image's are recent).
 ALSO_ON_IMAGE = {"huggingface-hub": "1.33.0", "accelerate": "1.15.0", "grpcio": "", "nvidia-ml-py": "",
                  "matplotlib": "", "tqdm": "", "aiohttp": "", "pyyaml": "", "requests": "",
-                 "packaging": ""}  # fmt: skip
+                 "packaging": "", "pytest": "", "hypothesis": ""}  # fmt: skip
 # numpy 2.5 needs Python 3.12: elsewhere the newest 2.x stands in for the image's
 NUMPY_BEFORE_312 = "numpy>=2,<2.5"
 
@@ -108,9 +109,12 @@ def work_tree(dest: Path) -> Path:
     return dest
 
 
-def rehearse(out: Path, venv: Path = VENV, timeout: float = 900) -> dict:
-    """Run the device's stack step here; returns ``stack.json`` with the script's exit code,
-    its summary and how the environment stands against the image."""
+def rehearse(
+    out: Path, venv: Path = VENV, steps: tuple[str, ...] = ("stack", "tests"), timeout: float = 1500
+) -> dict:
+    """Run the device script's ``steps`` here (``tests``: the kernels under the image's
+    Triton, in its interpreter); returns ``stack.json`` with the script's exit code, its
+    summary and how the environment stands against the image."""
     python = venv_python(venv)
     have = installed(python)
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -125,18 +129,18 @@ def rehearse(out: Path, venv: Path = VENV, timeout: float = 900) -> dict:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(PATH=os.pathsep.join(path), DEVICE="cpu", SITE=str(Path(tmp) / "site"), CHECK_DIR=str(out))
         out.mkdir(parents=True, exist_ok=True)
-        script = ["bash", "kernels/gpu_check.sh", "stack"]
+        script = ["bash", "kernels/gpu_check.sh", " ".join(steps)]
         done = subprocess.run(script, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-        (out / "gpu_check.log").write_text(done.stdout + done.stderr)
+        (out / "gpu_check.log").write_text(done.stdout + done.stderr)  # each step's own log is beside it
         stack = out / "stack" / "stack.json"
         results = json.loads(stack.read_text()) if stack.is_file() else {"steps": {}}
         results["tritonserver"] = results.get("tritonserver", "").replace(tmp, "$REHEARSAL")
-    read = [
-        (out / n).read_text().strip() if (out / n).is_file() else "" for n in ("summary.txt", "machine.txt")
-    ]
-    summary, machine = read
+    summary, machine = (out / "summary.txt", out / "machine.txt")
+    summary, machine = (f.read_text().strip() if f.is_file() else "" for f in (summary, machine))
+    ran = dict(line.split(": ", 1) for line in summary.splitlines())  # "stack: exit 0 in 29 s"
+    failed = [name for name in steps if not ran.get(name, "").startswith("exit 0 ")]
     versions = {n: have.get(n) for n in (*DEVICE_VERSIONS, "numpy")}
-    return {**results, "exit": done.returncode, "summary": summary, "machine": machine, "versions": versions,
+    return {**results, "failed_steps": failed, "summary": summary, "machine": machine, "versions": versions,
             "differs_from_image": check_image(have), "unmet_requirements": unmet_requirements()}  # fmt: skip
 
 
@@ -144,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="gpu-out/rehearsal")
     ap.add_argument("--venv", default=str(VENV))
+    ap.add_argument("--steps", default="stack tests", help="gpu_check.sh's steps to run (stack, tests)")
     args = ap.parse_args(argv)
     try:
-        results = rehearse(Path(args.out).resolve(), Path(args.venv))
+        results = rehearse(Path(args.out).resolve(), Path(args.venv), tuple(args.steps.split()))
     except Unavailable as exc:
         print(f"the device image's versions cannot be installed here: {exc}", file=sys.stderr)
         return 2
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"not on the image and not carried: {results['unmet_requirements'] or 'nothing'}")
     print(results["machine"])
     print(results["summary"])
-    ok = results["exit"] == 0 and steps and all(s["ok"] for s in steps.values())
+    ok = not results["failed_steps"] and steps and all(s["ok"] for s in steps.values())
     ok = ok and not results["differs_from_image"] and not results["unmet_requirements"]
     return 0 if ok else 1
 

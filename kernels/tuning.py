@@ -2,7 +2,9 @@
 
 Keys are CUDA compute capabilities; ``interpreter`` is for ``TRITON_INTERPRET=1`` on the CPU,
 where small tiles keep the tests fast. A head dimension above 128 halves the KV block so
-the K and V tiles still fit in shared memory.
+the K and V tiles still fit in shared memory. Plain prefill chunks may also have a tile per
+shape (``EXTEND_TILES``: generation, head dimension, chunk class), chosen per shape by
+``python -m kernels.sweep``; a shape with no row takes its generation's.
 """
 
 from __future__ import annotations
@@ -35,17 +37,54 @@ TABLE: dict[str, Blocks] = {  # extend_m, extend_n, decode_n, num_warps, chunk_w
 }
 
 
+@dataclass(frozen=True)
+class ExtendTile:
+    extend_m: int
+    extend_n: int
+    warps: int
+    stages: int
+
+
+def chunk_class(max_q_len: int) -> str:
+    """A launch's longest chunk, in the classes the sweep measures apart: decode-heavy
+    batches and short chunks, mid-sized chunks, and long prefills."""
+    return "short" if max_q_len <= 128 else "medium" if max_q_len <= 1024 else "long"
+
+
+# (generation, head dim, chunk class) -> the plain 16-bit chunk's tile, as ``kernels.sweep``
+# printed it on that generation's card. Empty until a lent GPU runs the sweep per shape
+# (the one H100 sweep, 2026-11-25, chose one row for all shapes: TABLE's sm90).
+EXTEND_TILES: dict[tuple[str, int, str], ExtendTile] = {}
+
+
+def generation(device: torch.device) -> str:
+    """``TABLE``'s key for ``device``."""
+    if interpreting() or device.type != "cuda":
+        return "interpreter"
+    major, minor = torch.cuda.get_device_capability(device)
+    key = f"sm{major}{minor}"
+    return key if key in TABLE else "sm90" if major >= 9 else "sm80" if major == 8 else "default"
+
+
+def chunk_tile(device: torch.device, head_dim: int, max_q_len: int, upcast: bool) -> ExtendTile:
+    """The tile for plain prefill chunks: the shape's own row where the sweep chose one,
+    else the generation's (``chunk_warps`` for 16-bit tiles, ``num_warps`` for fp32)."""
+    tile = EXTEND_TILES.get((generation(device), head_dim, chunk_class(max_q_len)))
+    if tile is not None:
+        return tile
+    blocks = blocks_for(device, head_dim)
+    warps = blocks.num_warps if upcast else blocks.chunk_warps
+    return ExtendTile(blocks.extend_m, blocks.extend_n, warps, blocks.num_stages)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def blocks_for(device: torch.device, head_dim: int) -> Blocks:
-    if interpreting() or device.type != "cuda":
-        return TABLE["interpreter"]
-    major, minor = torch.cuda.get_device_capability(device)
-    key = f"sm{major}{minor}"
-    if key not in TABLE:
-        key = "sm90" if major >= 9 else "sm80" if major == 8 else "default"
+    key = generation(device)
+    if key == "interpreter":
+        return TABLE[key]
     blocks = TABLE[key]
     if head_dim > 128:
         blocks = replace(blocks, extend_n=blocks.extend_n // 2, decode_n=blocks.decode_n // 2, num_stages=2)

@@ -116,6 +116,43 @@ def test_block_gathers_with_ranges_that_start_anywhere(page_size, kind):
     assert rel_err(out, expect) < TOL[torch.float32]
 
 
+def test_a_shapes_own_tile_serves_its_chunks(monkeypatch):
+    """``EXTEND_TILES`` gives a shape class its own tile (the sweep's per-shape choice);
+    other classes keep the generation's row, and the kernel is exact with either."""
+    from kernels import tuning
+
+    device = torch.device(DEVICE)
+    own = tuning.ExtendTile(extend_m=32, extend_n=8, warps=1, stages=1)
+    monkeypatch.setitem(tuning.EXTEND_TILES, (tuning.generation(device), 64, "short"), own)
+    assert tuning.chunk_tile(device, 64, 128, upcast=True) == own
+    blocks = tuning.blocks_for(device, 64)
+    assert tuning.chunk_tile(device, 64, 129, upcast=True).extend_n == blocks.extend_n  # "medium": no row
+    assert tuning.chunk_class(1) == "short" and tuning.chunk_class(1024) == "medium"
+    assert tuning.chunk_class(1025) == "long"
+    q_lens, prefix_lens = [5, 1, 19], [0, 9, 23]
+    q, k, v, table = paged_batch(q_lens, prefix_lens, 8, 2, 64, 4, seed=11)
+    (ql, kl, vl), (q64, k64, v64) = cast(torch.float32, q, k, v)
+    out = extend_attention(ql, kl, vl, table.to(DEVICE), q_lens, prefix_lens, 4)
+    expect, _ = ref.extend_attention_ref(q64, k64, v64, table, q_lens, prefix_lens, 4)
+    assert rel_err(out, expect) < TOL[torch.float32]
+
+
+def test_the_sweep_chooses_a_tile_per_chunk_class_by_its_own_shapes():
+    """Times on five shapes (two long, two medium, one short): each class takes the config
+    fastest on its own shapes; a class that no config speeds up keeps the current tile."""
+    from kernels.sweep import best_per_class
+    from kernels.tuning import ExtendTile
+
+    classes = ["long", "long", "medium", "short", "medium"]
+    base = [1.0, 2.0, 1.0, 1.0, 4.0]
+    a, b = ExtendTile(64, 64, 4, 3), ExtendTile(128, 32, 8, 2)
+    results = [(a, [0.8, 1.6, 1.1, 1.2, 4.4]), (b, [0.9, 1.9, 0.5, 1.1, 3.0])]
+    best = best_per_class(results, base, classes)
+    assert best["long"] == (pytest.approx(0.8), a)
+    assert best["medium"] == (pytest.approx(math.sqrt(0.5 * 0.75)), b)
+    assert "short" not in best  # both slower than the current tile there
+
+
 def test_decode_split_count_follows_batch_shape():
     from kernels.decode_attention import choose_num_splits
     from kernels.tuning import TABLE
