@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flat, ragged token batch.
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with the
+mixture of ``moe.py``) over a flat, ragged token batch.
 
 The batch has no padding: ``input_ids`` and ``positions`` are the concatenated new tokens
 of every request, and attention is delegated to an ``AttentionBackend`` that knows where
@@ -12,7 +13,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -21,10 +21,9 @@ from preble_backend.model.attention import AttentionBackend, AttentionBatch
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
+from preble_backend.model.moe import ACTIVATIONS, SparseMoE, fuse_experts
 from preble_backend.model.safetensors_slices import DTYPES, read_header, read_slice
 from preble_backend.model.tensor_parallel import TPGroup, shard_model, slice_of
-
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
 
 class RMSNorm(nn.Module):
@@ -55,12 +54,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: AttentionBatch, pool: KVPool, backend: AttentionBackend):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         out = backend.forward(self.layer, q, k, v, batch, pool)
@@ -85,7 +90,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe and layer in cfg.moe.sparse_layers else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -139,6 +144,8 @@ class LlamaForCausalLM(nn.Module):
         if sliced:  # this rank's shapes, then only its slices read from the checkpoint
             shard_model(model, tp)
         state = _load_state_dict(Path(model_path), (lambda key: slice_of(key, cfg, tp)) if sliced else None)
+        if cfg.moe:
+            state = fuse_experts(state, cfg.moe.num_experts)
         if cfg.tie_word_embeddings:  # a checkpoint without it and untied lacks it: refused below
             state["lm_head.weight"] = state["embed_tokens.weight"]
         expected = set(model.state_dict())

@@ -1,4 +1,5 @@
-"""What the engine needs to know about a Llama-family checkpoint, read from its config.json.
+"""What the engine needs to know about a checkpoint of a supported family (Llama, Mistral,
+Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral), read from its config.json.
 
 Hugging Face has written RoPE settings two ways (``rope_theta`` + ``rope_scaling`` before
 transformers 5, one ``rope_parameters`` dict after); both are accepted here so checkpoints
@@ -24,6 +25,9 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _COMMON = {
@@ -32,10 +36,18 @@ _COMMON = {
     "rms_norm_eps", "hidden_act", "tie_word_embeddings", "rope_theta", "rope_scaling",
     "rope_parameters", "eos_token_id", "bos_token_id",
 }  # fmt: skip
+_QWEN_WINDOW = {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"}
+_MOE = {"num_experts_per_tok", "num_experts", "num_local_experts"}
 HONOURED = {
     "llama": _COMMON | {"attention_bias", "mlp_bias"},
     "mistral": _COMMON | {"sliding_window"},
-    "qwen2": _COMMON | {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
+    "qwen2": _COMMON | _QWEN_WINDOW,
+    "qwen3": _COMMON | _QWEN_WINDOW | {"attention_bias"},
+    "qwen3_moe": _COMMON
+    | _QWEN_WINDOW
+    | _MOE
+    | {"attention_bias", "decoder_sparse_step", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers"},
+    "mixtral": _COMMON | _MOE | {"sliding_window"},
 }
 # Fields that do not change inference: training-only settings, metadata (and any key
 # starting with "_", such as the GGUF loader's ``_model_name_or_path``), token ids the
@@ -44,7 +56,26 @@ NO_EFFECT = {
     "attention_dropout", "initializer_range", "use_cache", "pad_token_id", "pretraining_tp",
     "torch_dtype", "dtype", "model_type", "transformers_version", "_name_or_path",
     "tokenizer_class", "sep_token_id", "unk_token_id", "decoder_start_token_id",
+    # mixture-of-experts training: the auxiliary loss, and noise on the router's input that
+    # transformers applies only in training mode
+    "output_router_logits", "router_aux_loss_coef", "router_jitter_noise",
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: ``router`` ``softmax_topk`` (softmax over every expert in
+    fp32, then the top ``top_k``; Qwen3-MoE, Mixtral), renormalised over the chosen where
+    ``renormalize``; the weights cast back to the model's dtype where ``cast_weights``
+    (Qwen3-MoE) or kept in fp32 (Mixtral), as transformers does for each."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    cast_weights: bool
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture; the rest are dense
+    router: str = "softmax_topk"
 
 
 @dataclass(frozen=True)
@@ -68,6 +99,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None  # where it caps the context (sliding attention is not built)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
+    moe: MoESpec | None = None
 
     @property
     def max_context(self) -> int:
@@ -96,13 +129,19 @@ class ModelConfig:
         layer_types = set(cfg.get("layer_types") or ())
         if layer_types - {"full_attention", "sliding_attention"}:
             raise ValueError(f"layer_types {sorted(layer_types)} are not supported")
-        sliding = family == "mistral" or cfg.get("use_sliding_window") or "sliding_attention" in layer_types
+        sliding = (
+            family in ("mistral", "mixtral")
+            or cfg.get("use_sliding_window")
+            or "sliding_attention" in layer_types
+        )
         capped = bool(window and sliding and window < max_pos)
         if capped:  # sliding-window attention is not implemented; cap the context where it is exact
             max_pos = window
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope = _rope_parameters(cfg)
+        qwen3 = family in ("qwen3", "qwen3_moe")
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias"))
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -116,13 +155,15 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             hidden_act=cfg.get("hidden_act", "silu"),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=family == "qwen2" or (family == "llama" and bool(cfg.get("attention_bias"))),
-            o_bias=family == "llama" and bool(cfg.get("attention_bias")),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
             mlp_bias=family == "llama" and bool(cfg.get("mlp_bias")),
             rope=rope,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=window if capped else None,
+            qk_norm=qwen3,
+            moe=_moe_spec(cfg, family),
         )
 
     def inv_freq(self) -> torch.Tensor:
@@ -159,6 +200,22 @@ def _refuse_unknown_fields(cfg: dict, family: str) -> None:
             f"config.json field(s) {', '.join(unknown)} are not implemented for {family} models: "
             "they would change the model's arithmetic (docs/ENGINE.md lists what is honoured)"
         )
+
+
+def _moe_spec(cfg: dict, family: str) -> MoESpec | None:
+    """The mixture, as each family's modeling code in transformers builds it."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return None
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    layers = range(cfg["num_hidden_layers"])
+    if family == "mixtral":
+        return MoESpec(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], renormalize=True,
+                       cast_weights=False, sparse_layers=tuple(layers))  # fmt: skip
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in layers if i not in dense and experts and (i + 1) % step == 0)
+    renormalize = bool(cfg.get("norm_topk_prob"))
+    return MoESpec(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], renormalize=renormalize,
+                   cast_weights=True, sparse_layers=sparse)  # fmt: skip
 
 
 def _rope_parameters(cfg: dict) -> dict:

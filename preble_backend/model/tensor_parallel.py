@@ -55,6 +55,9 @@ class HeadSplit:
 def head_split(cfg: ModelConfig, size: int, rank: int) -> HeadSplit:
     """Rank ``rank``'s heads; refused (naming why) where the heads do not divide."""
     heads, kv = cfg.num_heads, cfg.num_kv_heads
+    if cfg.moe and size > 1:
+        raise ValueError(f"tensor_parallel_size={size} is invalid for {cfg.architecture}: its "
+                         "mixture-of-experts layers are not sharded yet")  # fmt: skip
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} is invalid: the model's {heads} attention heads "
                          "do not divide among the ranks")  # fmt: skip

@@ -1,0 +1,99 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's ``top_k``
+experts, and their outputs are summed, weighted by the router.
+
+Weights are kept in transformers 5's fused layout: ``gate.weight`` [E, H],
+``experts.gate_up_proj`` [E, 2I, H] (each expert's gate rows, then its up rows) and
+``experts.down_proj`` [E, H, I]. Checkpoints written before it keep a module per expert
+(Qwen3-MoE's ``mlp.experts.{e}.gate_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1``
+for gate, ``w3`` for up, ``w2`` for down): ``fuse_experts`` stacks them at load, as
+transformers' own conversion does.
+
+The experts run one at a time over the tokens routed to each, in expert order and with each
+expert's tokens in transformers' order, so that the sums agree with its own forward.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from preble_backend.model.model_config import ModelConfig
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+# A per-expert tensor of an older checkpoint: (layer prefix, expert, projection).
+_PER_EXPERT = re.compile(
+    r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_ROLES = ("gate", "up", "down")
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.spec = cfg.moe
+        self.weight = nn.Parameter(torch.empty(self.spec.num_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's expert weights [T, k] and experts [T, k]."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.spec.top_k, dim=-1)
+        if self.spec.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights.to(logits.dtype) if self.spec.cast_weights else weights), experts
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported: {list(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        e, i, h = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():  # sorted: expert order
+            k_pos, tokens = torch.where((experts == e).T)  # choice-major, as transformers gathers them
+            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[tokens, k_pos, None]
+            out.index_add_(0, tokens, y.to(out.dtype))
+        return out
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        return self.experts(x, weights, experts)
+
+
+def fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """``state`` with every per-expert tensor stacked into the fused layout (and Mixtral's
+    ``block_sparse_moe`` named ``mlp``); a layer missing an expert's tensor is refused."""
+    per_layer: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    fused: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if m := _PER_EXPERT.match(key):
+            per_layer.setdefault(m[1], {})[(_ROLE[m[3]], int(m[2]))] = tensor
+        else:
+            fused[key.replace(".block_sparse_moe.", ".mlp.")] = tensor
+    for layer, parts in per_layer.items():
+        missing = [f"{role} of expert {e}" for role in _ROLES for e in range(num_experts)
+                   if (role, e) not in parts]  # fmt: skip
+        if missing:
+            raise ValueError(f"checkpoint lacks {layer}'s {', '.join(missing[:4])}")
+        gate, up, down = (torch.stack([parts[r, e] for e in range(num_experts)]) for r in _ROLES)
+        fused[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        fused[f"{layer}.mlp.experts.down_proj"] = down
+    return fused

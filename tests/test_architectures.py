@@ -1,0 +1,157 @@
+"""Qwen3, Qwen3-MoE and Mixtral: greedy output token-identical to transformers on random
+checkpoints of several shapes, under chunked prefill, prefix sharing, preemption and abort;
+both checkpoint layouts of the mixtures (a module per expert, as transformers still saves
+them, and its fused in-memory layout) load to the same model; loading stays strict."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import _write_random_checkpoint, random_prompts
+from safetensors.torch import save_file
+
+from preble_backend.model.model_config import ModelConfig
+
+GREEDY = {"temperature": 0}
+SMALL = dict(vocab_size=384, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
+             max_position_embeddings=1024, bos_token_id=0, tie_word_embeddings=False)  # fmt: skip
+
+
+def _qwen3(tmp, **over):
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(**{**SMALL, "intermediate_size": 96, "num_hidden_layers": 2, "head_dim": 24, **over})
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    return _write_random_checkpoint(tmp, cfg, seed=21)
+
+
+def _qwen3_moe(tmp, **over):
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**{**SMALL, "intermediate_size": 96, "num_hidden_layers": 2, "num_experts": 8,
+                            "num_experts_per_tok": 2, "moe_intermediate_size": 32, **over})  # fmt: skip
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    return _write_random_checkpoint(tmp, cfg, seed=22)
+
+
+def _mixtral(tmp, **over):
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(**{**SMALL, "intermediate_size": 48, "num_hidden_layers": 2, "num_local_experts": 4,
+                           "num_experts_per_tok": 2, **over})  # fmt: skip
+    cfg.architectures = ["MixtralForCausalLM"]
+    return _write_random_checkpoint(tmp, cfg, seed=23)
+
+
+def fused_copy(path: str, dest) -> str:
+    """The same checkpoint in transformers 5's fused expert layout (what its models hold in
+    memory; ``save_pretrained`` still writes a module per expert)."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(path, dest, dirs_exist_ok=True)
+    state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"))
+    return str(dest)
+
+
+MODELS = {
+    "qwen3": lambda t: _qwen3(t),
+    "qwen3_mha_bias": lambda t: _qwen3(t, num_key_value_heads=4, head_dim=16, attention_bias=True),
+    # layer 0 dense (decoder_sparse_step 2), renormalised top-2 of 8
+    "qwen3_moe": lambda t: _qwen3_moe(t, decoder_sparse_step=2, norm_topk_prob=True),
+    # three layers, the first dense by mlp_only_layers, top-3 of 8 not renormalised
+    "qwen3_moe_plain": lambda t: _qwen3_moe(
+        t, num_hidden_layers=3, mlp_only_layers=[0], num_experts_per_tok=3
+    ),
+    "mixtral": lambda t: _mixtral(t),
+}
+
+
+@pytest.fixture(scope="session", params=[*MODELS, "qwen3_moe_fused", "mixtral_fused"])
+def arch_model(request, tmp_path_factory) -> str:
+    name = request.param.removesuffix("_fused")
+    path = MODELS[name](tmp_path_factory.mktemp(name))
+    return (
+        fused_copy(path, tmp_path_factory.mktemp(request.param)) if request.param.endswith("_fused") else path
+    )
+
+
+def reference(hf_reference, model_path, prompts, max_tokens):
+    ref = hf_reference(model_path)
+    return [ref.greedy(p, max_tokens) for p in prompts]
+
+
+def test_mixed_lengths_under_chunked_prefill(arch_model, make_engine, hf_reference):
+    engine = make_engine(arch_model, page_size=8, chunk_size=16)
+    prompts = random_prompts([3, 90, 17, 41, 1], 384, seed=31)
+    assert engine.generate(prompts, {**GREEDY, "max_tokens": 10}) == reference(
+        hf_reference, arch_model, prompts, 10
+    )
+
+
+def test_shared_prefix_preemption_and_abort(arch_model, make_engine, hf_reference):
+    """A second wave hits the first's prefix pages; a pool of 12 pages forces preemption;
+    an abort midway leaves the others exact and every page returned (teardown)."""
+    [prefix] = random_prompts([40], 384, seed=32)
+    prompts = [prefix + s for s in random_prompts([6, 21, 2, 13], 384, seed=33)]
+    expect = reference(hf_reference, arch_model, prompts, 12)
+    engine = make_engine(arch_model, page_size=8, chunk_size=16)
+    assert engine.generate(prompts[:1], {**GREEDY, "max_tokens": 12}) == expect[:1]
+    assert engine.generate(prompts[1:], {**GREEDY, "max_tokens": 12}) == expect[1:]
+    assert engine.stats()["prompt_tokens_cached"] == 3 * 40
+    small = make_engine(arch_model, page_size=8, chunk_size=16, max_num_tokens=96)
+    outputs: dict[str, list[int]] = {}
+
+    def collect(out) -> None:
+        outputs.setdefault(out.request_id, []).extend(out.token_ids)
+
+    for i, prompt in enumerate([*prompts, prefix]):
+        small.add_request(f"r{i}", prompt, {**GREEDY, "max_tokens": 12}, collect)
+    for _ in range(5):
+        small.step()
+    small.abort("r4")
+    while small.has_work():
+        small.step()
+    assert [outputs[f"r{i}"] for i in range(4)] == expect and len(outputs.get("r4", [])) < 12
+    assert small.stats()["num_preemptions"] > 0
+
+
+def test_the_config_is_read_as_transformers_reads_it(tmp_path_factory):
+    moe = ModelConfig.from_dir(MODELS["qwen3_moe_plain"](tmp_path_factory.mktemp("cfg")))
+    assert moe.qk_norm and moe.moe.sparse_layers == (1, 2) and moe.moe.top_k == 3
+    assert not moe.moe.renormalize and moe.moe.cast_weights and moe.head_dim == 16
+    mixtral = ModelConfig.from_dir(MODELS["mixtral"](tmp_path_factory.mktemp("cfg")))
+    assert mixtral.moe.renormalize and not mixtral.moe.cast_weights and mixtral.moe.sparse_layers == (0, 1)
+    assert not mixtral.qk_norm and mixtral.moe.num_experts == 4
+
+
+@pytest.mark.parametrize(("key", "value"), [("layer_norm_type", "pre"), ("moe_shared_expert", 1),
+                                            ("scoring_func", "sigmoid")])  # fmt: skip
+def test_an_unknown_key_that_would_change_the_math_is_refused_by_name(tmp_path_factory, key, value):
+    path = tmp_path_factory.mktemp("strict")
+    _mixtral(path)
+    cfg = json.loads((path / "config.json").read_text())
+    with pytest.raises(ValueError, match=f"{key} are not implemented for mixtral"):
+        ModelConfig.from_dict({**cfg, key: value})
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(tmp_path_factory, make_engine):
+    from safetensors.torch import load_file
+
+    path = tmp_path_factory.mktemp("missing")
+    _mixtral(path)
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks layers.1's down of expert 3"):
+        make_engine(str(path))
+
+
+def test_mixtures_are_refused_across_ranks_until_sharded(tmp_path_factory, make_engine):
+    path = MODELS["mixtral"](tmp_path_factory.mktemp("tp"))
+    with pytest.raises(ValueError, match="invalid for mixtral: its mixture-of-experts layers are not"):
+        make_engine(path, tensor_parallel_size=2)
