@@ -6,69 +6,15 @@ them, and its fused in-memory layout) load to the same model; loading stays stri
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import torch
-from conftest import _write_random_checkpoint, random_prompts
+from checkpoints import MODELS, _mixtral, fused_copy
+from conftest import random_prompts
 from safetensors.torch import save_file
 
 from preble_backend.model.model_config import ModelConfig
 
 GREEDY = {"temperature": 0}
-SMALL = dict(vocab_size=384, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
-             max_position_embeddings=1024, bos_token_id=0, tie_word_embeddings=False)  # fmt: skip
-
-
-def _qwen3(tmp, **over):
-    from transformers import Qwen3Config
-
-    cfg = Qwen3Config(**{**SMALL, "intermediate_size": 96, "num_hidden_layers": 2, "head_dim": 24, **over})
-    cfg.architectures = ["Qwen3ForCausalLM"]
-    return _write_random_checkpoint(tmp, cfg, seed=21)
-
-
-def _qwen3_moe(tmp, **over):
-    from transformers import Qwen3MoeConfig
-
-    cfg = Qwen3MoeConfig(**{**SMALL, "intermediate_size": 96, "num_hidden_layers": 2, "num_experts": 8,
-                            "num_experts_per_tok": 2, "moe_intermediate_size": 32, **over})  # fmt: skip
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
-    return _write_random_checkpoint(tmp, cfg, seed=22)
-
-
-def _mixtral(tmp, **over):
-    from transformers import MixtralConfig
-
-    cfg = MixtralConfig(**{**SMALL, "intermediate_size": 48, "num_hidden_layers": 2, "num_local_experts": 4,
-                           "num_experts_per_tok": 2, **over})  # fmt: skip
-    cfg.architectures = ["MixtralForCausalLM"]
-    return _write_random_checkpoint(tmp, cfg, seed=23)
-
-
-def fused_copy(path: str, dest) -> str:
-    """The same checkpoint in transformers 5's fused expert layout (what its models hold in
-    memory; ``save_pretrained`` still writes a module per expert)."""
-    from transformers import AutoModelForCausalLM
-
-    shutil.copytree(path, dest, dirs_exist_ok=True)
-    state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-    assert any(k.endswith("experts.gate_up_proj") for k in state)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dest / "model.safetensors"))
-    return str(dest)
-
-
-MODELS = {
-    "qwen3": lambda t: _qwen3(t),
-    "qwen3_mha_bias": lambda t: _qwen3(t, num_key_value_heads=4, head_dim=16, attention_bias=True),
-    # layer 0 dense (decoder_sparse_step 2), renormalised top-2 of 8
-    "qwen3_moe": lambda t: _qwen3_moe(t, decoder_sparse_step=2, norm_topk_prob=True),
-    # three layers, the first dense by mlp_only_layers, top-3 of 8 not renormalised
-    "qwen3_moe_plain": lambda t: _qwen3_moe(
-        t, num_hidden_layers=3, mlp_only_layers=[0], num_experts_per_tok=3
-    ),
-    "mixtral": lambda t: _mixtral(t),
-}
 
 
 @pytest.fixture(scope="session", params=[*MODELS, "qwen3_moe_fused", "mixtral_fused"])
@@ -149,9 +95,3 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path_factory, make_engine
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks layers.1's down of expert 3"):
         make_engine(str(path))
-
-
-def test_mixtures_are_refused_across_ranks_until_sharded(tmp_path_factory, make_engine):
-    path = MODELS["mixtral"](tmp_path_factory.mktemp("tp"))
-    with pytest.raises(ValueError, match="invalid for mixtral: its mixture-of-experts layers are not"):
-        make_engine(path, tensor_parallel_size=2)

@@ -32,11 +32,33 @@ def _run(make_engine, model: str, tp: int, params: dict, **config) -> tuple[list
     return out, engine.stats()
 
 
+MOE = ("qwen3_moe", "qwen3_moe_plain", "mixtral", "mixtral_fused")
+
+
+def checkpoint(request, name: str) -> str:
+    return request.getfixturevalue("moe_models")[name] if name in MOE else request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    """Mixtures: each expert's intermediate features split across the ranks, read from
+    per-expert tensors (as transformers saves them) and from the fused layout."""
+    from checkpoints import MODELS, fused_copy
+
+    built = {
+        name: MODELS[name](tmp_path_factory.mktemp(name))
+        for name in ("qwen3_moe", "qwen3_moe_plain", "mixtral")
+    }
+    built["mixtral_fused"] = fused_copy(built["mixtral"], tmp_path_factory.mktemp("mixtral_fused"))
+    return built
+
+
 @pytest.mark.parametrize(("model", "tp"), [("qwen2_gqa_model", 2), ("qwen2_gqa_model", 4),
                                            ("llama3_tied_model", 2), ("llama3_tied_model", 4),
-                                           ("llama_bias_model", 2)])  # fmt: skip
+                                           ("llama_bias_model", 2), ("qwen3_moe", 2), ("qwen3_moe_plain", 4),
+                                           ("mixtral", 2), ("mixtral_fused", 2)])  # fmt: skip
 def test_tp_generates_exactly_what_one_device_does(request, make_engine, model, tp):
-    path = request.getfixturevalue(model)
+    path = checkpoint(request, model)
     for params in (GREEDY, SEEDED):
         one, _ = _run(make_engine, path, 1, params)
         split, stats = _run(make_engine, path, tp, params)
@@ -152,8 +174,16 @@ def test_a_tp2_engine_serves_behind_the_router_as_one_engine(tmp_path, tiny_mode
     assert "engine preble_engine_1 is back (restart 1)" in out, out
 
 
-def test_one_all_reduce_per_attention_block_and_per_mlp_per_pass(llama3_tied_model, make_engine):
-    engine = make_engine(llama3_tied_model, tensor_parallel_size=2, chunk_size=16)
+@pytest.mark.parametrize("model", ["llama3_tied_model", "qwen3_moe"])
+def test_one_all_reduce_per_attention_block_and_per_mlp_per_pass(request, make_engine, model):
+    """Also for a mixture (one dense layer, one of experts): its experts' partial outputs
+    are summed once, after all of them."""
+    path = (
+        request.getfixturevalue("moe_models")[model]
+        if model == "qwen3_moe"
+        else request.getfixturevalue(model)
+    )
+    engine = make_engine(path, tensor_parallel_size=2, chunk_size=16)
     group, runner = engine.runner.ranks.group, engine.runner
     counts = {"all_reduce": 0, "forward": 0}
     reduce, forward = group.all_reduce, runner.forward
@@ -215,7 +245,7 @@ def test_tp_with_an_abort_mid_batch(llama3_tied_model, make_engine):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rank_reads_its_slices_without_a_memory_map(tmp_path, dtype):
     """Row and column slices read with pread equal safetensors' own slices, for 2-D
-    weights and 1-D biases alike."""
+    weights, 1-D biases and stacked experts' [E, rows, cols] alike."""
     import os
 
     from safetensors import safe_open
@@ -224,16 +254,17 @@ def test_a_rank_reads_its_slices_without_a_memory_map(tmp_path, dtype):
     from preble_backend.model.safetensors_slices import read_header, read_slice
 
     gen = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(12, 20, generator=gen), "b": torch.randn(12, generator=gen)}
+    tensors = {"w": torch.randn(12, 20, generator=gen), "b": torch.randn(12, generator=gen),
+               "e": torch.randn(3, 8, 6, generator=gen)}  # fmt: skip
     tensors = {k: t.to(dtype) for k, t in tensors.items()}
     save_file(tensors, str(tmp_path / "m.safetensors"))
     data_start, header = read_header(tmp_path / "m.safetensors")
     fd = os.open(tmp_path / "m.safetensors", os.O_RDONLY)
     try:
         with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
-            for key, dim, start, count in (("w", 0, 3, 6), ("w", 1, 5, 10), ("b", 0, 4, 8), ("w", 1, 0, 20)):
-                view = f.get_slice(key)
-                want = view[start : start + count] if dim == 0 else view[:, start : start + count]
+            for key, dim, start, count in (("w", 0, 3, 6), ("w", 1, 5, 10), ("b", 0, 4, 8), ("w", 1, 0, 20),
+                                           ("e", 1, 2, 4), ("e", 2, 3, 3), ("e", 0, 1, 2)):  # fmt: skip
+                want = f.get_slice(key)[(slice(None),) * dim + (slice(start, start + count),)]
                 got = read_slice(fd, data_start, header[key], dim, start, count)
                 assert got.dtype == dtype and torch.equal(got, want), (key, dim)
     finally:

@@ -166,8 +166,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _load_state_dict(path: Path, slicer=None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors (``weight_files``), with Hugging Face's ``model.`` prefix
-    stripped; ``slicer(key)``: the (dim, start, count) of a tensor to read, None: all (a
-    slice is read into memory of its own, ``safetensors_slices``)."""
+    stripped; ``slicer(key)``: the (dim, start, count) of a tensor to read, or a list of
+    them to concatenate along that dim, None: all (a slice is read into memory of its own,
+    ``safetensors_slices``)."""
     state: dict[str, torch.Tensor] = {}
     for name in weight_files(path):
         if slicer is None:
@@ -179,16 +180,20 @@ def _load_state_dict(path: Path, slicer=None) -> dict[str, torch.Tensor]:
             with safe_open(str(path / name), framework="pt") as f:
                 for key in f.keys():
                     short = key.removeprefix("model.")
-                    part = slicer(short)
-                    if part is None or header[key]["dtype"] not in DTYPES:
-                        state[short] = f.get_tensor(key) if part is None else _mapped_slice(f, key, *part)
+                    parts = slicer(short)
+                    if parts is None:
+                        state[short] = f.get_tensor(key)
+                        continue
+                    parts = parts if isinstance(parts, list) else [parts]
+                    if header[key]["dtype"] in DTYPES:
+                        read = [read_slice(fd, data_start, header[key], *p) for p in parts]
                     else:
-                        state[short] = read_slice(fd, data_start, header[key], *part)
+                        read = [_mapped_slice(f, key, *p) for p in parts]
+                    state[short] = read[0] if len(read) == 1 else torch.cat(read, dim=parts[0][0])
         finally:
             os.close(fd)
     return state
 
 
 def _mapped_slice(f, key: str, dim: int, start: int, count: int) -> torch.Tensor:
-    view = f.get_slice(key)
-    return view[start : start + count] if dim == 0 else view[:, start : start + count]
+    return f.get_slice(key)[(slice(None),) * dim + (slice(start, start + count),)]

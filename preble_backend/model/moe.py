@@ -72,10 +72,24 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
+        self.tp = None
+
+    def shard(self, tp) -> None:
+        """Keep rank ``tp.rank``'s slice of every expert's intermediate features (gate and
+        up rows, down columns); each rank routes every token alike (the router is whole),
+        so the partial outputs sum to the whole in one all-reduce."""
+        experts, size = self.experts, self.experts.down_proj.shape[2]
+        count = size // tp.size
+        mine = slice(tp.rank * count, (tp.rank + 1) * count)
+        gate, up = experts.gate_up_proj[:, :size], experts.gate_up_proj[:, size:]
+        experts.gate_up_proj = nn.Parameter(torch.cat([gate[:, mine], up[:, mine]], 1), requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj[:, :, mine], requires_grad=False)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
-        return self.experts(x, weights, experts)
+        out = self.experts(x, weights, experts)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def fuse_experts(state: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:

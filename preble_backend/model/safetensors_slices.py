@@ -35,21 +35,20 @@ def read_header(path: Path) -> tuple[int, dict]:
 
 
 def read_slice(fd: int, data_start: int, entry: dict, dim: int, start: int, count: int) -> torch.Tensor:
-    """``tensor[start:start + count]`` (``dim`` 0) or ``tensor[:, start:start + count]``
-    (``dim`` 1) of the tensor ``entry`` describes, from the open file ``fd``."""
+    """``tensor[..., start:start + count, ...]`` along ``dim`` of the tensor ``entry``
+    describes, from the open file ``fd``: one contiguous run per index of the dimensions
+    before ``dim`` (one run for ``dim`` 0, one per row for a 2-D tensor's columns, one per
+    expert for a stacked [experts, rows, cols] tensor's rows)."""
     import torch
 
     dtype, shape = getattr(torch, DTYPES[entry["dtype"]]), entry["shape"]
     item = torch.empty((), dtype=dtype).element_size()
     base = data_start + entry["data_offsets"][0]
-    row = math.prod(shape[1:]) * item  # bytes per index of dim 0
-    if dim == 0:
-        out = torch.empty((count, *shape[1:]), dtype=dtype)
-        _read_into(fd, out, [(base + start * row, 0, count * row)])
-        return out
-    out = torch.empty((shape[0], count), dtype=dtype)
-    width = count * item
-    _read_into(fd, out, [(base + r * row + start * item, r * width, width) for r in range(shape[0])])
+    inner = math.prod(shape[dim + 1 :]) * item  # bytes per index of ``dim``
+    run, stride = count * inner, shape[dim] * inner
+    out = torch.empty((*shape[:dim], count, *shape[dim + 1 :]), dtype=dtype)
+    spans = [(base + o * stride + start * inner, o * run, run) for o in range(math.prod(shape[:dim]))]
+    _read_into(fd, out, spans)
     return out
 
 

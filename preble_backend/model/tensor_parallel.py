@@ -55,16 +55,17 @@ class HeadSplit:
 def head_split(cfg: ModelConfig, size: int, rank: int) -> HeadSplit:
     """Rank ``rank``'s heads; refused (naming why) where the heads do not divide."""
     heads, kv = cfg.num_heads, cfg.num_kv_heads
-    if cfg.moe and size > 1:
-        raise ValueError(f"tensor_parallel_size={size} is invalid for {cfg.architecture}: its "
-                         "mixture-of-experts layers are not sharded yet")  # fmt: skip
+    if cfg.moe and cfg.moe.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} is invalid: the experts' {cfg.moe.intermediate_size} "
+                         "intermediate features do not divide among the ranks")  # fmt: skip
     if heads % size:
         raise ValueError(f"tensor_parallel_size={size} is invalid: the model's {heads} attention heads "
                          "do not divide among the ranks")  # fmt: skip
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size={size} is invalid: the model's {kv} KV heads neither divide "
                          "among the ranks nor replicate evenly over them")  # fmt: skip
-    if cfg.intermediate_size % size:
+    dense = not cfg.moe or len(cfg.moe.sparse_layers) < cfg.num_layers
+    if dense and cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} is invalid: the MLP's {cfg.intermediate_size} "
                          "intermediate features do not divide among the ranks")  # fmt: skip
     per_rank, group = heads // size, heads // kv  # query heads per rank, and per KV head
@@ -108,6 +109,8 @@ def slice_of(key: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int] | 
     if len(name) < 3 or not key.startswith("layers."):
         return None
     module, kind = name[1], name[2]
+    if ".experts." in key or ".block_sparse_moe." in key:
+        return _expert_slice(key, module, cfg, tp)
     if module == "q_proj":
         return 0, split.q_start * hd, split.q_count * hd
     if module in ("k_proj", "v_proj"):
@@ -118,6 +121,25 @@ def slice_of(key: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int] | 
         return 1, split.q_start * hd, split.q_count * hd
     if module == "down_proj" and kind == "weight":
         return 1, tp.rank * inter, inter
+    return None
+
+
+def _expert_slice(key: str, module: str, cfg: ModelConfig, tp: TPGroup):
+    """An expert's intermediate features are split as a dense MLP's: per-expert tensors
+    (``gate_proj``/``w1``, ``up_proj``/``w3`` by rows, ``down_proj``/``w2`` by columns) and
+    the fused ones (``gate_up_proj`` [E, 2I, H]: this rank's gate rows and its up rows;
+    ``down_proj`` [E, H, I]: its columns). The router is whole on every rank."""
+    size = cfg.moe.intermediate_size
+    count = size // tp.size
+    start = tp.rank * count
+    if key.endswith("experts.gate_up_proj"):
+        return [(1, start, count), (1, size + start, count)]
+    if key.endswith("experts.down_proj"):
+        return 2, start, count
+    if module in ("gate_proj", "up_proj", "w1", "w3"):
+        return 0, start, count
+    if module in ("down_proj", "w2"):
+        return 1, start, count
     return None
 
 
@@ -133,6 +155,9 @@ def shard_model(model: nn.Module, tp: TPGroup) -> HeadSplit:
         attn.v_proj = _rows(attn.v_proj, split.kv_start * hd, split.kv_count * hd)
         attn.o_proj = RowParallelLinear(attn.o_proj, split.q_start * hd, split.q_count * hd, tp)
         attn.num_heads, attn.num_kv_heads = split.q_count, split.kv_count
+        if hasattr(mlp, "experts"):  # a mixture: its experts' slices, one all-reduce after them
+            mlp.shard(tp)
+            continue
         mlp.gate_proj = _rows(mlp.gate_proj, tp.rank * inter, inter)
         mlp.up_proj = _rows(mlp.up_proj, tp.rank * inter, inter)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, tp.rank * inter, inter, tp)
