@@ -145,3 +145,17 @@ def cascade_attention_ref(
         )
         out[rows], lse[rows] = merge_state_ref(out[rows], lse[rows], v_sh, s_sh.to(lse.dtype))
     return out, lse
+
+
+def fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> torch.Tensor:
+    """Each token through each of its experts, one at a time: ``sum_j w_j * down_e(act(gate_e
+    x) * up_e x)`` with ``e = topk_ids[t, j]``, in ``x``'s dtype (float64 in the tests)."""
+    inter = down.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, j])
+            h = gate_up[e].to(x.dtype) @ x[t]
+            y = down[e].to(x.dtype) @ (activation(h[:inter]) * h[inter:])
+            out[t] += topk_weights[t, j].to(x.dtype) * y
+    return out

@@ -77,6 +77,30 @@ def chunk_tile(device: torch.device, head_dim: int, max_q_len: int, upcast: bool
     return ExtendTile(blocks.extend_m, blocks.extend_n, warps, blocks.num_stages)
 
 
+@dataclass(frozen=True)
+class MoEBlocks:
+    m: int  # (token, expert) rows per tile: each expert's rows are padded to a multiple
+    n: int  # output features per tile
+    k: int  # reduction step
+    warps: int
+    stages: int
+
+
+# The fused MoE kernel's tiles. Not yet swept on any GPU: sm90 and sm80 start from the
+# sizes vLLM's fused_moe uses where it has no tuned config (M 64, N 64-128, K 32-64).
+MOE_TABLE: dict[str, MoEBlocks] = {
+    "sm90": MoEBlocks(64, 128, 64, 4, 3),
+    "sm89": MoEBlocks(64, 64, 32, 4, 2),
+    "sm80": MoEBlocks(64, 64, 32, 4, 3),
+    "default": MoEBlocks(32, 64, 32, 4, 2),
+    "interpreter": MoEBlocks(16, 16, 16, 1, 1),
+}
+
+
+def moe_blocks_for(device: torch.device) -> MoEBlocks:
+    return MOE_TABLE[generation(device)]
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -8,8 +8,10 @@ Weights are kept in transformers 5's fused layout: ``gate.weight`` [E, H],
 for gate, ``w3`` for up, ``w2`` for down): ``fuse_experts`` stacks them at load, as
 transformers' own conversion does.
 
-The experts run one at a time over the tokens routed to each, in expert order and with each
-expert's tokens in transformers' order, so that the sums agree with its own forward.
+On the CPU the experts run as transformers' own default does (one grouped product per
+projection over the pairs sorted by expert, then each token's choices summed), so the sums
+agree with its forward; on a GPU, ``kernels/fused_moe.py`` runs them in one Triton grouped
+GEMM per projection.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_moe import fused_moe
 from preble_backend.model.model_config import ModelConfig
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -28,6 +31,10 @@ _PER_EXPERT = re.compile(
     r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _ROLES = ("gate", "up", "down")
+# A grouped matrix product with a CPU kernel (torch 2.11 on; transformers uses it from there)
+GROUPED_MM = None
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11):
+    GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -58,6 +65,27 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one grouped GEMM per projection over every expert's tokens
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, self.act)
+        if GROUPED_MM is None:
+            return self._one_expert_at_a_time(x, weights, experts)
+        # transformers' default (``grouped_mm``): the (token, choice) pairs sorted by expert,
+        # one grouped product per projection, then each token's choices summed in order
+        top_k = experts.shape[1]
+        by_expert, perm = torch.sort(experts.reshape(-1))
+        counts = torch.histc(
+            by_expert.float(), bins=self.gate_up_proj.shape[0], min=0, max=self.gate_up_proj.shape[0] - 1
+        )
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = GROUPED_MM(x[perm // top_k], self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(
+            2, dim=-1
+        )
+        y = GROUPED_MM(self.act(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
+        return y[torch.argsort(perm)].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
+
+    def _one_expert_at_a_time(self, x, weights, experts) -> torch.Tensor:
+        """transformers' ``eager`` experts, for a torch without a grouped product on the CPU."""
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():  # sorted: expert order
             k_pos, tokens = torch.where((experts == e).T)  # choice-major, as transformers gathers them

@@ -1,0 +1,84 @@
+"""The fused MoE kernel (``kernels/fused_moe.py``) against its float64 reference, under
+TRITON_INTERPRET=1 on the CPU (on a GPU host, on the card): tokens sorted by expert with
+padding to the block size, experts that receive no token, a single token, top-1 to top-4,
+shapes that no block divides; and against the engine's own MoE layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import fused_moe
+from kernels import reference as ref
+from kernels.fused_moe import align_block_size
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def routed(tokens, hidden, inter, experts, top_k, seed, skip=()):
+    """Random weights and a router's choice: distinct experts per token, none from ``skip``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, dtype=torch.float64) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen, dtype=torch.float64) / inter**0.5
+    allowed = torch.tensor([e for e in range(experts) if e not in skip])
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen, dtype=torch.float64), -1)
+    return x, gate_up, down, weights, ids
+
+
+def test_align_sorts_pairs_by_expert_and_pads_each_to_the_block():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])  # pairs 0..5; expert 1 gets none
+    sorted_ids, expert_of_block, total = align_block_size(ids, num_experts=4, block_m=4)
+    pad = 6
+    assert total == 12 and sorted_ids.tolist() == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    assert expert_of_block.tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 1, 4), (7, 2, 8), (33, 4, 6), (20, 2, 16)])
+def test_fused_moe_matches_reference(dtype, tokens, top_k, experts):
+    x, gate_up, down, weights, ids = routed(tokens, 40, 24, experts, top_k, seed=tokens, skip=(1,))
+    low = [t.to(dtype) for t in (x, gate_up, down)]
+    out = fused_moe(*(t.to(DEVICE) for t in low), weights.float().to(DEVICE), ids.to(DEVICE))
+    expect = ref.fused_moe_ref(*(t.double() for t in low), weights.float().double(), ids)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert ((out.double().cpu() - expect).abs().max() / expect.abs().max()).item() < TOL[dtype]
+
+
+def _layer():
+    from preble_backend.model.model_config import ModelConfig, MoESpec
+    from preble_backend.model.moe import SparseMoE
+
+    spec = MoESpec(num_experts=8, top_k=2, intermediate_size=24, renormalize=True, cast_weights=False,
+                   sparse_layers=(0,))  # fmt: skip
+    cfg = ModelConfig("mixtral", 64, 32, 48, 1, 4, 2, 8, 128, 1e-6, "silu", *[False] * 4, moe=spec)
+    torch.manual_seed(0)
+    layer = SparseMoE(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def test_the_cpu_layers_grouped_product_and_its_loop_agree(monkeypatch):
+    """The grouped product (torch 2.11 on) and the loop over experts (older torch)."""
+    from preble_backend.model import moe
+
+    layer, x = _layer(), torch.randn(13, 32)
+    with torch.no_grad():
+        grouped = layer(x)
+        monkeypatch.setattr(moe, "GROUPED_MM", None)
+        assert torch.allclose(layer(x), grouped, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_moe_is_the_engines_moe_layer():
+    """The kernel, given the engine's own router and expert weights, gives the layer's output
+    (the CPU engine runs transformers' grouped product; a GPU engine runs this kernel)."""
+    layer = _layer()
+    x = torch.randn(9, 32)
+    weights, ids = layer.gate(x)
+    experts = [w.detach().to(DEVICE) for w in (layer.experts.gate_up_proj, layer.experts.down_proj)]
+    out = fused_moe(x.to(DEVICE), *experts, weights.to(DEVICE), ids.to(DEVICE))
+    with torch.no_grad():
+        assert torch.allclose(out.cpu(), layer(x), rtol=1e-4, atol=1e-5)
