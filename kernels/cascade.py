@@ -100,18 +100,24 @@ def decode_plan(kv_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: in
     )  # fmt: skip
 
 
-def cascade_attention_planned(q, k_cache, v_cache, page_table, page_size, plan: CascadePlan, sm_scale=None):
+def cascade_attention_planned(
+    q, k_cache, v_cache, page_table, page_size, plan: CascadePlan, sm_scale=None, window=None
+):
     """Returns (out [T, H, D] in q's dtype, lse [T, H] fp32). Without groups this is plain
     extend (or split-KV decode) attention; with groups the suffix output stays fp32 until
-    the merge."""
+    the merge. A sliding-window layer (``window``) takes a plan without groups: a shared
+    prefix is not one set of keys for queries whose windows differ."""
     num_rows, num_heads, head_dim = q.shape
     rows = plan.shared_rows
     grouped = rows.numel() > 0
+    if grouped and window is not None:
+        raise ValueError("a sliding-window layer's plan has no shared-prefix groups")
     out_dtype = torch.float32 if grouped else q.dtype
     if plan.decode_only:
         out, lse = decode_attention(
             q, k_cache, v_cache, page_table, plan.seq_lens, page_size, kv_starts=plan.kv_starts,
             max_kv_len=plan.max_seq_len, sm_scale=sm_scale, return_lse=True, out_dtype=out_dtype,
+            window=window,
         )  # fmt: skip
     else:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -128,6 +134,7 @@ def cascade_attention_planned(q, k_cache, v_cache, page_table, page_size, plan: 
             lse,
             sm_scale,
             chunks=True,
+            window=window,
         )
     if not grouped:
         return out, lse

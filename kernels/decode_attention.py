@@ -25,7 +25,8 @@ MAX_SPLITS = 64
 @triton.jit
 def _decode_split_kernel(
     Q, KCache, VCache, Mid, MidLse, PageTable, SeqLens, KvStarts, num_splits,
-    stride_qb, stride_qh, stride_ct, stride_ch, stride_pt, sm_scale_log2,
+    stride_qb, stride_qh, stride_ct, stride_ch, stride_pt, sm_scale_log2, window,
+    SLIDING: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -34,6 +35,8 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     kv_start = tl.load(KvStarts + b)
+    if SLIDING:  # the query at seq_len - 1 sees the window's keys: its context starts there
+        kv_start = tl.maximum(kv_start, seq_len - window)
     split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, num_splits), BLOCK_N) * BLOCK_N
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -57,7 +60,7 @@ def _decode_split_kernel(
     for start in range(lo - lo % BLOCK_N, hi, BLOCK_N):  # aligned, for block gathers
         acc, m_i, l_i = attend_block(
             acc, m_i, l_i, q, h, start, lo, hi, KCache, VCache, page_row, kv_head,
-            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, BLOCK_N, False, UPCAST, PRECISION,
+            stride_ct, stride_ch, sm_scale_log2, d, d_ok, 0, PAGE, BLOCK_N, False, False, UPCAST, PRECISION,
         )  # fmt: skip
     out, lse = finish(acc, m_i, l_i)
     # Mid [B, H, splits, D] and MidLse [B, H, splits], contiguous.
@@ -76,10 +79,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, blocks: Bl
 def decode_attention(
     q, k_cache, v_cache, page_table, seq_lens, page_size,
     *, kv_starts=None, max_kv_len=None, num_splits=None, sm_scale=None, return_lse=False, out_dtype=None,
+    window=None,
 ):  # fmt: skip
     """``q`` [B, H, D], each request's query at position ``seq_len - 1`` (its K/V already
-    written); attends context ``[kv_start, seq_len)``. Returns ``out`` [B, H, D] (and
-    ``lse`` [B, H])."""
+    written); attends context ``[kv_start, seq_len)``, or its last ``window`` positions.
+    Returns ``out`` [B, H, D] (and ``lse`` [B, H])."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -89,6 +93,7 @@ def decode_attention(
         kv_starts = torch.zeros_like(seq_lens)
     if num_splits is None:
         longest = max_kv_len if max_kv_len is not None else int(seq_lens.max().item()) if batch else 0
+        longest = min(longest, window) if window is not None else longest
         num_splits = choose_num_splits(batch, num_kv_heads, longest, blocks)
     mid = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -98,7 +103,8 @@ def decode_attention(
         _decode_split_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, mid, mid_lse, page_table, seq_lens, kv_starts.to(seq_lens), num_splits,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-            scale * LOG2E,
+            scale * LOG2E, window or 0,
+            SLIDING=window is not None,
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=page_size, HEAD_DIM=head_dim,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=blocks.decode_n,
             UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",

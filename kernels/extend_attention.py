@@ -32,7 +32,8 @@ def _extend_kernel(
     Q, KCache, VCache, Out, Lse, PageTable, Items,
     stride_qt, stride_qh, stride_ct, stride_ch,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls, stride_pt,
-    sm_scale_log2,
+    sm_scale_log2, window,
+    SLIDING: tl.constexpr,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -73,12 +74,15 @@ def _extend_kernel(
     # block's pages are gathered whole (``block_slots``).
     first_tok = (pid_m * BLOCK_M) // GROUP
     open_end = tl.minimum(prefix_end + first_tok + 1, kv_end)
+    if SLIDING:  # nothing before the tile's first query's window is read
+        kv_start = tl.maximum(kv_start, prefix_end + first_tok - window + 1)
     lo = kv_start - kv_start % BLOCK_N
     open_aligned = tl.maximum(lo, open_end - open_end % BLOCK_N)
     for start in range(lo, open_aligned, BLOCK_N):
         acc, m_i, l_i = attend_block(
             acc, m_i, l_i, q, q_pos, start, kv_start, open_aligned, KCache, VCache, page_row, kv_head,
-            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, BLOCK_N, False, UPCAST, PRECISION,
+            stride_ct, stride_ch, sm_scale_log2, d, d_ok, window, PAGE, BLOCK_N, False, SLIDING, UPCAST,
+            PRECISION,
         )  # fmt: skip
     # The diagonal, causally, up to the last query row of this tile.
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
@@ -86,7 +90,8 @@ def _extend_kernel(
     for start in range(open_aligned, self_end, BLOCK_N):
         acc, m_i, l_i = attend_block(
             acc, m_i, l_i, q, q_pos, start, kv_start, self_end, KCache, VCache, page_row, kv_head,
-            stride_ct, stride_ch, sm_scale_log2, d, d_ok, PAGE, BLOCK_N, True, UPCAST, PRECISION,
+            stride_ct, stride_ch, sm_scale_log2, d, d_ok, window, PAGE, BLOCK_N, True, SLIDING, UPCAST,
+            PRECISION,
         )  # fmt: skip
 
     out, lse = finish(acc, m_i, l_i)
@@ -110,11 +115,13 @@ def make_extend_items(q_lens, prefix_lens, kv_starts=None, device="cpu") -> tupl
 
 
 def extend_attention_items(
-    q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse=None, sm_scale=None, chunks=False
-) -> None:
+    q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse=None, sm_scale=None, chunks=False,
+    window=None,
+) -> None:  # fmt: skip
     """Run ``items`` (see ``ITEM_FIELDS``). ``out`` is [rows, H, D] or [rows, H, splits, D]
     and ``lse`` the matching [rows, H(, splits)] fp32 tensor, or None. ``chunks``: plain
-    prefill chunks, whose best tile differs from cascade's and by shape (``tuning.chunk_tile``)."""
+    prefill chunks, whose best tile differs from cascade's and by shape (``tuning.chunk_tile``).
+    ``window``: each query sees the ``window`` keys up to itself (a sliding-window layer)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -138,7 +145,8 @@ def extend_attention_items(
         q, k_cache, v_cache, out, lse_t, page_table, items,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), split_o, *lse_strides, page_table.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
+        SLIDING=window is not None,
         GROUP=group, PAGE=page_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=tile.extend_m, BLOCK_N=tile.extend_n,
         UPCAST=upcast, PRECISION="ieee" if upcast else "tf32", HAS_LSE=has_lse,
@@ -148,14 +156,26 @@ def extend_attention_items(
 
 def extend_attention(
     q, k_cache, v_cache, page_table, q_lens, prefix_lens, page_size,
-    *, kv_starts=None, sm_scale=None, return_lse=False,
+    *, kv_starts=None, sm_scale=None, return_lse=False, window=None,
 ):  # fmt: skip
     """Ragged extend over paged KV (the new tokens' K/V already written). ``q`` [T, H, D];
-    returns ``out`` [T, H, D] (and ``lse`` [T, H] natural log when asked)."""
+    returns ``out`` [T, H, D] (and ``lse`` [T, H] natural log when asked); ``window``: a
+    sliding-window layer's."""
     items, max_q_len = make_extend_items(q_lens, prefix_lens, kv_starts, q.device)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     extend_attention_items(
-        q, k_cache, v_cache, page_table, page_size, items, max_q_len, out, lse, sm_scale, chunks=True
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        page_size,
+        items,
+        max_q_len,
+        out,
+        lse,
+        sm_scale,
+        chunks=True,
+        window=window,
     )
     return (out, lse) if return_lse else out

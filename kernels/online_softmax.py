@@ -34,14 +34,15 @@ def block_slots(page_row, start, lo, hi, PAGE: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def attend_block(
     acc, m_i, l_i, q, q_pos, start, lo, hi,
-    KCache, VCache, page_row, kv_head, stride_ct, stride_ch, sm_scale_log2, d, d_ok,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    KCache, VCache, page_row, kv_head, stride_ct, stride_ch, sm_scale_log2, d, d_ok, window,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Fold the keys at context positions ``[start, start + BLOCK_N)`` that lie in
     ``[lo, hi)`` into the state of the query rows ``q``; ``start`` is a multiple of
     ``BLOCK_N`` (callers align their loops down; ``lo`` masks what precedes the range). With
-    CAUSAL, a key after a row's position ``q_pos`` is masked."""
+    CAUSAL, a key after a row's position ``q_pos`` is masked; with SLIDING, a key at or
+    before ``q_pos - window`` too (transformers' sliding window)."""
     pos = start + tl.arange(0, BLOCK_N)
     kv_ok = (pos >= lo) & (pos < hi)
     slot = block_slots(page_row, start, lo, hi, PAGE, BLOCK_N)
@@ -56,6 +57,8 @@ def attend_block(
     keep = kv_ok[None, :]
     if CAUSAL:
         keep = keep & (pos[None, :] <= q_pos[:, None])
+    if SLIDING:
+        keep = keep & (pos[None, :] > q_pos[:, None] - window)
     qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.

@@ -29,17 +29,26 @@ def kv_write_ref(k_cache, v_cache, k, v, slot_mapping) -> None:
     v_cache[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
 
 
-def attend_ref(queries, q_pos, k_cache, v_cache, page_row, kv_start, kv_end, page_size, scale, with_lse=True):
+def attend_ref(
+    queries, q_pos, k_cache, v_cache, page_row, kv_start, kv_end, page_size, scale, with_lse=True, window=None
+):
     """Queries [n, H, D] at positions ``q_pos`` [n] over context positions
-    ``[kv_start, kv_end)`` of one page row, causal (a key after its query is masked).
+    ``[kv_start, kv_end)`` of one page row, causal (a key after its query is masked); with a
+    ``window``, a query at ``p`` sees only keys after ``p - window`` (transformers' sliding
+    window: itself and the ``window - 1`` before it). Keys before the lowest position any
+    query sees are never read.
     Without ``with_lse`` (the engine's CPU path) SDPA computes the same output faster;
     every query must then see at least one key."""
     group = queries.shape[1] // k_cache.shape[1]
+    if window is not None:  # a window's dropped pages may hold anything: read from its start
+        kv_start = max(kv_start, int(q_pos.min()) - window + 1)
     slots = context_slots(page_row, kv_start, kv_end, page_size)
     keys = k_cache[slots].to(queries.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
     values = v_cache[slots].to(queries.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
     k_pos = torch.arange(kv_start, kv_end, device=queries.device)
     visible = k_pos[None, :] <= q_pos[:, None]  # [n, keys]
+    if window is not None:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
     if not with_lse:
         out = F.scaled_dot_product_attention(
             queries.transpose(0, 1), keys, values, attn_mask=visible, scale=scale
@@ -67,9 +76,11 @@ def extend_attention_ref(
     kv_starts=None,
     sm_scale=None,
     with_lse=True,
+    window=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each request's ``q_len`` queries sit at positions ``prefix_len + i``; they attend to
-    positions ``[kv_start, prefix_len)`` without a mask and to ``[prefix_len, prefix_len + i]``."""
+    positions ``[kv_start, prefix_len)`` without a mask and to ``[prefix_len, prefix_len + i]``
+    (within the ``window`` before each query, where one is given)."""
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], -math.inf, dtype=_lse_dtype(q.dtype), device=q.device) if with_lse else None
@@ -90,6 +101,7 @@ def extend_attention_ref(
             page_size,
             scale,
             with_lse,
+            window,
         )
         out[rows] = o
         if with_lse:
@@ -98,11 +110,15 @@ def extend_attention_ref(
     return out, lse
 
 
-def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, page_size, kv_starts=None, sm_scale=None):
+def decode_attention_ref(
+    q, k_cache, v_cache, page_table, seq_lens, page_size, kv_starts=None, sm_scale=None, window=None
+):
     """One query per request, at position ``seq_len - 1``, its own K/V already written."""
     ones = [1] * len(seq_lens)
     prefix = [int(s) - 1 for s in seq_lens]
-    return extend_attention_ref(q, k_cache, v_cache, page_table, ones, prefix, page_size, kv_starts, sm_scale)
+    return extend_attention_ref(
+        q, k_cache, v_cache, page_table, ones, prefix, page_size, kv_starts, sm_scale, window=window
+    )
 
 
 def merge_state_ref(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,14 @@ def _qwen3_moe(tmp, **over):
     return _write_random_checkpoint(tmp, cfg, seed=22)
 
 
+def _mistral(tmp, **over):
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(**{**SMALL, "intermediate_size": 96, "num_hidden_layers": 2, **over})
+    cfg.architectures = ["MistralForCausalLM"]
+    return _write_random_checkpoint(tmp, cfg, seed=24)
+
+
 def _mixtral(tmp, **over):
     from transformers import MixtralConfig
 
@@ -62,4 +70,11 @@ MODELS = {
         t, num_hidden_layers=3, mlp_only_layers=[0], num_experts_per_tok=3
     ),
     "mixtral": lambda t: _mixtral(t),
+}
+# Sliding windows shorter than the tests' prompts: every layer (Mistral, Mixtral), or the
+# layers from max_window_layers on (Qwen3: layer 1 slides, layer 0 attends to everything).
+WINDOWED = {
+    "mistral_window": lambda t: _mistral(t, sliding_window=24),
+    "qwen3_window": lambda t: _qwen3(t, use_sliding_window=True, sliding_window=20, max_window_layers=1),
+    "mixtral_window": lambda t: _mixtral(t, sliding_window=28),
 }

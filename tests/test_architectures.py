@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from checkpoints import MODELS, _mixtral, fused_copy
+from checkpoints import MODELS, WINDOWED, _mixtral, fused_copy
 from conftest import random_prompts
 from safetensors.torch import save_file
 
@@ -66,13 +66,43 @@ def test_shared_prefix_preemption_and_abort(arch_model, make_engine, hf_referenc
     assert small.stats()["num_preemptions"] > 0
 
 
+@pytest.fixture(scope="session", params=list(WINDOWED))
+def windowed_model(request, tmp_path_factory) -> str:
+    return WINDOWED[request.param](tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "torch", "triton"])
+def test_sliding_windows_past_the_window(windowed_model, make_engine, hf_reference, backend):
+    """Prompts three to five windows long, under chunked prefill (chunks shorter and longer
+    than the window), a shared prefix the second wave hits, and preemption in a pool of 16
+    pages: each answer is transformers' own, on every attention backend (Triton's in its
+    interpreter here)."""
+    [prefix] = random_prompts([64], 384, seed=34)
+    prompts = [prefix + s for s in random_prompts([7, 40, 1], 384, seed=35)] + random_prompts(
+        [90], 384, seed=36
+    )
+    expect = reference(hf_reference, windowed_model, prompts, 16)
+    for chunk in (16, 48):
+        engine = make_engine(windowed_model, page_size=8, chunk_size=chunk, attention_backend=backend)
+        assert engine.generate(prompts[:1], {**GREEDY, "max_tokens": 16}) == expect[:1]
+        assert engine.generate(prompts[1:], {**GREEDY, "max_tokens": 16}) == expect[1:]
+        assert engine.stats()["prompt_tokens_cached"] >= 2 * 64
+    small = make_engine(
+        windowed_model, page_size=8, chunk_size=16, max_num_tokens=128, attention_backend=backend
+    )
+    assert small.generate(prompts, {**GREEDY, "max_tokens": 16}) == expect
+    assert small.stats()["num_preemptions"] > 0
+
+
 def test_the_config_is_read_as_transformers_reads_it(tmp_path_factory):
     moe = ModelConfig.from_dir(MODELS["qwen3_moe_plain"](tmp_path_factory.mktemp("cfg")))
     assert moe.qk_norm and moe.moe.sparse_layers == (1, 2) and moe.moe.top_k == 3
     assert not moe.moe.renormalize and moe.moe.cast_weights and moe.head_dim == 16
     mixtral = ModelConfig.from_dir(MODELS["mixtral"](tmp_path_factory.mktemp("cfg")))
     assert mixtral.moe.renormalize and not mixtral.moe.cast_weights and mixtral.moe.sparse_layers == (0, 1)
-    assert not mixtral.qk_norm and mixtral.moe.num_experts == 4
+    assert not mixtral.qk_norm and mixtral.moe.num_experts == 4 and mixtral.layer_windows == (None, None)
+    qwen3 = ModelConfig.from_dir(WINDOWED["qwen3_window"](tmp_path_factory.mktemp("cfg")))
+    assert qwen3.layer_windows == (None, 20) and qwen3.max_context == 1024  # the window does not cap it
 
 
 @pytest.mark.parametrize(("key", "value"), [("layer_norm_type", "pre"), ("moe_shared_expert", 1),

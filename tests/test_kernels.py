@@ -116,6 +116,29 @@ def test_block_gathers_with_ranges_that_start_anywhere(page_size, kind):
     assert rel_err(out, expect) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("kind", ["extend", "decode"])
+def test_sliding_window_attention_matches_reference(dtype, page_size, window, kind):
+    """A sliding-window layer's queries see the ``window`` keys up to themselves, chunks
+    longer and shorter than the window alike; pages wholly before every query's window
+    hold garbage in the table (a window may drop them) and are never read."""
+    q_lens = [30, 1, 9, 1, 50] if kind == "extend" else [1] * 5
+    prefix_lens = [0, 70, 41, 3, 100]
+    q, k, v, table = paged_batch(q_lens, prefix_lens, 8, 2, 64, page_size, seed=window)
+    for b, prefix in enumerate(prefix_lens):
+        table[b, : max(0, prefix - window + 1) // page_size] = 1 << 28
+    (ql, kl, vl), (q64, k64, v64) = cast(dtype, q, k, v)
+    if kind == "extend":
+        out = extend_attention(ql, kl, vl, table.to(DEVICE), q_lens, prefix_lens, page_size, window=window)
+    else:
+        lens = torch.tensor([p + 1 for p in prefix_lens], dtype=torch.int32, device=DEVICE)
+        out = decode_attention(ql, kl, vl, table.to(DEVICE), lens, page_size, num_splits=2, window=window)
+    expect, _ = ref.extend_attention_ref(q64, k64, v64, table, q_lens, prefix_lens, page_size, window=window)
+    assert rel_err(out, expect) < TOL[dtype]
+
+
 def test_a_shapes_own_tile_serves_its_chunks(monkeypatch):
     """``EXTEND_TILES`` gives a shape class its own tile (the sweep's per-shape choice);
     other classes keep the generation's row, and the kernel is exact with either."""

@@ -123,9 +123,12 @@ def test_only_the_checkpoints_own_safetensors_are_read(qwen2_gqa_model, tmp_path
         LlamaForCausalLM.from_pretrained(path, torch.float32, "cpu")
 
 
-def test_a_prompt_past_a_sliding_window_is_refused_naming_it(qwen2_gqa_model, tmp_path, make_engine):
+def test_a_prompt_past_a_qwen2_sliding_window_is_served_exactly(qwen2_gqa_model, tmp_path, make_engine,
+                                                                hf_reference):  # fmt: skip
+    """Qwen2's ``use_sliding_window``: the layers from ``max_window_layers`` on slide (here
+    the second); a prompt of five windows gets transformers' answer, no longer refused."""
     path = _with_config(qwen2_gqa_model, tmp_path / "window", use_sliding_window=True, sliding_window=16,
-                        max_window_layers=0)  # fmt: skip
-    engine = make_engine(str(path))
-    with pytest.raises(ValueError, match="over the model's context length of 16 .its sliding_window"):
-        engine.add_request("long", list(range(3, 20)), {"max_tokens": 2})
+                        max_window_layers=1)  # fmt: skip
+    prompts = random_prompts([80], 320, seed=6)
+    out = make_engine(str(path), chunk_size=32).generate(prompts, {**GREEDY, "max_tokens": 12})
+    assert out == [hf_reference(str(path)).greedy(prompts[0], 12)]

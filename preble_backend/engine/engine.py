@@ -123,11 +123,9 @@ class Engine:
         total = len(prompt_ids) + params.max_tokens
         limit = self.model_config.max_context
         if total > limit:
-            window = self.model_config.sliding_window
-            why = " (its sliding_window: sliding-window attention is not implemented)" if window else ""
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                f"{total} tokens, over the model's context length of {limit}{why}"
+                f"{total} tokens, over the model's context length of {limit}"
             )
         if total > self.pool.capacity_tokens:
             raise ValueError(

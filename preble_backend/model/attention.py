@@ -30,6 +30,7 @@ class AttentionBatch:
     # Requests that hold the same radix-cache pages: (request indices, shared tokens).
     shared_prefixes: list[tuple[list[int], int]]
     plan: Any = None  # the backend's per-forward plan, built by layer 0 and reused
+    sliding_plan: Any = None  # the same for sliding-window layers, where it must differ
 
     @property
     def seq_lens(self) -> list[int]:
@@ -52,8 +53,10 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         batch: AttentionBatch,
         pool: KVPool,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Write the new K/V into their pages, then attend."""
+        """Write the new K/V into their pages, then attend; with a ``window`` (a sliding
+        layer), each query sees only the ``window`` keys up to itself."""
 
     def decode_plan(self, kv_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> Any:
         """The plan of a decode batch that a CUDA graph replays (``decode_graphs.py``): its
@@ -67,7 +70,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, layer, q, k, v, batch, pool):
+    def forward(self, layer, q, k, v, batch, pool, window=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
         out, _ = extend_attention_ref(
@@ -79,6 +82,7 @@ class TorchAttention(AttentionBackend):
             batch.prefix_lens,
             batch.page_size,
             with_lse=False,
+            window=window,
         )
         return out
 

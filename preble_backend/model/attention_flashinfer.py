@@ -16,7 +16,9 @@ class FlashInferAttention(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         self.paged = FlashInferPaged(device)
 
-    def forward(self, layer, q, k, v, batch, pool):
+    def forward(self, layer, q, k, v, batch, pool, window=None):
+        if window is not None:  # the engine refuses such a model with this backend at load
+            raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers")
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         k_cache[batch.slot_mapping] = k
         v_cache[batch.slot_mapping] = v

@@ -26,6 +26,12 @@ class DecodePlan:
     rows: torch.Tensor  # [Bd] the decode queries' rows in q
     slots: torch.Tensor  # [Bd, L] each one's K/V slots, positions 0..L-1 (padding: slot 0)
     mask: torch.Tensor  # [Bd, 1, 1, L] True where the position is the request's
+    lens: torch.Tensor  # [Bd] each one's context length
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """``mask`` less each query's positions before its window (a sliding layer)."""
+        pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+        return self.mask & (pos[None, :] >= self.lens[:, None] - window)[:, None, None, :]
 
     @classmethod
     def build(cls, batch: AttentionBatch, members: list[int], starts: list[int], device) -> DecodePlan:
@@ -38,7 +44,7 @@ class DecodePlan:
         mask = pos[None, :] < lens[:, None]
         slots = torch.where(mask, slots, torch.zeros_like(slots))
         rows = torch.tensor([starts[b] for b in members], device=device)
-        return cls(rows, slots, mask[:, None, None, :])
+        return cls(rows, slots, mask[:, None, None, :], lens)
 
 
 @dataclass
@@ -50,7 +56,7 @@ class Plan:
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, layer, q, k, v, batch, pool):
+    def forward(self, layer, q, k, v, batch, pool, window=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
         if not isinstance(batch.plan, Plan):
@@ -62,31 +68,36 @@ class SdpaAttention(AttentionBackend):
             keys = k_cache[d.slots].to(q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
             values = v_cache[d.slots].to(q.dtype).permute(0, 2, 1, 3)
             queries = q[d.rows].unsqueeze(2)  # [Bd, H, 1, D]
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=d.mask, scale=scale,
+            mask = d.mask if window is None else d.window_mask(window)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
                                                       enable_gqa=True)  # fmt: skip
             out[d.rows] = attended.squeeze(2)
         for b, row, q_len, prefix in plan.extends:
             out[row : row + q_len] = self._extend(q[row : row + q_len], k_cache, v_cache, batch.page_table[b],
-                                                  prefix, batch.page_size, scale)  # fmt: skip
+                                                  prefix, batch.page_size, scale, window)  # fmt: skip
         return out
 
     @staticmethod
-    def _extend(queries, k_cache, v_cache, page_row, prefix: int, page_size: int, scale: float):
-        """One request's chunk: its queries over its whole context, causal."""
+    def _extend(queries, k_cache, v_cache, page_row, prefix: int, page_size: int, scale: float, window=None):
+        """One request's chunk: its queries over its whole context (with a ``window``, from
+        the first query's window on), causal."""
         n = queries.shape[0]
-        slots = context_slots(page_row, 0, prefix + n, page_size)
+        first = 0 if window is None else max(0, prefix - window + 1)
+        slots = context_slots(page_row, first, prefix + n, page_size)
         keys = k_cache[slots].to(queries.dtype).transpose(0, 1)  # [Hkv, L, D]
         values = v_cache[slots].to(queries.dtype).transpose(0, 1)
         q = queries.transpose(0, 1)  # [H, n, D]
         # A batch dimension: torch's CPU flash kernel takes 4-D inputs only; 3-D ones fall
         # to the math path, 4.3x slower for a 1,024-token causal prefill.
         q, keys, values = q[None], keys[None], values[None]
-        if prefix == 0:
+        if prefix == 0 and (window is None or window >= n):
             mask, causal = None, True
         else:
-            k_pos = torch.arange(prefix + n, device=queries.device)
+            k_pos = torch.arange(first, prefix + n, device=queries.device)
             q_pos = torch.arange(prefix, prefix + n, device=queries.device)
             mask, causal = k_pos[None, :] <= q_pos[:, None], False
+            if window is not None:
+                mask &= k_pos[None, :] > q_pos[:, None] - window
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)  # fmt: skip
         return out[0].transpose(0, 1)

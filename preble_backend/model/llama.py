@@ -54,6 +54,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
+        self.window = cfg.window(layer)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -68,7 +69,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = backend.forward(self.layer, q, k, v, batch, pool)
+        out = backend.forward(self.layer, q, k, v, batch, pool, self.window)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -98,13 +98,18 @@ class ModelConfig:
     rope: dict = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    sliding_window: int | None = None  # where it caps the context (sliding attention is not built)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
     moe: MoESpec | None = None
 
     @property
     def max_context(self) -> int:
         return self.max_position_embeddings
+
+    def window(self, layer: int) -> int | None:
+        """How many keys a query of ``layer`` sees, itself included (transformers: a key
+        at ``kv > q - window``); None: every earlier one."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_dir(cls, model_path: str | Path) -> ModelConfig:
@@ -125,18 +130,6 @@ class ModelConfig:
         _refuse_unknown_fields(cfg, family)
         num_heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window")
-        layer_types = set(cfg.get("layer_types") or ())
-        if layer_types - {"full_attention", "sliding_attention"}:
-            raise ValueError(f"layer_types {sorted(layer_types)} are not supported")
-        sliding = (
-            family in ("mistral", "mixtral")
-            or cfg.get("use_sliding_window")
-            or "sliding_attention" in layer_types
-        )
-        capped = bool(window and sliding and window < max_pos)
-        if capped:  # sliding-window attention is not implemented; cap the context where it is exact
-            max_pos = window
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope = _rope_parameters(cfg)
@@ -161,7 +154,7 @@ class ModelConfig:
             rope=rope,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=window if capped else None,
+            layer_windows=_layer_windows(cfg, family),
             qk_norm=qwen3,
             moe=_moe_spec(cfg, family),
         )
@@ -200,6 +193,32 @@ def _refuse_unknown_fields(cfg: dict, family: str) -> None:
             f"config.json field(s) {', '.join(unknown)} are not implemented for {family} models: "
             "they would change the model's arithmetic (docs/ENGINE.md lists what is honoured)"
         )
+
+
+def _layer_windows(cfg: dict, family: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as each family's configuration class in transformers
+    derives it: Mistral and Mixtral slide every layer (Mistral's window defaults to 4,096
+    where the key is absent); Qwen slides only where ``use_sliding_window``, Qwen2 and Qwen3
+    the layers ``layer_types`` names (by default those from ``max_window_layers`` on),
+    Qwen3-MoE every layer."""
+    layers = cfg["num_hidden_layers"]
+    if family in ("mistral", "mixtral"):
+        window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+        return (window,) * layers
+    if family not in ("qwen2", "qwen3", "qwen3_moe"):
+        return (None,) * layers
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    if family == "qwen3_moe":
+        return (window,) * layers
+    first = cfg.get("max_window_layers", 28)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(layers)
+    ]
+    if set(types) - {"full_attention", "sliding_attention"} or len(types) != layers:
+        raise ValueError(
+            f"layer_types {types} are not supported: one of full_attention, sliding_attention per layer"
+        )
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def _moe_spec(cfg: dict, family: str) -> MoESpec | None:
