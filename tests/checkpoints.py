@@ -39,6 +39,16 @@ def _mistral(tmp, **over):
     return _write_random_checkpoint(tmp, cfg, seed=24)
 
 
+def _gemma3(tmp, **over):
+    from transformers import Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**{**SMALL, "intermediate_size": 96, "num_hidden_layers": 3, "head_dim": 32,
+                              "sliding_window_pattern": 3, "sliding_window": 16, "query_pre_attn_scalar": 24,
+                              "tie_word_embeddings": True, **over})  # fmt: skip
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    return _write_random_checkpoint(tmp, cfg, seed=25)
+
+
 def _mixtral(tmp, **over):
     from transformers import MixtralConfig
 
@@ -77,4 +87,17 @@ WINDOWED = {
     "mistral_window": lambda t: _mistral(t, sliding_window=24),
     "qwen3_window": lambda t: _qwen3(t, use_sliding_window=True, sliding_window=20, max_window_layers=1),
     "mixtral_window": lambda t: _mixtral(t, sliding_window=28),
+    # two local layers to one global; the global RoPE linearly scaled; logits soft-capped
+    "gemma3": lambda t: _gemma3(
+        t, rope_scaling={"rope_type": "linear", "factor": 2.0}, final_logit_softcapping=30.0
+    ),
+    # Gemma 3's own pattern: five local layers to one global, head_dim 16
+    "gemma3_six": lambda t: _gemma3(
+        t,
+        num_hidden_layers=6,
+        sliding_window_pattern=6,
+        head_dim=16,
+        sliding_window=12,
+        query_pre_attn_scalar=16,
+    ),
 }

@@ -6,8 +6,10 @@ them, and its fused in-memory layout) load to the same model; loading stays stri
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import MODELS, WINDOWED, _mixtral, fused_copy
 from conftest import random_prompts
 from safetensors.torch import save_file
@@ -94,6 +96,32 @@ def test_sliding_windows_past_the_window(windowed_model, make_engine, hf_referen
     assert small.stats()["num_preemptions"] > 0
 
 
+def test_gemma3_log_probabilities_are_its_soft_capped_ones(tmp_path_factory, make_engine, hf_reference):
+    """Soft-capping is monotonic, so greedy tokens cannot show it: the log probabilities of
+    sampled tokens do, against transformers' own (capped) logits, past the window."""
+    path = WINDOWED["gemma3"](tmp_path_factory.mktemp("gemma3_lp"))
+    [prompt] = random_prompts([40], 384, seed=37)
+    engine, outputs = make_engine(path, chunk_size=16), []
+    engine.add_request("lp", prompt, {"temperature": 1.0, "seed": 3, "max_tokens": 5, "ignore_eos": True,
+                                      "logprobs": 1}, outputs.append)  # fmt: skip
+    while engine.has_work():
+        engine.step()
+    tokens = [t for o in outputs for t in o.token_ids]
+    steps = [step for o in outputs for step in o.logprobs]
+    with torch.inference_mode():
+        logits = hf_reference(path).model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    assert [step[t][0] for t, step in zip(tokens, steps)] == pytest.approx(
+        [float(ref[t]) for t, ref in zip(tokens, reference)], abs=1e-4
+    )
+
+
+def test_multimodal_gemma3_is_refused_naming_its_text_model():
+    message = "'Gemma3ForConditionalGeneration' is multimodal: serve its text model, Gemma3ForCausalLM"
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({"architectures": ["Gemma3ForConditionalGeneration"]})
+
+
 def test_the_config_is_read_as_transformers_reads_it(tmp_path_factory):
     moe = ModelConfig.from_dir(MODELS["qwen3_moe_plain"](tmp_path_factory.mktemp("cfg")))
     assert moe.qk_norm and moe.moe.sparse_layers == (1, 2) and moe.moe.top_k == 3
@@ -112,6 +140,16 @@ def test_an_unknown_key_that_would_change_the_math_is_refused_by_name(tmp_path_f
     _mixtral(path)
     cfg = json.loads((path / "config.json").read_text())
     with pytest.raises(ValueError, match=f"{key} are not implemented for mixtral"):
+        ModelConfig.from_dict({**cfg, key: value})
+
+
+@pytest.mark.parametrize(("key", "value"), [("attn_logit_softcapping", 50.0),
+                                            ("use_bidirectional_attention", True)])  # fmt: skip
+def test_gemma3_settings_not_built_are_refused_by_name(tmp_path_factory, key, value):
+    path = Path(WINDOWED["gemma3"](tmp_path_factory.mktemp("gstrict")))
+    cfg = json.loads((path / "config.json").read_text())
+    ModelConfig.from_dict(cfg)  # as transformers writes it: loads
+    with pytest.raises(ValueError, match=rf"field\(s\) {key} are not implemented for gemma3"):
         ModelConfig.from_dict({**cfg, key: value})
 
 

@@ -54,9 +54,11 @@ class AttentionBackend(ABC):
         batch: AttentionBatch,
         pool: KVPool,
         window: int | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Write the new K/V into their pages, then attend; with a ``window`` (a sliding
-        layer), each query sees only the ``window`` keys up to itself."""
+        layer), each query sees only the ``window`` keys up to itself. ``scale``: the
+        scores' (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``)."""
 
     def decode_plan(self, kv_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> Any:
         """The plan of a decode batch that a CUDA graph replays (``decode_graphs.py``): its
@@ -70,7 +72,7 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, layer, q, k, v, batch, pool, window=None):
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
         out, _ = extend_attention_ref(
@@ -81,6 +83,7 @@ class TorchAttention(AttentionBackend):
             batch.q_lens,
             batch.prefix_lens,
             batch.page_size,
+            sm_scale=scale,
             with_lse=False,
             window=window,
         )

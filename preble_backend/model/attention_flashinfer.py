@@ -16,9 +16,11 @@ class FlashInferAttention(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         self.paged = FlashInferPaged(device)
 
-    def forward(self, layer, q, k, v, batch, pool, window=None):
-        if window is not None:  # the engine refuses such a model with this backend at load
-            raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers")
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
+        if window is not None or scale is not None:  # the engine refuses such a model at load
+            raise ValueError(
+                "attention_backend 'flashinfer' runs neither sliding windows nor a scale of its own"
+            )
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         k_cache[batch.slot_mapping] = k
         v_cache[batch.slot_mapping] = v

@@ -56,12 +56,12 @@ class Plan:
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, layer, q, k, v, batch, pool, window=None):
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
         if not isinstance(batch.plan, Plan):
             batch.plan = self.plan(batch, q.device)
-        plan, scale = batch.plan, q.shape[-1] ** -0.5
+        plan, scale = batch.plan, scale or q.shape[-1] ** -0.5
         out = torch.empty_like(q)
         d = plan.decode
         if d is not None:

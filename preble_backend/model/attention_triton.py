@@ -45,7 +45,7 @@ class TritonAttention(AttentionBackend):
         self.cascade_forwards = 0  # forwards that attended a shared prefix once per group
         self.min_shared_tokens = cascade_threshold(device)
 
-    def forward(self, layer, q, k, v, batch, pool, window=None):
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
         if batch.plan is None:
@@ -57,7 +57,7 @@ class TritonAttention(AttentionBackend):
                 batch.sliding_plan = plan_cascade(q, k_cache, batch.q_lens, batch.prefix_lens, [])
             plan = batch.sliding_plan
         out, _ = cascade_attention_planned(q, k_cache, v_cache, batch.page_table, batch.page_size, plan,
-                                           window=window)  # fmt: skip
+                                           sm_scale=scale, window=window)  # fmt: skip
         return out
 
     def decode_plan(self, kv_starts, seq_lens, max_seq_len):

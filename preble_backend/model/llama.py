@@ -27,15 +27,20 @@ from preble_backend.model.tensor_parallel import TPGroup, shard_model, slice_of
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """Llama's (``weight * normed.to(dtype)``), or Gemma's (``plus_one``: ``normed * (1 +
+    weight)`` in fp32, then the dtype), as each family's transformers code rounds."""
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -54,11 +59,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
-        self.window = cfg.window(layer)
+        self.window, self.scale = cfg.window(layer), cfg.attn_scale
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:  # Qwen3: each head's q and k normalised before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normalised before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
 
     def forward(self, x, cos, sin, batch: AttentionBatch, pool: KVPool, backend: AttentionBackend):
         t = x.shape[0]
@@ -69,7 +74,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = backend.forward(self.layer, q, k, v, batch, pool, self.window)
+        out = backend.forward(self.layer, q, k, v, batch, pool, self.window, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -92,12 +97,21 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = SparseMoE(cfg) if cfg.moe and layer in cfg.moe.sparse_layers else MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = (cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.input_layernorm = RMSNorm(*norm)
+        self.post_attention_layernorm = RMSNorm(*norm)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma: post_attention_layernorm norms the attention's output
+            self.pre_feedforward_layernorm = RMSNorm(*norm)
+            self.post_feedforward_layernorm = RMSNorm(*norm)
 
     def forward(self, x, cos, sin, batch, pool, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, pool, backend)
+        if not self.sandwich:
+            x = x + attended
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,14 +120,20 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
+        # one RoPE per distinct setting (Gemma 3: local and global), each layer's by index
+        ropes = [cfg.rope_of(i) for i in range(cfg.num_layers)]
+        distinct = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
+        self.ropes, self.rope_index = distinct, [distinct.index(r) for r in ropes]
+        self.register_buffer("inv_freq", torch.stack([cfg.inv_freq(r) for r in distinct]), persistent=False)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [T, 1, D] of each distinct RoPE."""
+        freqs = positions[:, None, None].float() * self.inv_freq.float()[None]  # [T, R, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return [(cos[:, r, None, :], sin[:, r, None, :]) for r in range(emb.shape[1])]
 
     @torch.inference_mode()
     def forward(
@@ -127,11 +147,15 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the new tokens; return fp32 logits only at ``logits_indices`` (sampling rows)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rope(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, batch, pool, backend)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        if self.cfg.embed_scale is not None:  # Gemma: sqrt(hidden), rounded to the weights' dtype
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        ropes = self.rope(positions, x.dtype)
+        for layer, r in zip(self.layers, self.rope_index):
+            x = layer(x, *ropes[r], batch, pool, backend)
+        logits = self.lm_head(self.norm(x[logits_indices]))
+        if self.cfg.final_softcap:
+            logits = torch.tanh(logits / self.cfg.final_softcap) * self.cfg.final_softcap
+        return logits.float()
 
     @classmethod
     def from_pretrained(cls, model_path: str | Path, dtype: torch.dtype, device,
@@ -161,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint {model_path} has weights the model does not use: {unused[:5]}{more}"
             )
         model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=True, assign=True)
-        model.inv_freq = cfg.inv_freq()
+        model.inv_freq = torch.stack([cfg.inv_freq(r) for r in model.ropes])
         return model.to(device).eval()
 
 

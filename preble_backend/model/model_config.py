@@ -28,7 +28,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# Wrappers whose text model is a supported one: named in the refusal (their vision tower and
+# projector are not served here).
+TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _COMMON = {
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -48,6 +52,19 @@ HONOURED = {
     | _MOE
     | {"attention_bias", "decoder_sparse_step", "moe_intermediate_size", "norm_topk_prob", "mlp_only_layers"},
     "mixtral": _COMMON | _MOE | {"sliding_window"},
+    # Gemma 3: its own activation key, the query scale, local and global RoPE bases, windows
+    # on five layers of six; attention soft-capping and bidirectional attention only off
+    "gemma3": _COMMON
+    | {
+        "hidden_activation",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "layer_types",
+        "sliding_window_pattern",
+        "rope_local_base_freq",
+        "final_logit_softcapping",
+        "attention_bias",
+    },
 }
 # Fields that do not change inference: training-only settings, metadata (and any key
 # starting with "_", such as the GGUF loader's ``_model_name_or_path``), token ids the
@@ -99,8 +116,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None for full attention
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's q and k, before RoPE
     moe: MoESpec | None = None
+    # Gemma 3: norms scale by (1 + w) in fp32, four per layer (each sublayer's output normed
+    # too), embeddings times sqrt(hidden), scores scaled by query_pre_attn_scalar**-0.5, a
+    # RoPE per layer kind, and the final logits optionally soft-capped
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    layer_ropes: tuple[dict, ...] = ()  # per layer where they differ; else ``rope`` for all
+    final_softcap: float | None = None
 
     @property
     def max_context(self) -> int:
@@ -122,6 +148,10 @@ class ModelConfig:
     def from_dict(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
+        if arch in TEXT_MODEL_OF:
+            text = TEXT_MODEL_OF[arch]
+            raise ValueError(f"architecture {arch!r} is multimodal: serve its text model, {text} "
+                             "(a checkpoint of the language model alone)")  # fmt: skip
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {arch!r} is not supported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
@@ -133,8 +163,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope = _rope_parameters(cfg)
-        qwen3 = family in ("qwen3", "qwen3_moe")
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe") and bool(cfg.get("attention_bias"))
+        qwen3, gemma = family in ("qwen3", "qwen3_moe"), family == "gemma3"
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3") and bool(
+            cfg.get("attention_bias")
+        )
         return cls(
             architecture=family,
             vocab_size=cfg["vocab_size"],
@@ -146,7 +178,9 @@ class ModelConfig:
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             max_position_embeddings=max_pos,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh")
+            if gemma
+            else cfg.get("hidden_act", "silu"),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
@@ -155,21 +189,32 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             layer_windows=_layer_windows(cfg, family),
-            qk_norm=qwen3,
+            qk_norm=qwen3 or gemma,
             moe=_moe_spec(cfg, family),
+            norm_plus_one=gemma,
+            sandwich_norms=gemma,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+            attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
+            layer_ropes=_gemma3_ropes(cfg) if gemma else (),
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         )
 
-    def inv_freq(self) -> torch.Tensor:
-        """RoPE inverse frequencies, computed exactly as Hugging Face does."""
-        base = self.rope["rope_theta"]
+    def inv_freq(self, rope: dict | None = None) -> torch.Tensor:
+        """RoPE inverse frequencies (of ``rope``, else the model's), computed exactly as
+        Hugging Face does."""
+        rope = rope or self.rope
+        base = rope["rope_theta"]
         dim = self.head_dim
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        kind = self.rope["rope_type"]
+        kind = rope["rope_type"]
         if kind == "linear":
-            inv = inv / self.rope["factor"]
+            inv = inv / rope["factor"]
         elif kind == "llama3":
-            inv = _llama3_inv_freq(inv, self.rope)
+            inv = _llama3_inv_freq(inv, rope)
         return inv
+
+    def rope_of(self, layer: int) -> dict:
+        return self.layer_ropes[layer] if self.layer_ropes else self.rope
 
 
 @functools.cache
@@ -195,6 +240,34 @@ def _refuse_unknown_fields(cfg: dict, family: str) -> None:
         )
 
 
+def _gemma3_layer_types(cfg: dict) -> list[str]:
+    """Gemma 3's layers: five sliding to one full by default (``sliding_window_pattern``)."""
+    pattern = cfg.get("sliding_window_pattern", 6)
+    return cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+
+
+def _gemma3_ropes(cfg: dict) -> tuple[dict, ...]:
+    """Gemma 3's RoPE per layer, as transformers 5 converts either era's config: the full
+    layers take ``rope_theta`` (1e6 by default) and ``rope_scaling``, the sliding ones
+    ``rope_local_base_freq`` (1e4); ``rope_parameters`` by layer kind where a config has it."""
+    params = {kind: dict(v) for kind, v in (cfg.get("rope_parameters") or {}).items() if isinstance(v, dict)}
+    full = {"rope_type": "default", **params.get("full_attention", {}), **(cfg.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    local = {"rope_type": "default", **params.get("sliding_attention", {})}
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    ropes = {}
+    for kind, rope in (("full_attention", full), ("sliding_attention", local)):
+        rope["rope_type"] = rope.get("rope_type") or rope.pop("type", "default")
+        if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"{kind} rope_type {rope['rope_type']!r} is not supported; expected one of "
+                             f"{SUPPORTED_ROPE_TYPES}")  # fmt: skip
+        ropes[kind] = rope
+    return tuple(ropes[t] for t in _gemma3_layer_types(cfg))
+
+
 def _layer_windows(cfg: dict, family: str) -> tuple[int | None, ...]:
     """Each layer's sliding window, as each family's configuration class in transformers
     derives it: Mistral and Mixtral slide every layer (Mistral's window defaults to 4,096
@@ -202,6 +275,9 @@ def _layer_windows(cfg: dict, family: str) -> tuple[int | None, ...]:
     the layers ``layer_types`` names (by default those from ``max_window_layers`` on),
     Qwen3-MoE every layer."""
     layers = cfg["num_hidden_layers"]
+    if family == "gemma3":
+        window = cfg.get("sliding_window", 4096)
+        return tuple(window if t == "sliding_attention" else None for t in _gemma3_layer_types(cfg))
     if family in ("mistral", "mixtral"):
         window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         return (window,) * layers

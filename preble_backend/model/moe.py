@@ -25,7 +25,8 @@ from torch import nn
 from kernels.fused_moe import fused_moe
 from preble_backend.model.model_config import ModelConfig
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
 # A per-expert tensor of an older checkpoint: (layer prefix, expert, projection).
 _PER_EXPERT = re.compile(
     r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
