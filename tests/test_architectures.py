@@ -163,3 +163,24 @@ def test_a_checkpoint_missing_an_expert_is_refused(tmp_path_factory, make_engine
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks layers.1's down of expert 3"):
         make_engine(str(path))
+
+
+def test_the_model_card_reports_the_architecture_active_parameters_and_kv_bytes(tmp_path_factory):
+    """Computed by hand from the test shapes: Qwen3-MoE's 8 experts of (3 x 64 x 32) on
+    one of its two layers, 2 of them per token (the others' 6 / 8 not run); Gemma 3's 2 KV
+    heads of 16 on 6 layers."""
+    from preble_backend.model.model_card import model_card
+
+    moe = Path(MODELS["qwen3_moe"](tmp_path_factory.mktemp("card")))
+    card = model_card(str(moe), moe)
+    experts = 8 * 3 * 64 * 32
+    assert (
+        card.architecture == "Qwen3MoeForCausalLM"
+        and card.active_parameters == card.parameters - experts * 6 // 8
+    )
+    assert card.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads of 64 / 4, fp32
+    assert f"({card.active_parameters / 1e6:.1f}M active per token)" in card.line()
+    gemma = Path(WINDOWED["gemma3_six"](tmp_path_factory.mktemp("card")))
+    card = model_card(str(gemma), gemma, dtype="bfloat16")
+    assert card.kv_bytes_per_token == 2 * 6 * 2 * 16 * 2 and card.active_parameters == card.parameters
+    assert "Gemma3ForCausalLM, KV 0.8 KiB per token, 5 of 6 layers slide over 12 tokens" in card.line()

@@ -324,7 +324,9 @@ def main(argv: list[str] | None = None) -> None:
     info = model_card(args.model_name or args.model_path, path, args.dtype)
     served = Served(args.served_model_name or info.name, aliases=(args.router_model,))
     card = {"root": info.path, "max_model_len": info.max_model_len, "parameters": info.parameters,
-            "dtype": info.dtype, "served_by": info.served_by}  # fmt: skip
+            "active_parameters": info.active_parameters, "architecture": info.architecture,
+            "kv_bytes_per_token": info.kv_bytes_per_token, "dtype": info.dtype,
+            "served_by": info.served_by}  # fmt: skip
     app = drain.wrap(make_app(router, served, chat_renderer(path), triton, key, card, args.max_body_bytes))
     ports = [p for p in (args.port, args.http_port) if p]
     configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning", timeout_graceful_shutdown=5)

@@ -1,6 +1,8 @@
-"""What model is served, in one line: its name, parameter count, dtype and context, read
-from the directory without loading a weight (safetensors headers, ``config.json``), for
-``preble serve``'s banner and the OpenAI front's ``/v1/models``."""
+"""What model is served, in one line: its name, parameter count (and, for a mixture of
+experts, the parameters one token runs through), dtype, context, architecture and KV bytes
+per token, read from the directory without loading a weight (safetensors headers,
+``config.json``), for ``preble serve``'s banner, ``preble repo`` and the OpenAI front's
+``/v1/models``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.common.version import __version__
+from preble_backend.model.model_config import ModelConfig
 from preble_backend.model.pypi_models import is_named
 from preble_backend.model.safetensors_slices import read_header
 
@@ -20,19 +23,31 @@ class ModelCard:
     parameters: int
     dtype: str  # as the engines run it
     max_model_len: int
+    architecture: str = "LlamaForCausalLM"
+    active_parameters: int = 0  # per token: all but the experts it is not routed to
+    kv_bytes_per_token: int = 0  # every layer's K and V, at ``dtype``, as the engine holds them
+    sliding_layers: str = ""  # e.g. "5 of 6 layers slide over 512 tokens"
 
     @property
     def served_by(self) -> str:
         return f"preble {__version__}"
 
     def line(self) -> str:
-        size = f"{self.parameters / 1e9:.1f}B" if self.parameters >= 1e9 else f"{self.parameters / 1e6:.1f}M"
+        size = f"{_count(self.parameters)} parameters"
+        if self.active_parameters and self.active_parameters < self.parameters:
+            size += f" ({_count(self.active_parameters)} active per token)"
         context = f"context {self.max_model_len} tokens"
+        shape = f"{self.architecture}, KV {self.kv_bytes_per_token / 1024:.1f} KiB per token"
+        shape += f", {self.sliding_layers}" if self.sliding_layers else ""
         note = ""
         if self.name == "tiny":
             note = "; random weights, random text: for a trained model, preble repo DIR --model-path smollm2"
         where = f"({self.path}); {self.served_by}"
-        return f"{self.name}: {size} parameters, {self.dtype}, {context} {where}{note}"
+        return f"{self.name}: {size}, {self.dtype}, {context}, {shape} {where}{note}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def model_card(model_path: str, resolved: str | Path, dtype: str = "auto", device: str = "cpu") -> ModelCard:
@@ -42,8 +57,15 @@ def model_card(model_path: str, resolved: str | Path, dtype: str = "auto", devic
     if dtype == "auto":  # as the engine resolves it
         dtype = "float32" if device == "cpu" else "bfloat16"
     name = (model_path or "tiny") if is_named(model_path) else directory.name
-    return ModelCard(name, str(directory), count_parameters(directory), dtype,
-                     int(config.get("max_position_embeddings", 0)))  # fmt: skip
+    cfg = ModelConfig.from_dict(config, strict=False)
+    total, experts = count_parameters(directory)
+    active = total - (experts - experts * cfg.moe.top_k // cfg.moe.num_experts if cfg.moe else 0)
+    item = 4 if dtype == "float32" else 2
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * item
+    windows = [w for w in cfg.layer_windows if w is not None]
+    sliding = f"{len(windows)} of {cfg.num_layers} layers slide over {min(windows)} tokens" if windows else ""
+    arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
+    return ModelCard(name, str(directory), total, dtype, cfg.max_context, arch, active, kv, sliding)
 
 
 def weight_files(path: Path) -> list[str]:
@@ -64,9 +86,10 @@ def weight_files(path: Path) -> list[str]:
     return files
 
 
-def count_parameters(directory: Path) -> int:
-    """Elements of every tensor in the checkpoint's safetensors files, from their headers."""
-    total = 0
+def count_parameters(directory: Path) -> tuple[int, int]:
+    """Elements of every tensor in the checkpoint's safetensors files, from their headers,
+    and of those among them that belong to experts (a mixture's ``experts`` tensors)."""
+    total = experts = 0
     for name in weight_files(directory):
         _, header = read_header(directory / name)
         for key, entry in header.items():
@@ -75,4 +98,5 @@ def count_parameters(directory: Path) -> int:
                 for dim in entry["shape"]:
                     count *= dim
                 total += count
-    return total
+                experts += count if ".experts." in key else 0
+    return total, experts

@@ -18,8 +18,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where RoPE is computed: the model card reads configs
+    import torch  # in processes that never load it (the front)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -145,7 +147,9 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> ModelConfig:
+    def from_dict(cls, cfg: dict, strict: bool = True) -> ModelConfig:
+        """``strict``: refuse every key not honoured (loading a model); the model card reads
+        a config without it, so that the front never imports transformers."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]
         if arch in TEXT_MODEL_OF:
@@ -157,7 +161,8 @@ class ModelConfig:
                 f"architecture {arch!r} is not supported; expected one of {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        _refuse_unknown_fields(cfg, family)
+        if strict:
+            _refuse_unknown_fields(cfg, family)
         num_heads = cfg["num_attention_heads"]
         max_pos = cfg.get("max_position_embeddings", 2048)
         eos = cfg.get("eos_token_id")
@@ -202,6 +207,8 @@ class ModelConfig:
     def inv_freq(self, rope: dict | None = None) -> torch.Tensor:
         """RoPE inverse frequencies (of ``rope``, else the model's), computed exactly as
         Hugging Face does."""
+        import torch
+
         rope = rope or self.rope
         base = rope["rope_theta"]
         dim = self.head_dim
@@ -331,6 +338,8 @@ def _rope_parameters(cfg: dict) -> dict:
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     """Llama 3.1 frequency-dependent rescaling: long wavelengths stretched, short kept."""
+    import torch
+
     factor = rope["factor"]
     low, high = rope["low_freq_factor"], rope["high_freq_factor"]
     old_len = rope["original_max_position_embeddings"]
