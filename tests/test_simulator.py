@@ -139,6 +139,23 @@ def test_workload_statistics_follow_table_1():
         assert stats["key_portion_pct"][0] > 60
 
 
+def test_the_moe_fit_charges_the_experts_a_batch_routes_to():
+    """Qwen3-30B-A3B on one H100: a decode step at batch 1 reads the dense weights and 8 of
+    128 experts; at batch 32 most of them (1 - (120/128)^32 = 87%); a long prefill all."""
+    from preble_backend.common.cost_model import CostModel
+
+    fit = CostModel.load("qwen3_30b_a3b_h100")
+    one = fit.iteration_time(0, 1, 2048)
+    assert one == pytest.approx(0.734 + 17.3 * 8 / 128 + 0.0122 + 2048 * 2.93e-5)
+    step = fit.iteration_time(0, 32, 32 * 2048)
+    assert step == pytest.approx(fit.decode_step_ms, rel=0.01)
+    assert fit.expert_reads(32) == pytest.approx(17.3 * (1 - (120 / 128) ** 32))
+    assert fit.prefill_time(4096) == pytest.approx(0.734 + 4096 * 0.0122 + 17.3, rel=1e-6)
+    dense = CostModel.load("llama3_70b_h100_tp4")
+    assert dense.expert_reads(1000) == 0 and dense.scaled(2).experts_ms == 0
+    assert fit.scaled(2).expert_reads(1) == pytest.approx(2 * fit.expert_reads(1))
+
+
 @pytest.mark.parametrize("gpus", [4, 2])
 def test_the_70b_fits_are_consistent_with_their_own_derivation(gpus):
     """The paper's second setup as shipped fits: one instance is four (or two) H100s."""

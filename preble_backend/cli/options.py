@@ -90,7 +90,8 @@ def _port(low: int):
 
 
 COST_MODEL_HELP = (
-    "a shipped fit (tiny_cpu, mistral7b_a6000, llama3_70b_h100_tp4 / _tp2: one 4- or 2-GPU instance) "
+    "a shipped fit (tiny_cpu, mistral7b_a6000, llama3_70b_h100_tp4 / _tp2: one 4- or 2-GPU instance, "
+    "qwen3_30b_a3b_h100: a mixture of experts on one GPU) "
     "or a JSON file from preble profile"
 )
 
