@@ -7,7 +7,9 @@ gathers its rows of the input, and multiplies them by that expert's weight tile.
 rows carry an out-of-range id and are neither read nor written. Two launches follow the
 router: gate and up together (``[E, 2I, H]``), then down (``[E, H, I]``) with each row
 weighted by its router weight; each token's ``top_k`` rows are then summed. The reference
-is ``reference.fused_moe_ref``; block sizes are ``tuning.MOE_TABLE``'s.
+is ``reference.fused_moe_ref``; block sizes are ``tuning.MOE_TABLE``'s. ``grouped_moe_torch``
+is the same computation with torch's grouped product (transformers' default experts): the
+CPU engine's path, and what ``moe_benchmark`` holds the kernel against on a GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ import triton
 import triton.language as tl
 
 from kernels.tuning import moe_blocks_for, upcast_loads
+
+# torch's grouped matrix product, with a CPU kernel from torch 2.11 (transformers uses it
+# from there); None: the caller loops over experts
+GROUPED_MM = None
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11):
+    GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -106,3 +114,16 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> to
     weights = topk_weights.flatten().contiguous()
     _grouped_gemm(act, down, out, sorted_ids, expert_of_block, weights, 1, blocks)
     return out.view(tokens, top_k, -1).sum(dim=1)
+
+
+def grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> torch.Tensor:
+    """``fused_moe``'s result by torch's grouped product, as transformers' ``grouped_mm``
+    experts compute it: the pairs sorted by expert, one grouped product per projection, the
+    router weight applied, then each token's choices summed in choice order."""
+    top_k, num_experts = topk_ids.shape[1], gate_up.shape[0]
+    by_expert, perm = torch.sort(topk_ids.reshape(-1))
+    offsets = torch.cumsum(torch.bincount(by_expert, minlength=num_experts), dim=0, dtype=torch.int32)
+    gate, up = GROUPED_MM(x[perm // top_k], gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    y = GROUPED_MM(activation(gate) * up, down.transpose(-2, -1), offs=offsets)
+    y = y * topk_weights.reshape(-1)[perm].unsqueeze(-1)
+    return y[torch.argsort(perm)].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)

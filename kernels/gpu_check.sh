@@ -2,7 +2,7 @@
 # Every check that needs a CUDA GPU, in one command, each step bounded so one hang leaves
 # the others standing. Run from the repository root on a GPU host:
 #
-#     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench graphs backends parity tp tier (default: all)
+#     kernels/gpu_check.sh [STEP ...]     # steps: stack tests bench moe graphs backends parity tp tier (default: all)
 #
 # DEVICE=cpu runs the stack step with a CPU engine: `python -m kernels.rehearsal` runs it so,
 # in a virtual environment with the device image's versions, before any device minute.
@@ -73,12 +73,14 @@ for stub in "$SITE"/pytriton/tritonserver/python_backend_stubs/*/triton_python_b
         ldd "$stub" | grep -E "python|not found"; } | tee -a "$OUT/machine.txt"
 done
 
-for s in "${@:-stack tests bench graphs backends parity tp tier}"; do
+for s in "${@:-stack tests bench moe graphs backends parity tp tier}"; do
     for name in $s; do
         case $name in
             stack) step stack 480 python3 -m preble_backend.benchmarks.gpu_stack --device "$DEVICE" --out "$OUT/stack" ;;
             tests) step tests 300 python3 -m pytest -q -p no:cacheprovider --tb=short $XDIST tests/test_kernels.py \
-                tests/test_triton_backend.py tests/test_decode_graphs.py tests/test_attention_sdpa.py tests/test_load_and_traces.py ;;
+                tests/test_triton_backend.py tests/test_decode_graphs.py tests/test_attention_sdpa.py tests/test_load_and_traces.py \
+                tests/test_fused_moe.py ;;
+            moe) step moe 240 python3 -m kernels.moe_benchmark ;;
             bench) cp docs/KERNELS.md "$OUT/KERNELS.md"
                 step bench 300 python3 -m kernels.benchmark --out "$OUT/KERNELS.md" ;;
             graphs) step graphs 240 python3 -m preble_backend.benchmarks.decode_graphs --json "$OUT/graphs.json" ;;
@@ -88,7 +90,7 @@ for s in "${@:-stack tests bench graphs backends parity tp tier}"; do
             tp) step tp 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py ;;
             parity) PREBLE_TEST_DEVICE=cuda step parity 400 python3 -m pytest -q -p no:cacheprovider $XDIST \
                 tests/test_parity.py tests/test_host_copy_ahead.py tests/test_host_load_beside.py ;;
-            *) echo "unknown step $name (stack tests bench graphs backends parity tp tier)" >&2; exit 2 ;;
+            *) echo "unknown step $name (stack tests bench moe graphs backends parity tp tier)" >&2; exit 2 ;;
         esac
     done
 done

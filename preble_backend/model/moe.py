@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_moe import fused_moe
+from kernels.fused_moe import GROUPED_MM, fused_moe, grouped_moe_torch
 from preble_backend.model.model_config import ModelConfig
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -32,10 +32,6 @@ _PER_EXPERT = re.compile(
     r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 _ROLES = ("gate", "up", "down")
-# A grouped matrix product with a CPU kernel (torch 2.11 on; transformers uses it from there)
-GROUPED_MM = None
-if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11):
-    GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
@@ -70,20 +66,7 @@ class Experts(nn.Module):
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, self.act)
         if GROUPED_MM is None:
             return self._one_expert_at_a_time(x, weights, experts)
-        # transformers' default (``grouped_mm``): the (token, choice) pairs sorted by expert,
-        # one grouped product per projection, then each token's choices summed in order
-        top_k = experts.shape[1]
-        by_expert, perm = torch.sort(experts.reshape(-1))
-        counts = torch.histc(
-            by_expert.float(), bins=self.gate_up_proj.shape[0], min=0, max=self.gate_up_proj.shape[0] - 1
-        )
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        gate, up = GROUPED_MM(x[perm // top_k], self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(
-            2, dim=-1
-        )
-        y = GROUPED_MM(self.act(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
-        y = y * weights.reshape(-1)[perm].unsqueeze(-1)
-        return y[torch.argsort(perm)].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
+        return grouped_moe_torch(x, self.gate_up_proj, self.down_proj, weights, experts, self.act)
 
     def _one_expert_at_a_time(self, x, weights, experts) -> torch.Tensor:
         """transformers' ``eager`` experts, for a torch without a grouped product on the CPU."""
