@@ -127,7 +127,6 @@ def extend_attention_items(
     group = num_heads // num_kv_heads
     if items.shape[0] == 0 or max_q_len == 0:
         return
-    blocks = blocks_for(q.device, head_dim)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     split_o = out.stride(2) if out.dim() == 4 else 0
     has_lse = lse is not None
@@ -139,6 +138,7 @@ def extend_attention_items(
     if chunks:
         tile = chunk_tile(q.device, head_dim, max_q_len, upcast)
     else:
+        blocks = blocks_for(q.device, head_dim)
         tile = ExtendTile(blocks.extend_m, blocks.extend_n, blocks.num_warps, blocks.num_stages)
     grid = (items.shape[0], num_kv_heads, triton.cdiv(max_q_len * group, tile.extend_m))
     _extend_kernel[grid](

@@ -165,6 +165,24 @@ def assert_all_pages_free(engine) -> None:
         assert len(set(host.pool._free)) == host.pool.num_pages
 
 
+def generate_aborting(engine, prompts, params: dict, abort: str, after_steps: int) -> dict[str, list[int]]:
+    """Each prompt added as request ``r{i}``; ``abort`` aborted after ``after_steps`` steps;
+    then every step to the end. Returns each request's tokens."""
+    outputs: dict[str, list[int]] = {}
+
+    def collect(out) -> None:
+        outputs.setdefault(out.request_id, []).extend(out.token_ids)
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params, collect)
+    for _ in range(after_steps):
+        engine.step()
+    engine.abort(abort)
+    while engine.has_work():
+        engine.step()
+    return outputs
+
+
 def random_prompts(lengths, vocab: int, seed: int = 0, low: int = 3) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab, (n,), generator=gen).tolist() for n in lengths]

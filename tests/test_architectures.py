@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import MODELS, WINDOWED, _mixtral, fused_copy
-from conftest import random_prompts
+from conftest import generate_aborting, random_prompts
 from safetensors.torch import save_file
 
 from preble_backend.model.model_config import ModelConfig
@@ -52,18 +52,7 @@ def test_shared_prefix_preemption_and_abort(arch_model, make_engine, hf_referenc
     assert engine.generate(prompts[1:], {**GREEDY, "max_tokens": 12}) == expect[1:]
     assert engine.stats()["prompt_tokens_cached"] == 3 * 40
     small = make_engine(arch_model, page_size=8, chunk_size=16, max_num_tokens=96)
-    outputs: dict[str, list[int]] = {}
-
-    def collect(out) -> None:
-        outputs.setdefault(out.request_id, []).extend(out.token_ids)
-
-    for i, prompt in enumerate([*prompts, prefix]):
-        small.add_request(f"r{i}", prompt, {**GREEDY, "max_tokens": 12}, collect)
-    for _ in range(5):
-        small.step()
-    small.abort("r4")
-    while small.has_work():
-        small.step()
+    outputs = generate_aborting(small, [*prompts, prefix], {**GREEDY, "max_tokens": 12}, "r4", 5)
     assert [outputs[f"r{i}"] for i in range(4)] == expect and len(outputs.get("r4", [])) < 12
     assert small.stats()["num_preemptions"] > 0
 

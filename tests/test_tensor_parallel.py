@@ -10,7 +10,7 @@ from dataclasses import astuple
 
 import pytest
 import torch
-from conftest import random_prompts
+from conftest import generate_aborting, random_prompts
 
 from preble_backend.model.model_config import ModelConfig
 from preble_backend.model.tensor_parallel import head_split
@@ -223,18 +223,8 @@ def test_tp_with_an_abort_mid_batch(llama3_tied_model, make_engine):
 
     def run(tp: int) -> dict[str, list[int]]:
         engine = make_engine(llama3_tied_model, tensor_parallel_size=tp, chunk_size=16)
-        outputs: dict[str, list[int]] = {}
-        for i, prompt in enumerate(_prompts(engine.model_config.vocab_size)):
-
-            def collect(out) -> None:
-                outputs.setdefault(out.request_id, []).extend(out.token_ids)
-
-            engine.add_request(f"r{i}", prompt, {**GREEDY, "max_tokens": 20}, collect)
-        for _ in range(6):
-            engine.step()
-        engine.abort("r1")
-        while engine.has_work():
-            engine.step()
+        prompts = _prompts(engine.model_config.vocab_size)
+        outputs = generate_aborting(engine, prompts, {**GREEDY, "max_tokens": 20}, "r1", 6)
         engine.shutdown()
         return outputs
 

@@ -12,7 +12,7 @@ cost is the matmuls, not the loop. ``tests/test_kernels.py`` checks it against t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +28,17 @@ class DecodePlan:
     mask: torch.Tensor  # [Bd, 1, 1, L] True where the position is the request's
     lens: torch.Tensor  # [Bd] each one's context length
 
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # window_mask's, built once
+
     def window_mask(self, window: int) -> torch.Tensor:
-        """``mask`` less each query's positions before its window (a sliding layer)."""
-        pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-        return self.mask & (pos[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+        """``mask`` less each query's positions before its window (a sliding layer): built
+        by the first sliding layer of the forward, reused by the others."""
+        if window not in self.windowed:
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = (
+                self.mask & (pos[None, :] >= self.lens[:, None] - window)[:, None, None, :]
+            )
+        return self.windowed[window]
 
     @classmethod
     def build(cls, batch: AttentionBatch, members: list[int], starts: list[int], device) -> DecodePlan:

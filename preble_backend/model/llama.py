@@ -17,11 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from preble_backend.model.activations import activation
 from preble_backend.model.attention import AttentionBackend, AttentionBatch
 from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
-from preble_backend.model.moe import ACTIVATIONS, SparseMoE, fuse_experts
+from preble_backend.model.moe import SparseMoE, fuse_experts
 from preble_backend.model.safetensors_slices import DTYPES, read_header, read_slice
 from preble_backend.model.tensor_parallel import TPGroup, shard_model, slice_of
 
@@ -81,9 +82,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported: {list(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -126,7 +125,11 @@ class LlamaForCausalLM(nn.Module):
         ropes = [cfg.rope_of(i) for i in range(cfg.num_layers)]
         distinct = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
         self.ropes, self.rope_index = distinct, [distinct.index(r) for r in ropes]
-        self.register_buffer("inv_freq", torch.stack([cfg.inv_freq(r) for r in distinct]), persistent=False)
+        self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
+
+    def rope_frequencies(self) -> torch.Tensor:
+        """[R, D/2]: each distinct RoPE's inverse frequencies."""
+        return torch.stack([self.cfg.inv_freq(r) for r in self.ropes])
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) [T, 1, D] of each distinct RoPE."""
@@ -185,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint {model_path} has weights the model does not use: {unused[:5]}{more}"
             )
         model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=True, assign=True)
-        model.inv_freq = torch.stack([cfg.inv_freq(r) for r in model.ropes])
+        model.inv_freq = model.rope_frequencies()  # built on the meta device above
         return model.to(device).eval()
 
 

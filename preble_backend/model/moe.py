@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused_moe import GROUPED_MM, fused_moe, grouped_moe_torch
+from preble_backend.model.activations import activation
 from preble_backend.model.model_config import ModelConfig
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}  # fmt: skip
 # A per-expert tensor of an older checkpoint: (layer prefix, expert, projection).
 _PER_EXPERT = re.compile(
     r"^(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
@@ -54,9 +53,7 @@ class Router(nn.Module):
 class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported: {list(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.act = activation(cfg.hidden_act)
         e, i, h = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
