@@ -288,7 +288,8 @@ class E2(Autoscaling, MirrorsCaches, Policy):
 
     def learn(self, instance: int, load: dict) -> None:
         """The KV capacity an engine reports replaces the configured one; a host tier it
-        reports makes what its device evicts a load-back, not a recompute (M). The router
+        reports makes what its device evicts a load-back, not a recompute (M); a sliding
+        window it reports makes a hit end where its window is held (``cached_on``). The router
         hands over every health probe's answer (a joining engine's first before it routes
         there), so a tiered engine is priced as one from its first requests, not from its
         first finished one. A failed request's empty report is no snapshot: it changes
@@ -296,6 +297,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         if "kv_pages_total" not in load:
             return
         self.tiered[instance] = bool(load.get("kv_host_pages_total"))
+        self.tree.windows[instance] = int(load.get("sliding_window", 0))  # where hits need a window held
         pages, size = load["kv_pages_total"], load.get("page_size")
         if pages and size:
             self.capacity[instance] = int(pages) * int(size)

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.prefix import window_hit
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.host_mirror import HostTierMirror
 from scheduler.tree_node import GlobalNode, Match, common_prefix
@@ -50,6 +51,10 @@ class GlobalPrefixTree:
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
         self.host = HostTierMirror(num_instances)  # the engines' host tiers, beside the tree
+        # Engines with sliding-window layers: each one's window (0: none) and the chain
+        # hashes of its cached pages whose sliding layers' KV is gone (``window`` events)
+        self.windows = [0] * num_instances
+        self.windowless: list[set[int]] = [set() for _ in range(num_instances)]
 
     def add_instance(self) -> int:
         """A slot for one more instance (a node's per-instance state is keyed by it)."""
@@ -59,6 +64,8 @@ class GlobalPrefixTree:
         self.pinned_tokens.append(0)
         self.lru.append(OrderedDict())
         self.host.add_instance()
+        self.windows.append(0)
+        self.windowless.append(set())
         return self.num_instances - 1
 
     # ---- matching -------------------------------------------------------------------------
@@ -79,7 +86,7 @@ class GlobalPrefixTree:
             if m < len(child.hashes):
                 break
             node = child
-        return Match(nodes, lengths, self.page_size, pos * self.page_size, key)
+        return Match(nodes, lengths, self.page_size, pos * self.page_size, key, windows=self)
 
     def eviction_order(self, instance: int) -> Iterator[GlobalNode]:
         """The instance's nodes in the order its engine's LRU eviction would take them:
@@ -220,10 +227,18 @@ class GlobalPrefixTree:
         for event in events:
             if event.tier == "host":
                 self.host.apply(instance, event)
+            elif event.tier == "window":
+                span = event.hashes[event.start :]
+                if event.kind == "evicted":
+                    self.windowless[instance].update(span)
+                else:
+                    self.windowless[instance].difference_update(span)
             elif event.kind == "stored":
                 self._store(instance, event.hashes, event.start)
             else:
                 self._evict(instance, event.hashes, event.start)
+                if self.windowless[instance]:
+                    self.windowless[instance].difference_update(event.hashes[event.start :])
 
     def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
@@ -315,6 +330,16 @@ class GlobalPrefixTree:
         evicted = [CacheEvent("evicted", seq, 0) for seq in self.cached_sequences(instance)]
         self.apply_events(instance, evicted)
         self.host.forget(instance)
+        self.windowless[instance].clear()
+
+    def window_hit(self, instance: int, hashes: list[int]) -> int:
+        """Of a prefix of ``hashes`` the instance caches, the pages a request can start
+        after there: all of them unless its engine has sliding layers whose KV of some of
+        them is gone (``common/prefix.window_hit``)."""
+        gone, window = self.windowless[instance], self.windows[instance]
+        if not gone or not window:
+            return len(hashes)
+        return window_hit((h not in gone for h in hashes), window, self.page_size)
 
     def _note_unheld(self, node: GlobalNode) -> None:
         if node.cached or node.pending:

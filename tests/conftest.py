@@ -159,6 +159,10 @@ def assert_all_pages_free(engine) -> None:
     engine.flush_cache()
     assert engine.pool.num_free == engine.pool.num_pages
     assert len(set(engine.pool._free)) == engine.pool.num_pages  # no page freed twice
+    window = engine.pool.window
+    if window is not None:  # the sliding layers' pool too: every window page back, none needed
+        assert window.num_free == window.num_pages and len(set(window._free)) == window.num_pages
+        assert not any(engine.scheduler.blocks.windows.need) and not engine.scheduler.blocks.windows.idle
     host = engine.cache.host if engine.cache is not None else None
     if host is not None:  # the host tier's pages too
         assert engine.cache.num_host_pages == 0 and host.pool.num_free == host.pool.num_pages

@@ -13,7 +13,10 @@ from typing import Literal
 
 from preble_backend.common.block_hash import chain_hashes
 
-Tier = Literal["device", "host"]  # device memory, or the host-memory tier below it
+# device memory, or the host-memory tier below it; or "window": the sliding layers' KV of
+# device pages whose full layers' KV stays cached (engine/cache/sliding_windows.py), which a
+# request can start after only where the last window before it is held
+Tier = Literal["device", "host", "window"]
 
 
 @dataclass(frozen=True)

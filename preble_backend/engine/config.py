@@ -28,6 +28,11 @@ class EngineConfig:
         0, doc="KV capacity in tokens; 0 = kv_memory_fraction of free GPU memory (32768 on CPU)"
     )
     kv_memory_fraction: float = setting(0.85, doc="GPU only, used when max_num_tokens is 0")
+    window_kv_tokens: int = setting(
+        0,
+        doc="models with sliding-window layers: their KV pool in tokens (they keep only each request's "
+        "window); 0 = half the KV capacity, at least two requests' windows",
+    )
     host_kv_tokens: int = setting(
         0, doc="host tier: KV tokens kept in host memory when the device evicts them (0 = off)"
     )
@@ -85,6 +90,7 @@ class EngineConfig:
         check(self.max_num_tokens == 0 or self.max_num_tokens >= ps, "max_num_tokens", "0 or >= page_size")
         check(0 < self.kv_memory_fraction < 1, "kv_memory_fraction", "a number in (0, 1)")
         check(self.host_kv_tokens == 0 or self.host_kv_tokens >= ps, "host_kv_tokens", "0 or >= page_size")
+        check(self.window_kv_tokens >= 0, "window_kv_tokens", "an integer >= 0")
         check(0 <= self.host_kv_ratio <= 1000, "host_kv_ratio", "a number in [0, 1000]")
         check(self.chunk_size >= 1, "chunk_size", "an integer >= 1")
         check(self.max_running_requests >= 1, "max_running_requests", "an integer >= 1")
@@ -116,6 +122,20 @@ class EngineConfig:
         if self.host_kv_tokens:
             return self.host_kv_tokens // self.page_size
         return int(device_pages * self.host_kv_ratio)
+
+    def window_pages(self, device_pages: int, window: int) -> int:
+        """Pages of the sliding layers' pool beside ``device_pages``, for a ``window``: at
+        least what one request can hold (its window and a chunk), else refused by name."""
+        ps = self.page_size
+        least = -(-(window + self.chunk_size) // ps) + 1
+        if self.window_kv_tokens:
+            if self.window_kv_tokens // ps < least:
+                raise ValueError(
+                    f"window_kv_tokens={self.window_kv_tokens} is invalid: the model's sliding window "
+                    f"({window}) and a chunk ({self.chunk_size}) need at least {least * ps}"
+                )
+            return self.window_kv_tokens // ps
+        return max(device_pages // 2, 2 * least)
 
     def graph_batch(self) -> int:
         """The largest decode batch captured: no batch runs more than ``max_running_requests``."""

@@ -22,10 +22,11 @@ from preble_backend.common.cache_event import EventBatch
 from preble_backend.common.procfs import pin_process
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.cache.event_log import EventLog
-from preble_backend.engine.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.outputs import guided
 from preble_backend.engine.outputs.sampling import SamplerState, sample_one, token_logprobs
 from preble_backend.engine.runners.emulated_runner import EmulatedRunner
+from preble_backend.engine.runners.kv_capacity import kv_pages
 from preble_backend.engine.runners.model_runner import ModelRunner, device_facts
 from preble_backend.engine.runners.tp_ranks import RankLost
 from preble_backend.engine.runners.warm_up import warm_up
@@ -55,7 +56,8 @@ class Engine:
             self.runner = ModelRunner(c.model_path, c.dtype, c.device, c.attention_backend,
                                       c.tensor_parallel_size, graph_batch=c.graph_batch())  # fmt: skip
         self.model_config = self.runner.cfg
-        self.pool = self.runner.make_pool(self._num_pages(), config.page_size)
+        pages, window_pages = kv_pages(config, self.runner)
+        self.pool = self.runner.make_pool(pages, config.page_size, window_pages=window_pages)
         host_pages = config.host_pages(self.pool.num_pages)
         host = self.runner.make_pool(host_pages, config.page_size, host=True) if host_pages else None
         self.scheduler = make_local_scheduler(self.pool, config, host)
@@ -73,17 +75,6 @@ class Engine:
         self.num_finished = 0
         self._step_started: float | None = None  # when the running iteration began
         self.on_fatal: Callable[[BaseException], None] | None = None  # the engine cannot go on
-
-    def _num_pages(self) -> int:
-        cfg = self.config
-        tokens = cfg.max_num_tokens
-        if not tokens:
-            if self.runner.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.runner.device)
-                tokens = int(free * cfg.kv_memory_fraction) // self.runner.kv_bytes_per_token()
-            else:
-                tokens = DEFAULT_CPU_KV_TOKENS
-        return max(1, tokens // cfg.page_size)
 
     # ---- the request API (any thread) -----------------------------------------------------
 
@@ -375,8 +366,18 @@ class Engine:
             "prompt_tokens_cached": s.prompt_tokens_cached,
             "num_preemptions": s.num_preemptions, "requests_finished": self.num_finished,
             **(cache.host.report() if cache and cache.host else {}),
+            **self._window_report(),
             **self.runner.stats(),
         }  # fmt: skip
+
+    def _window_report(self) -> dict[str, int]:
+        """The window pool's pages, and the window a router's hits must respect."""
+        window = self.pool.window
+        if window is None:
+            return {}
+        idle = len(self.scheduler.blocks.windows.idle)
+        return {"sliding_window": self.pool.window_tokens, "kv_window_pages_total": window.num_pages,
+                "kv_window_pages_used": window.num_used, "kv_window_pages_idle": idle}  # fmt: skip
 
     def cache_events(self, cursor: str | None) -> EventBatch:
         """The cache events after a reader's ``cursor`` (see ``event_log``), or a snapshot
@@ -392,5 +393,5 @@ class Engine:
         if self.cache is None:
             return 0
         freed = self.cache.reset()
-        self.pool.free(freed)
+        self.scheduler.blocks.free(freed)
         return len(freed)

@@ -31,6 +31,7 @@ class AttentionBatch:
     shared_prefixes: list[tuple[list[int], int]]
     plan: Any = None  # the backend's per-forward plan, built by layer 0 and reused
     sliding_plan: Any = None  # the same for sliding-window layers, where it must differ
+    window: AttentionBatch | None = None  # the same batch in the window pool's pages (kv_pool.py)
 
     @property
     def seq_lens(self) -> list[int]:

@@ -3,6 +3,13 @@
 Every page is owned by exactly one of: the free list, a running request's private tail, or
 the radix cache. ``num_free`` plus what those two hold always equals ``num_pages``; tests
 check that after every run.
+
+A model with sliding-window layers keeps their KV in a second pool (``window``; vLLM's
+hybrid KV cache manager calls it a KV cache group), so that the pages behind every
+request's window can go back while the full-attention layers keep theirs. A page of this
+pool names a span of tokens; ``window_of[page]`` is the window pool's page holding the
+sliding layers' KV of the same span, or -1 where it is not held
+(``engine/cache/sliding_windows.py`` decides which are).
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class KVPool:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         # Low page ids first: a LIFO stack keeps recently freed (cache-warm) pages in use.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.window: KVPool | None = None  # the sliding layers' pool, where the model has them
+        self.window_of: list[int] = []  # per page: its window pool page, -1 where none
+        self.window_tokens = 0  # the sliding layers' widest window
 
     @property
     def num_free(self) -> int:
@@ -62,6 +72,18 @@ class KVPool:
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
+
+    def add_window(self, window: KVPool, tokens: int) -> None:
+        """Keep the sliding layers' KV in ``window``, no page's held yet; ``tokens``: the
+        widest of their windows."""
+        self.window, self.window_of = window, [-1] * self.num_pages
+        self.window_tokens = tokens
+
+    def window_table(self, pages: list[int]) -> list[int]:
+        """``pages`` as the window pool's pages; 0 where not held (never read: attention
+        reads no page wholly before its window)."""
+        of = self.window_of
+        return [max(of[p], 0) for p in pages]
 
     def page_view(self, cache: torch.Tensor) -> torch.Tensor:
         """``cache`` indexed by page: (layers, pages, page_size, heads, head_dim)."""

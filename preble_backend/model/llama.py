@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
         self.window, self.scale = cfg.window(layer), cfg.attn_scale
+        self.sliding, self.kv_index = cfg.kv_group(layer)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normalised before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -75,7 +76,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = backend.forward(self.layer, q, k, v, batch, pool, self.window, self.scale)
+        if pool.window is not None:  # the KV of full and sliding layers in pools of their own
+            if self.sliding:
+                pool, batch = pool.window, batch.window
+            out = backend.forward(self.kv_index, q, k, v, batch, pool, self.window, self.scale)
+        else:
+            out = backend.forward(self.layer, q, k, v, batch, pool, self.window, self.scale)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -139,6 +139,19 @@ class ModelConfig:
         at ``kv > q - window``); None: every earlier one."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest window of the sliding layers: what each request's sliding KV must
+        keep (``engine/cache/sliding_windows.py``); None where no layer slides."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return max(windows) if windows else None
+
+    def kv_group(self, layer: int) -> tuple[bool, int]:
+        """Where ``layer``'s KV lives: in the sliding layers' pool (True) or the full
+        layers' (False), and its index among that pool's layers."""
+        sliding = self.window(layer) is not None
+        return sliding, sum((self.window(i) is not None) == sliding for i in range(layer))
+
     @classmethod
     def from_dir(cls, model_path: str | Path) -> ModelConfig:
         path = Path(model_path) / "config.json"

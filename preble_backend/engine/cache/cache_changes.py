@@ -27,8 +27,8 @@ def coalesce(changes: list[Change]) -> list[CacheEvent]:
     same path in the same tier (chunked prefill stores a prompt chunk by chunk; eviction
     cuts a leaf's tail piece by piece) is merged into it, even when other changes came
     between, provided none of those is of the other kind in the same tier and touches the
-    same pages (then the order matters and is kept; the tiers are mirrored apart, so
-    their relative order never does). A chunked prefill that evicts for each chunk is so
+    same pages (then the order matters and is kept; the host tier is mirrored apart, so
+    its order relative to the others never does). A chunked prefill that evicts for each chunk is so
     reported as one store and one eviction, not one pair per chunk."""
     out: list[Change] = []
     for change in changes:
@@ -38,12 +38,21 @@ def coalesce(changes: list[Change]) -> list[CacheEvent]:
                 out[j] = merged
                 break
             prior = out[j]
-            if prior.tier == change.tier and prior.kind != change.kind and _touches(prior, change.hashes):
+            if _ordered(prior, change) and _touches(prior, change.hashes):
                 out.append(change)
                 break
         else:
             out.append(change)
     return [CacheEvent(c.kind, tuple(c.hashes), c.start, c.tier) for c in out]
+
+
+def _ordered(prior: Change, change: Change) -> bool:
+    """Whether ``change`` must stay after ``prior`` where both touch the same pages: the
+    other kind in the same tier, or a device change and a window change (a page's window
+    is reported about while its device page is cached, so their order matters)."""
+    if prior.tier == change.tier:
+        return prior.kind != change.kind
+    return {prior.tier, change.tier} == {"device", "window"}
 
 
 def _touches(change: Change, path: array) -> bool:

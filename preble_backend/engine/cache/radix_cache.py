@@ -21,6 +21,11 @@ those copies only then. Along every path the device's nodes come first, so devic
 eviction takes nodes with no device child. Every page added, moved
 or removed is reported as a ``CacheEvent`` naming its tier, so a global scheduler can
 mirror both tiers exactly (a copy is a host store over the device node's span).
+
+With sliding-window layers (``windows``, ``sliding_windows.py``) a device page may have
+lost its sliding layers' KV while the full layers' stays cached: the cache knows each
+page's node (``node_of``) to report such pages (tier ``window``), and a hit is the longest
+match whose last window is held.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from typing import Literal
 
 from preble_backend.common.block_hash import page_sums
 from preble_backend.common.cache_event import CacheEvent
@@ -35,15 +41,24 @@ from preble_backend.common.prefix import longest_match
 from preble_backend.engine.cache.cache_changes import Change, coalesce
 from preble_backend.engine.cache.host_tier import HostTier
 from preble_backend.engine.cache.radix_node import TreeNode
+from preble_backend.engine.cache.sliding_windows import SlidingWindows
 from preble_backend.engine.cache.tier_moves import TierMoves
 
 _clock = itertools.count(1)
 
 
 class RadixCache(TierMoves):
-    def __init__(self, page_size: int, host: HostTier | None = None) -> None:
+    def __init__(
+        self, page_size: int, host: HostTier | None = None, windows: SlidingWindows | None = None
+    ) -> None:
         self.page_size = page_size
         self.host = host  # None: evicted pages are dropped
+        self.windows = windows  # None: no sliding layers
+        self.node_of: dict[int, TreeNode] = {}  # device page -> its node, kept only with windows
+        if windows is not None:
+            if host is not None:
+                raise ValueError("a host tier does not hold sliding layers' KV yet: host_kv_tokens must be 0")
+            windows.on_drop = lambda pages: self.report_windows("evicted", pages)
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
         self.events: deque[Change] = deque()  # appends and pops are thread-safe
         self.num_pages = 0  # device pages held by the tree
@@ -65,15 +80,17 @@ class RadixCache(TierMoves):
         return longest_match(limit, lambda n: node.key[: n * ps] == tokens[pos : pos + n * ps])
 
     def cached_len(self, tokens: list[int]) -> int:
-        """How many leading tokens are cached in either tier (page-aligned), touching nothing."""
-        node, pos = self.root, 0
+        """How many leading tokens are cached in either tier (page-aligned), touching
+        nothing; with sliding layers, how many a request could start after."""
+        node, pos, pages = self.root, 0, []
         while (child := node.children.get(self._first(tokens, pos))) is not None:
             n = self._common_pages(child, tokens, pos)
             pos += n * self.page_size
+            pages += child.pages[:n]
             if n < len(child.pages):
                 break
             node = child
-        return pos
+        return pos if self.windows is None else self.windows.usable(pages) * self.page_size
 
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
         """Pages of the longest prefix cached on the device and the node it ends at (split
@@ -116,6 +133,8 @@ class RadixCache(TierMoves):
             sums=node.sums[:n_pages],
         )
         node.parent.children[self._first(upper.key, 0)] = upper
+        if self.windows is not None and not node.on_host:
+            self.node_of.update(dict.fromkeys(upper.pages, upper))
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
         node.sums = node.sums[n_pages:]
         if upper.host_copy:
@@ -151,6 +170,10 @@ class RadixCache(TierMoves):
                 self.num_pages += len(leaf.pages)
                 canonical.extend(leaf.pages)
                 self.events.append(Change("stored", leaf.path_hashes(), pos // ps))
+                if self.windows is not None:
+                    self.node_of.update(dict.fromkeys(leaf.pages, leaf))
+                    of = self.windows.pool.window_of
+                    self.report_windows("evicted", [p for p in leaf.pages if of[p] < 0])
                 return canonical, leaf
             n = self._common_pages(child, tokens, pos)
             if n < len(child.pages):
@@ -223,6 +246,8 @@ class RadixCache(TierMoves):
         dropped = leaf.pages[keep:]
         if not leaf.on_host:
             self.num_pages -= len(dropped)
+            for page in dropped if self.windows is not None else ():
+                del self.node_of[page]
         if keep:
             leaf.key, leaf.pages, leaf.sums = leaf.key[:cut], leaf.pages[:keep], leaf.sums[:keep]
             return dropped
@@ -260,7 +285,32 @@ class RadixCache(TierMoves):
         for node in self.copies:
             path = node.path_hashes()
             events.append(CacheEvent("stored", tuple(path), len(path) - len(node.pages), "host"))
+        if self.windows is not None:
+            of = self.windows.pool.window_of
+            gone = self._window_changes("evicted", [p for p in self.node_of if of[p] < 0])
+            events += [CacheEvent(c.kind, tuple(c.hashes), c.start, c.tier) for c in gone]
         return events
+
+    def report_windows(self, kind: Literal["stored", "evicted"], pages: list[int]) -> None:
+        """Report that these device pages gained or lost their sliding layers' KV."""
+        self.events.extend(self._window_changes(kind, pages))
+
+    def _window_changes(self, kind: Literal["stored", "evicted"], pages: list[int]) -> list[Change]:
+        """One change per run of consecutive pages of one node among ``pages``."""
+        by_node: dict[TreeNode, set[int]] = {}
+        for page in pages:
+            by_node.setdefault(self.node_of[page], set()).add(page)
+        changes = []
+        for node, mine in by_node.items():
+            path = node.path_hashes()
+            offset = len(path) - len(node.pages)
+            indices = [i for i, page in enumerate(node.pages) if page in mine]
+            first = indices[0]
+            for prev, i in zip(indices, indices[1:] + [-1]):
+                if i != prev + 1:  # a run ends at prev
+                    changes.append(Change(kind, path[: offset + prev + 1], offset + first, "window"))
+                    first = i
+        return changes
 
     def drain_events(self) -> list[CacheEvent]:
         """Events since the last drain, safe to call from another thread, coalesced

@@ -44,9 +44,10 @@ class EmulatedRunner:
         self._last_end: float | None = None  # the previous iteration's end; None after idling
         self.clock, self.sleep = time.monotonic, time.sleep  # a test drives its own
 
-    def make_pool(self, num_pages: int, page_size: int, host: bool = False) -> KVPool:
+    def make_pool(self, num_pages: int, page_size: int, host: bool = False, window_pages: int = 0) -> KVPool:
         """Either tier's pool: one number per token (copies between tiers cost the cost
-        model's ``load_ms_per_token`` in ``forward``)."""
+        model's ``load_ms_per_token`` in ``forward``); no window pool (its sliding layers
+        are priced as full ones)."""
         return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=self.dtype)
 
     def kv_bytes_per_token(self) -> int:

@@ -77,17 +77,26 @@ class ModelRunner:
         self.graph_batch = graph_batch if tensor_parallel_size == 1 and self.device.type == "cuda" else 0
         self.graphs: DecodeGraphs | None = None
 
-    def make_pool(self, num_pages: int, page_size: int, host: bool = False) -> KVPool:
+    def make_pool(self, num_pages: int, page_size: int, host: bool = False, window_pages: int = 0) -> KVPool:
         """The device's KV pool, or (``host``) the host tier's: in host memory, pinned when
-        the device is a GPU (the engine refuses a host tier with more ranks than one)."""
+        the device is a GPU (the engine refuses a host tier with more ranks than one, or
+        with sliding layers). A model with sliding layers keeps theirs in a window pool of
+        ``window_pages`` (``kv_pool.py``), and the device pool only the full layers'."""
         if self.ranks is not None:
-            self.ranks.send(("pool", num_pages, page_size))
+            self.ranks.send(("pool", num_pages, page_size, host, window_pages))
         cfg, gpu = self.cfg, self.device.type == "cuda"
-        pool = KVPool(num_pages, page_size, cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.dtype,
-                      "cpu" if host else self.device, pin_memory=host and gpu)  # fmt: skip
-        if not host and self.graph_batch and self.backend.capturable:
+        sliding = self.num_sliding_layers
+        kv = (self.num_kv_heads, cfg.head_dim, self.dtype, "cpu" if host else self.device)
+        pool = KVPool(num_pages, page_size, cfg.num_layers - sliding, *kv, pin_memory=host and gpu)
+        if sliding and not host:
+            pool.add_window(KVPool(window_pages, page_size, sliding, *kv), cfg.sliding_window)
+        elif self.graph_batch and self.backend.capturable and not host:
             self.use_decode_graphs(pool, self.graph_batch)
         return pool
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(w is not None for w in self.cfg.layer_windows)
 
     def use_decode_graphs(self, pool: KVPool, max_batch: int, capture: bool = True) -> None:
         """Serve decode batches up to ``max_batch`` through ``DecodeGraphs`` over ``pool``,
@@ -104,10 +113,13 @@ class ModelRunner:
             log.error("decode runs eagerly: capturing its CUDA graphs failed (%s: %s); "
                       "cuda_graph_max_batch = 0 skips the capture", type(exc).__name__, exc)  # fmt: skip
 
-    def kv_bytes_per_token(self) -> int:
-        """This rank's: its KV heads only."""
-        cfg = self.cfg
-        return 2 * cfg.num_layers * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+    def kv_bytes_per_token(self, sliding: bool | None = None) -> int:
+        """This rank's: its KV heads only; of every layer, or (``sliding``) of the sliding
+        or the full layers alone."""
+        cfg, n = self.cfg, self.cfg.num_layers
+        if sliding is not None:
+            n = self.num_sliding_layers if sliding else n - self.num_sliding_layers
+        return 2 * n * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
     def went_idle(self) -> None:
         """The engine ran out of work (an emulated device stops overlapping; this one has
@@ -124,7 +136,7 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, pool: KVPool) -> tuple[torch.Tensor, list[int]]:
         """Logits for the requests whose whole sequence is computed after this pass, and
         their indices in ``batch``; the other ranks run the same pass without logits."""
-        inputs, logit_rows, sampling = prepare(batch, pool.page_size, self.backend.min_shared_tokens)
+        inputs, logit_rows, sampling = prepare(batch, pool, self.backend.min_shared_tokens)
         if self.ranks is None:
             return self.run(inputs, pool, logit_rows), sampling
         try:
@@ -140,16 +152,23 @@ class ModelRunner:
         dev = self.device
         if self.graphs is not None and self.graphs.accepts(attn):
             return self.graphs.run(ids, positions, attn)[logit_rows]
-        attn = dataclasses.replace(attn, slot_mapping=attn.slot_mapping.to(dev),
-                                   page_table=attn.page_table.to(dev))  # fmt: skip
+        attn = on_device(attn, dev)
         return self.model(ids.to(dev), positions.to(dev), attn, pool, self.backend,
                           torch.tensor(logit_rows, dtype=torch.long, device=dev))  # fmt: skip
 
 
-def prepare(batch: ScheduledBatch, ps: int,
+def on_device(attn: AttentionBatch, dev: torch.device) -> AttentionBatch:
+    window = None if attn.window is None else on_device(attn.window, dev)
+    return dataclasses.replace(
+        attn, slot_mapping=attn.slot_mapping.to(dev), page_table=attn.page_table.to(dev), window=window
+    )
+
+
+def prepare(batch: ScheduledBatch, pool: KVPool,
             min_shared_tokens: int | None) -> tuple[tuple, list[int], list[int]]:  # fmt: skip
     """The pass's inputs on the host (token ids, positions, the attention batch), the rows
     whose logits are sampled, and their requests' indices in ``batch``."""
+    ps = pool.page_size
     ids, positions, slots, logit_rows, sampling = [], [], [], [], []
     offset = 0
     for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -177,8 +196,26 @@ def prepare(batch: ScheduledBatch, ps: int,
         page_size=ps,
         shared_prefixes=groups,
     )
+    if pool.window is not None:
+        attn.window = window_batch(attn, [r.page_table for r in reqs], slots, pool)
     inputs = (torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), attn)
     return inputs, logit_rows, sampling
+
+
+def window_batch(
+    attn: AttentionBatch, tables: list[list[int]], slots: list[int], pool: KVPool
+) -> AttentionBatch:
+    """``attn`` in the window pool's pages, for the sliding layers: each page translated,
+    no shared prefixes (queries whose windows differ do not share one set of keys)."""
+    ps, width, of = pool.page_size, attn.page_table.shape[1], pool.window_of
+    rows = [pool.window_table(t) + [0] * (width - len(t)) for t in tables]
+    written = [of[s // ps] for s in slots]
+    if written and min(written) < 0:  # a new token's page always has its window page: a bug if not
+        raise RuntimeError("a page written in this pass has no window page")
+    mapping = torch.tensor([p * ps + s % ps for p, s in zip(written, slots)], dtype=torch.long)
+    return dataclasses.replace(attn, slot_mapping=mapping,
+                               page_table=torch.tensor(rows, dtype=torch.int32), shared_prefixes=[],
+                               plan=None, sliding_plan=None)  # fmt: skip
 
 
 def follow(rank: int, size: int, port: int, model_path: str, dtype: str, device: str,

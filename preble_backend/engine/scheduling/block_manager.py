@@ -7,6 +7,10 @@ The three moments of a request's memory life:
   unreferenced cache when the pool runs dry);
 - ``release``: on finish, abort or preemption, hand its full computed pages to the cache
   (so a recompute or a later turn hits them) and free the rest.
+
+With sliding-window layers (``cache/sliding_windows.py``) each moment also minds the
+window pool: a hit is the longest match whose last window is held; a reservation gives
+each new page a window page and first lets go of those behind the request's window.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.cache.sliding_windows import SlidingWindows
 from preble_backend.engine.scheduling.request import Request
 from preble_backend.model.kv_pool import KVPool
 
 
 class BlockManager:
-    def __init__(self, pool: KVPool, cache: RadixCache | None) -> None:
+    def __init__(self, pool: KVPool, cache: RadixCache | None, windows: SlidingWindows | None = None) -> None:
         self.pool = pool
         self.cache = cache  # None: prefix caching off
+        self.windows = windows  # None: no sliding layers
         self.page_size = pool.page_size
         self.before_evict: Callable[[], None] | None = None  # the local scheduler's (it knows who waits)
 
@@ -72,6 +78,10 @@ class BlockManager:
             return None
         loaded, node = back
         pages += loaded
+        if self.windows is not None:  # past the last held window, recomputed
+            pages = pages[: self.windows.usable(pages)]
+            req.window_from = self.windows.first_needed(len(pages) * ps)
+            self.windows.hold(pages[req.window_from :])
         self.cache.lock(node)
         req.cache_node = node
         req.page_table = list(pages)
@@ -84,18 +94,44 @@ class BlockManager:
         return max(0, total - len(req.page_table))
 
     def reserve(self, req: Request, num_new_tokens: int) -> bool:
+        self._slide(req)
         need = self.pages_needed(req, num_new_tokens)
         short = need - self.pool.num_free
+        if self.windows is not None and need > self.windows.room:
+            return False
         if short > 0:
             if self.cache is None or short > self.cache.num_evictable_pages:
                 return False  # no eviction could make the room: the cache stays whole
             if self.before_evict is not None:
                 self.before_evict()
-            self.pool.free(self.cache.evict(short))
+            self.free(self.cache.evict(short))
             if need > self.pool.num_free:
                 return False
-        req.page_table.extend(self.pool.alloc(need))
+        pages = self.pool.alloc(need)
+        if self.windows is not None:
+            self.windows.attach(pages)
+        req.page_table.extend(pages)
         return True
+
+    def _slide(self, req: Request) -> None:
+        """Let go of the window pages behind the request's window."""
+        if self.windows is None:
+            return
+        start, end = req.window_from, self.windows.first_needed(req.num_computed)
+        if end > start:
+            self._let_go(req, start, end)
+            req.window_from = end
+
+    def _let_go(self, req: Request, start: int, end: int) -> None:
+        cached = min(max(req.num_tree_pages, start), end)
+        self.windows.let_go(req.page_table[start:cached], cached=True)
+        self.windows.let_go(req.page_table[cached:end], cached=False)
+
+    def free(self, pages: list[int]) -> None:
+        """Pages back to the pool, with their window pages."""
+        if self.windows is not None:
+            self.windows.drop(pages)
+        self.pool.free(pages)
 
     def share_computed(self, req: Request) -> None:
         """Put the request's full computed pages into the cache while it still runs, so
@@ -107,25 +143,26 @@ class BlockManager:
             return
         tokens = req.tokens(0, full * self.page_size)
         canonical, node = self.cache.insert(tokens, req.page_table[:full])
-        duplicates = [
-            mine
-            for mine, theirs in zip(
-                req.page_table[req.num_tree_pages : full], canonical[req.num_tree_pages :]
-            )
-            if mine != theirs
-        ]
+        pairs = zip(req.page_table[req.num_tree_pages : full], canonical[req.num_tree_pages :])
+        duplicates = [(mine, theirs) for mine, theirs in pairs if mine != theirs]
+        if self.windows is not None:  # the cache's pages take over what the request computed
+            gained = [theirs for mine, theirs in duplicates if self.windows.adopt(mine, theirs)]
+            self.cache.report_windows("stored", gained)
         req.page_table[:full] = canonical
         self.cache.lock(node)
         self.cache.unlock(req.cache_node)
-        self.pool.free(duplicates)
+        self.free([mine for mine, _ in duplicates])
         req.cache_node = node
         req.num_tree_pages = full
 
     def release(self, req: Request) -> None:
         self.share_computed(req)
+        if self.windows is not None:
+            self._let_go(req, req.window_from, len(req.page_table))
+            req.window_from = 0
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
-        self.pool.free(req.page_table[req.num_tree_pages :])
+        self.free(req.page_table[req.num_tree_pages :])
         req.page_table = []
         req.num_tree_pages = 0
         req.cache_node = None

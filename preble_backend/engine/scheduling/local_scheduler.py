@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from preble_backend.engine.cache.host_tier import HostTier
 from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.cache.sliding_windows import SlidingWindows
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.scheduling.block_manager import BlockManager
 from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
@@ -209,9 +210,10 @@ def make_local_scheduler(
     its host tier, if it has one). The engine and the simulator both build it here, so a
     simulated instance schedules as a real one does."""
     host = HostTier(pool, host_pool) if host_pool is not None else None
-    cache = RadixCache(config.page_size, host) if config.enable_prefix_caching else None
+    windows = SlidingWindows(pool, pool.window_tokens) if pool.window is not None else None
+    cache = RadixCache(config.page_size, host, windows) if config.enable_prefix_caching else None
     return LocalScheduler(
-        BlockManager(pool, cache),
+        BlockManager(pool, cache, windows),
         PriorityWaitQueue(config.priority_groups, config.priority_quota),
         config.chunk_size,
         config.max_running_requests,

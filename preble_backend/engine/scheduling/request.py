@@ -52,6 +52,7 @@ class Request:
     num_tree_pages: int = 0
     cache_node: TreeNode | None = None
     num_computed: int = 0  # tokens whose K/V are in the pool
+    window_from: int = 0  # with sliding layers: the first page whose window page it holds
     num_cached_tokens: int | None = None  # prompt tokens served from cache at first admission
     admitted: float | None = None  # when it first left the wait queue
     num_preemptions: int = 0
