@@ -111,7 +111,7 @@ class CacheAware(Policy):
     def record(self, request, instance: int) -> None:
         tree = self.trees[instance]
         tree.route(request.chain(self.page_size), 0, self.clock())
-        tree.drop_oldest_leaves(0, self.max_tree_tokens)
+        drop_oldest_leaves(tree, self.max_tree_tokens)
 
     def forget(self, instance: int) -> None:
         self.trees[instance] = GlobalPrefixTree(1, float("inf"), self.page_size)
@@ -160,3 +160,14 @@ class KVCost(MirrorsCaches, Policy):
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         self.tree.apply_events(instance, info.events)
         self.active_blocks[instance] -= self._blocks.pop(request.request_id, 0)
+
+
+def drop_oldest_leaves(tree: GlobalPrefixTree, max_tokens: int) -> None:
+    """Remove the tree's least recently routed leaves until it holds at most ``max_tokens``
+    (a one-instance tree): how SGLang's router trims its approximate per-worker trees (a
+    tree that routing alone fills, with no engine events to mirror)."""
+    lru = tree.lru[0]
+    while tree.held_tokens[0] > max_tokens and lru:
+        leaf = next(node for node in lru if not node.children)
+        del lru[leaf], leaf.parent.children[leaf.hashes[0]]
+        tree.held_tokens[0] -= len(leaf.hashes) * tree.page_size

@@ -297,7 +297,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         if "kv_pages_total" not in load:
             return
         self.tiered[instance] = bool(load.get("kv_host_pages_total"))
-        self.tree.windows[instance] = int(load.get("sliding_window", 0))  # where hits need a window held
+        self.tree.windows.windows[instance] = int(load.get("sliding_window", 0))  # hits end where held
         pages, size = load["kv_pages_total"], load.get("page_size")
         if pages and size:
             self.capacity[instance] = int(pages) * int(size)

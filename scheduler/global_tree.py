@@ -28,10 +28,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from preble_backend.common.cache_event import CacheEvent
-from preble_backend.common.prefix import window_hit
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.host_mirror import HostTierMirror
 from scheduler.tree_node import GlobalNode, Match, common_prefix
+from scheduler.window_mirror import WindowMirror
 
 
 class GlobalPrefixTree:
@@ -51,10 +51,7 @@ class GlobalPrefixTree:
         self._unheld: list[tuple[float, int, GlobalNode]] = []
         self._seq = itertools.count()
         self.host = HostTierMirror(num_instances)  # the engines' host tiers, beside the tree
-        # Engines with sliding-window layers: each one's window (0: none) and the chain
-        # hashes of its cached pages whose sliding layers' KV is gone (``window`` events)
-        self.windows = [0] * num_instances
-        self.windowless: list[set[int]] = [set() for _ in range(num_instances)]
+        self.windows = WindowMirror(num_instances)  # the engines' sliding layers, beside the tree
 
     def add_instance(self) -> int:
         """A slot for one more instance (a node's per-instance state is keyed by it)."""
@@ -64,8 +61,7 @@ class GlobalPrefixTree:
         self.pinned_tokens.append(0)
         self.lru.append(OrderedDict())
         self.host.add_instance()
-        self.windows.append(0)
-        self.windowless.append(set())
+        self.windows.add_instance()
         return self.num_instances - 1
 
     # ---- matching -------------------------------------------------------------------------
@@ -86,7 +82,7 @@ class GlobalPrefixTree:
             if m < len(child.hashes):
                 break
             node = child
-        return Match(nodes, lengths, self.page_size, pos * self.page_size, key, windows=self)
+        return Match(nodes, lengths, self.page_size, pos * self.page_size, key, windows=self.windows)
 
     def eviction_order(self, instance: int) -> Iterator[GlobalNode]:
         """The instance's nodes in the order its engine's LRU eviction would take them:
@@ -228,17 +224,12 @@ class GlobalPrefixTree:
             if event.tier == "host":
                 self.host.apply(instance, event)
             elif event.tier == "window":
-                span = event.hashes[event.start :]
-                if event.kind == "evicted":
-                    self.windowless[instance].update(span)
-                else:
-                    self.windowless[instance].difference_update(span)
+                self.windows.apply(instance, event)
             elif event.kind == "stored":
                 self._store(instance, event.hashes, event.start)
             else:
                 self._evict(instance, event.hashes, event.start)
-                if self.windowless[instance]:
-                    self.windowless[instance].difference_update(event.hashes[event.start :])
+                self.windows.evicted(instance, event.hashes, event.start)
 
     def _store(self, instance: int, chain: tuple[int, ...], start: int) -> None:
         """Pages ``start`` onwards of ``chain`` are cached on ``instance`` (those before
@@ -312,16 +303,6 @@ class GlobalPrefixTree:
                 stack.append((child, seq))
         return out
 
-    def drop_oldest_leaves(self, instance: int, max_tokens: int) -> None:
-        """Remove the instance's least recently routed leaves until it holds at most
-        ``max_tokens``: how SGLang's router trims its approximate per-worker trees (for a
-        tree that routing alone fills, with no engine events to mirror)."""
-        lru = self.lru[instance]
-        while self.held_tokens[instance] > max_tokens and lru:
-            leaf = next(node for node in lru if not node.children)
-            del lru[leaf], leaf.parent.children[leaf.hashes[0]]
-            self.held_tokens[instance] -= len(leaf.hashes) * self.page_size
-
     # ---- forgetting -----------------------------------------------------------------------
 
     def forget(self, instance: int) -> None:
@@ -330,16 +311,7 @@ class GlobalPrefixTree:
         evicted = [CacheEvent("evicted", seq, 0) for seq in self.cached_sequences(instance)]
         self.apply_events(instance, evicted)
         self.host.forget(instance)
-        self.windowless[instance].clear()
-
-    def window_hit(self, instance: int, hashes: list[int]) -> int:
-        """Of a prefix of ``hashes`` the instance caches, the pages a request can start
-        after there: all of them unless its engine has sliding layers whose KV of some of
-        them is gone (``common/prefix.window_hit``)."""
-        gone, window = self.windowless[instance], self.windows[instance]
-        if not gone or not window:
-            return len(hashes)
-        return window_hit((h not in gone for h in hashes), window, self.page_size)
+        self.windows.forget(instance)
 
     def _note_unheld(self, node: GlobalNode) -> None:
         if node.cached or node.pending:

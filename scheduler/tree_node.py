@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from preble_backend.common.prefix import longest_match
-
-if TYPE_CHECKING:
-    from scheduler.global_tree import GlobalPrefixTree
+from scheduler.window_mirror import WindowMirror
 
 NO_REPLICAS: frozenset[int] = frozenset()  # shared: most nodes never get a replica
 
@@ -71,7 +68,7 @@ class Match:
     matched: int  # tokens: the pages of ``lengths`` together
     key: GlobalNode | None
     hosted: dict[int, int] | None = None  # instance -> pages its host tier adds (None: no tiers)
-    windows: GlobalPrefixTree | None = None  # the tree: whose sliding layers' KV of which pages is gone
+    windows: WindowMirror | None = None  # the tree's: whose sliding layers' KV of which pages is gone
 
     def hosted_on(self, instance: int) -> int:
         """Prompt tokens the instance's host tier holds right after what its device holds."""
@@ -90,16 +87,17 @@ class Match:
     def cached_on(self, instance: int) -> int:
         """Prompt tokens the instance holds: the matched path up to its first gap; with
         sliding-window layers, up to the last page its window is held before."""
+        short = self.windows is not None and self.windows.lacks(instance)
         pages, path = 0, []
         for node, n in zip(self.nodes, self.lengths):
             held = min(node.held_pages(instance), n)
             pages += held
-            if self.windows is not None and self.windows.windowless[instance]:
+            if short:
                 path.extend(node.hashes[:held])
             if held < n:
                 break
-        if path:
-            return self.windows.window_hit(instance, path) * self.page_size
+        if short:
+            pages = self.windows.hit(instance, path, self.page_size)
         return pages * self.page_size
 
 

@@ -120,6 +120,11 @@ def test_the_config_is_read_as_transformers_reads_it(tmp_path_factory):
     assert not mixtral.qk_norm and mixtral.moe.num_experts == 4 and mixtral.layer_windows == (None, None)
     qwen3 = ModelConfig.from_dir(WINDOWED["qwen3_window"](tmp_path_factory.mktemp("cfg")))
     assert qwen3.layer_windows == (None, 20) and qwen3.max_context == 1024  # the window does not cap it
+    # a config.json without tie_word_embeddings takes transformers' default for its family
+    for name, tied in (("gemma3", True), ("qwen3_window", False)):
+        raw = json.loads((Path(WINDOWED[name](tmp_path_factory.mktemp("tie"))) / "config.json").read_text())
+        raw.pop("tie_word_embeddings", None)
+        assert ModelConfig.from_dict(raw).tie_word_embeddings is tied
 
 
 @pytest.mark.parametrize(("key", "value"), [("layer_norm_type", "pre"), ("moe_shared_expert", 1),

@@ -199,7 +199,7 @@ class ModelConfig:
             hidden_act=cfg.get("hidden_activation", "gelu_pytorch_tanh")
             if gemma
             else cfg.get("hidden_act", "silu"),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),  # transformers' default per family
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=family == "llama" and bool(cfg.get("mlp_bias")),
