@@ -129,6 +129,8 @@ def test_preemption_and_many_requests_under_a_tight_window_pool(gemma, make_engi
 def test_a_window_pool_too_small_for_one_request_is_refused_by_name(gemma, make_engine):
     with pytest.raises(ValueError, match="window_kv_tokens=32 is invalid.*sliding window \\(16\\)"):
         make_engine(gemma, page_size=8, chunk_size=16, window_kv_tokens=32)
+    with pytest.raises(ValueError, match="host_kv_tokens / host_kv_ratio is invalid.*sliding-window"):
+        make_engine(gemma, page_size=8, host_kv_tokens=256)
 
 
 def test_e2_charges_the_recompute_of_a_prefix_whose_window_is_gone():

@@ -33,10 +33,13 @@ def _run(make_engine, model: str, tp: int, params: dict, **config) -> tuple[list
 
 
 MOE = ("qwen3_moe", "qwen3_moe_plain", "mixtral", "mixtral_fused")
+NEW = ("qwen3", "gemma3", "qwen3_window", "mistral_window")
 
 
 def checkpoint(request, name: str) -> str:
-    return request.getfixturevalue("moe_models")[name] if name in MOE else request.getfixturevalue(name)
+    if name in MOE:
+        return request.getfixturevalue("moe_models")[name]
+    return request.getfixturevalue("new_models")[name] if name in NEW else request.getfixturevalue(name)
 
 
 @pytest.fixture(scope="session")
@@ -53,10 +56,24 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
     return built
 
 
+@pytest.fixture(scope="session")
+def new_models(tmp_path_factory) -> dict[str, str]:
+    """Qwen3 (per-head q/k norms), and models with sliding-window layers, whose sliding KV
+    every rank keeps in a window pool of its own heads (windows of 16-24 tokens: the
+    prompts run past them)."""
+    from checkpoints import MODELS, WINDOWED
+
+    built = {"qwen3": MODELS["qwen3"](tmp_path_factory.mktemp("qwen3"))}
+    for name in ("gemma3", "qwen3_window", "mistral_window"):
+        built[name] = WINDOWED[name](tmp_path_factory.mktemp(name))
+    return built
+
+
 @pytest.mark.parametrize(("model", "tp"), [("qwen2_gqa_model", 2), ("qwen2_gqa_model", 4),
                                            ("llama3_tied_model", 2), ("llama3_tied_model", 4),
                                            ("llama_bias_model", 2), ("qwen3_moe", 2), ("qwen3_moe_plain", 4),
-                                           ("mixtral", 2), ("mixtral_fused", 2)])  # fmt: skip
+                                           ("mixtral", 2), ("mixtral_fused", 2), ("qwen3", 2), ("gemma3", 2),
+                                           ("qwen3_window", 2), ("mistral_window", 2)])  # fmt: skip
 def test_tp_generates_exactly_what_one_device_does(request, make_engine, model, tp):
     path = checkpoint(request, model)
     for params in (GREEDY, SEEDED):
@@ -64,6 +81,16 @@ def test_tp_generates_exactly_what_one_device_does(request, make_engine, model, 
         split, stats = _run(make_engine, path, tp, params)
         assert split == one, (model, tp, params)
         assert stats["prompt_tokens_cached"] > 0  # the shared prefix was reused on every rank
+
+
+def test_tp_with_sliding_windows_in_a_tight_window_pool(request, make_engine):
+    """Each rank's window pool holds one window and a chunk twice over: windows go and are
+    recomputed, identically on every rank."""
+    path = checkpoint(request, "gemma3")
+    tight = {"page_size": 8, "window_kv_tokens": 96}
+    one, _ = _run(make_engine, path, 1, GREEDY, **tight)
+    split, stats = _run(make_engine, path, 2, GREEDY, **tight)
+    assert split == one and stats["kv_window_pages_total"] == 12
 
 
 def test_tp_under_preemption(qwen2_gqa_model, make_engine):

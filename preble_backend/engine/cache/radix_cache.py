@@ -57,7 +57,8 @@ class RadixCache(TierMoves):
         self.node_of: dict[int, TreeNode] = {}  # device page -> its node, kept only with windows
         if windows is not None:
             if host is not None:
-                raise ValueError("a host tier does not hold sliding layers' KV yet: host_kv_tokens must be 0")
+                raise ValueError("host_kv_tokens / host_kv_ratio is invalid for a model with sliding-window "
+                                 "layers: the host tier does not hold their KV yet")  # fmt: skip
             windows.on_drop = lambda pages: self.report_windows("evicted", pages)
         self.root = TreeNode(lock_ref=1)  # the root is never evicted
         self.events: deque[Change] = deque()  # appends and pops are thread-safe
