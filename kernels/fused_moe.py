@@ -6,7 +6,10 @@ compute), so one tile of rows never mixes experts: a program reads its block's e
 gathers its rows of the input, and multiplies them by that expert's weight tile. Padding
 rows carry an out-of-range id and are neither read nor written. Two launches follow the
 router: gate and up together (``[E, 2I, H]``), then down (``[E, H, I]``) with each row
-weighted by its router weight; each token's ``top_k`` rows are then summed. The reference
+weighted by its router weight; each token's ``top_k`` rows are then summed. Experts with
+biases (gpt-oss) add their expert's bias row in the kernel, before the router weight; the
+gate is applied between the launches (``glu``: ``silu(gate) * up`` by default, gpt-oss's
+clamped SwiGLU). The reference
 is ``reference.fused_moe_ref``; block sizes are ``tuning.MOE_TABLE``'s. ``grouped_moe_torch``
 is the same computation with torch's grouped product (transformers' default experts): the
 CPU engine's path, and what ``moe_benchmark`` holds the kernel against on a GPU.
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.reference import silu_and_mul
 from kernels.tuning import moe_blocks_for, upcast_loads
 
 # torch's grouped matrix product, with a CPU kernel from torch 2.11 (transformers uses it
@@ -48,13 +52,14 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _grouped_gemm_kernel(
-    A, W, C, SortedIds, ExpertOfBlock, RouterWeights,
+    A, W, C, SortedIds, ExpertOfBlock, RouterWeights, Bias,
     num_pairs, N, K, top_k_of_a,
     stride_am, stride_we, stride_wn, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """C[pair, n] = A[pair // top_k_of_a] . W[expert, n] (x the pair's router weight)."""
+    """C[pair, n] = (A[pair // top_k_of_a] . W[expert, n] + Bias[expert, n]) (x the pair's
+    router weight)."""
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ExpertOfBlock + block).to(tl.int64)
@@ -76,30 +81,37 @@ def _grouped_gemm_kernel(
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(Bias + expert * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if WEIGHTED:
         acc = acc * tl.load(RouterWeights + pair, mask=real, other=0.0).to(tl.float32)[:, None]
     c = C + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
     tl.store(c, acc.to(C.dtype.element_ty), mask=real[:, None] & n_ok[None, :])
 
 
-def _grouped_gemm(a, w, out, sorted_ids, expert_of_block, router_weights, top_k_of_a, blocks) -> None:
+def _grouped_gemm(
+    a, w, out, sorted_ids, expert_of_block, router_weights, top_k_of_a, blocks, bias=None
+) -> None:
     num_blocks, n, k = expert_of_block.numel(), w.shape[1], w.shape[2]
     upcast = upcast_loads(a.dtype)
     grid = (num_blocks, triton.cdiv(n, blocks.n))
     _grouped_gemm_kernel[grid](
         a, w, out, sorted_ids, expert_of_block, router_weights if router_weights is not None else a,
+        bias.contiguous() if bias is not None else a,
         out.shape[0], n, k, top_k_of_a,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=blocks.k,
-        WEIGHTED=router_weights is not None, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
+        BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=blocks.k, WEIGHTED=router_weights is not None,
+        HAS_BIAS=bias is not None, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
         num_warps=blocks.warps, num_stages=blocks.stages,
     )  # fmt: skip
 
 
-def fused_moe(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> torch.Tensor:
+def fused_moe(x, gate_up, down, topk_weights, topk_ids, glu=silu_and_mul, gate_up_bias=None,
+              down_bias=None) -> torch.Tensor:  # fmt: skip
     """``x`` [T, H]; ``gate_up`` [E, 2I, H] (gate rows, then up); ``down`` [E, H, I];
-    ``topk_weights``/``topk_ids`` [T, k] from the router. Returns [T, H] in ``x``'s dtype:
-    the sum over each token's experts of ``weight * down(act(gate) * up)``."""
+    ``topk_weights``/``topk_ids`` [T, k] from the router; the biases [E, 2I], [E, H] where
+    the experts have them. Returns [T, H] in ``x``'s dtype: the sum over each token's
+    experts of ``weight * down(glu(gate, up))``."""
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
@@ -108,22 +120,29 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> to
     sorted_ids, expert_of_block, _ = align_block_size(topk_ids, gate_up.shape[0], blocks.m)
     pairs, inter = tokens * top_k, down.shape[2]
     hidden = torch.empty((pairs, 2 * inter), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, hidden, sorted_ids, expert_of_block, None, top_k, blocks)
-    act = activation(hidden[:, :inter]) * hidden[:, inter:]
+    _grouped_gemm(x, gate_up, hidden, sorted_ids, expert_of_block, None, top_k, blocks, gate_up_bias)
+    act = glu(hidden[:, :inter], hidden[:, inter:]).contiguous()
     out = torch.empty((pairs, down.shape[1]), dtype=x.dtype, device=x.device)
     weights = topk_weights.flatten().contiguous()
-    _grouped_gemm(act, down, out, sorted_ids, expert_of_block, weights, 1, blocks)
+    _grouped_gemm(act, down, out, sorted_ids, expert_of_block, weights, 1, blocks, down_bias)
     return out.view(tokens, top_k, -1).sum(dim=1)
 
 
-def grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> torch.Tensor:
+def grouped_moe_torch(x, gate_up, down, topk_weights, topk_ids, glu=silu_and_mul, gate_up_bias=None,
+                      down_bias=None) -> torch.Tensor:  # fmt: skip
     """``fused_moe``'s result by torch's grouped product, as transformers' ``grouped_mm``
-    experts compute it: the pairs sorted by expert, one grouped product per projection, the
-    router weight applied, then each token's choices summed in choice order."""
+    experts compute it: the pairs sorted by expert, one grouped product per projection
+    (its expert's bias added), the router weight applied, then each token's choices summed
+    in choice order."""
     top_k, num_experts = topk_ids.shape[1], gate_up.shape[0]
     by_expert, perm = torch.sort(topk_ids.reshape(-1))
     offsets = torch.cumsum(torch.bincount(by_expert, minlength=num_experts), dim=0, dtype=torch.int32)
-    gate, up = GROUPED_MM(x[perm // top_k], gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    y = GROUPED_MM(activation(gate) * up, down.transpose(-2, -1), offs=offsets)
+    h = GROUPED_MM(x[perm // top_k], gate_up.transpose(-2, -1), offs=offsets)
+    if gate_up_bias is not None:
+        h.add_(gate_up_bias[by_expert])
+    gate, up = h.chunk(2, dim=-1)
+    y = GROUPED_MM(glu(gate, up), down.transpose(-2, -1), offs=offsets)
+    if down_bias is not None:
+        y.add_(down_bias[by_expert])
     y = y * topk_weights.reshape(-1)[perm].unsqueeze(-1)
     return y[torch.argsort(perm)].view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)

@@ -163,15 +163,33 @@ def cascade_attention_ref(
     return out, lse
 
 
-def fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, activation=F.silu) -> torch.Tensor:
-    """Each token through each of its experts, one at a time: ``sum_j w_j * down_e(act(gate_e
-    x) * up_e x)`` with ``e = topk_ids[t, j]``, in ``x``'s dtype (float64 in the tests)."""
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU MLP's product of its gate and up projections."""
+    return F.silu(gate) * up
+
+
+def fused_moe_ref(x, gate_up, down, topk_weights, topk_ids, glu=silu_and_mul, gate_up_bias=None,
+                  down_bias=None) -> torch.Tensor:  # fmt: skip
+    """Each token through each of its experts, one at a time: ``sum_j w_j * (down_e glu(gate_e
+    x + b, up_e x + b) + b)`` with ``e = topk_ids[t, j]``, in ``x``'s dtype (float64 in the
+    tests)."""
     inter = down.shape[2]
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             h = gate_up[e].to(x.dtype) @ x[t]
-            y = down[e].to(x.dtype) @ (activation(h[:inter]) * h[inter:])
+            if gate_up_bias is not None:
+                h = h + gate_up_bias[e].to(x.dtype)
+            y = down[e].to(x.dtype) @ glu(h[:inter], h[inter:])
+            if down_bias is not None:
+                y = y + down_bias[e].to(x.dtype)
             out[t] += topk_weights[t, j].to(x.dtype) * y
     return out
+
+
+def attention_sinks_ref(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (gpt-oss): a learned logit per head that joins the softmax and brings
+    no value. That is the attention merged with a state of value 0 and LSE ``sinks``, so
+    ``out * sigmoid(lse - sink)`` (``out`` [T, H, D], ``lse`` [T, H] natural log)."""
+    return (out.float() * torch.sigmoid(lse.float() - sinks.float()[None, :])[..., None]).to(out.dtype)

@@ -58,6 +58,31 @@ def _mixtral(tmp, **over):
     return _write_random_checkpoint(tmp, cfg, seed=23)
 
 
+def _gpt_oss(tmp, **over):
+    """gpt-oss: layers alternating a 16-token window and full attention, YaRN, 4 experts
+    with biases, top 2. Its sinks scaled up (to N(0, 2)) and its SwiGLU clamped at 1 (not
+    7), so that both change the output of a model this small."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "rope_theta": 10000.0,
+    }
+    cfg = GptOssConfig(**{**SMALL, "intermediate_size": 32, "num_hidden_layers": 3, "num_local_experts": 4,
+                          "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 16,
+                          "rope_parameters": rope, "swiglu_limit": 1.0, **over})  # fmt: skip
+    cfg.architectures = ["GptOssForCausalLM"]
+    path = _write_random_checkpoint(tmp, cfg, seed=26)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.mul_(20.0)
+    model.save_pretrained(path)
+    return path
+
+
 def fused_copy(path: str, dest) -> str:
     """The same checkpoint in transformers 5's fused expert layout (what its models hold in
     memory; ``save_pretrained`` still writes a module per expert)."""
@@ -80,6 +105,7 @@ MODELS = {
         t, num_hidden_layers=3, mlp_only_layers=[0], num_experts_per_tok=3
     ),
     "mixtral": lambda t: _mixtral(t),
+    "gpt_oss": lambda t: _gpt_oss(t),
 }
 # Sliding windows shorter than the tests' prompts: every layer (Mistral, Mixtral), or the
 # layers from max_window_layers on (Qwen3: layer 1 slides, layer 0 attends to everything).
@@ -91,6 +117,8 @@ WINDOWED = {
     "gemma3": lambda t: _gemma3(
         t, rope_scaling={"rope_type": "linear", "factor": 2.0}, final_logit_softcapping=30.0
     ),
+    # gpt-oss: a 16-token window on every other layer, attention sinks
+    "gpt_oss": lambda t: _gpt_oss(t),
     # Gemma 3's own pattern: five local layers to one global, head_dim 16
     "gemma3_six": lambda t: _gemma3(
         t,

@@ -105,6 +105,49 @@ def test_gemma3_log_probabilities_are_its_soft_capped_ones(tmp_path_factory, mak
     )
 
 
+def test_gpt_oss_log_probabilities_are_its_own_with_sinks_and_clamped_experts(
+    tmp_path_factory, make_engine, hf_reference
+):
+    """Sinks and the clamp shift probabilities more than they flip greedy tokens: the log
+    probabilities of sampled tokens equal transformers' (1e-4), past the window, while the
+    same checkpoint without its sinks, or unclamped, is off by more than 1e-2 (so the
+    comparison sees both)."""
+    path = MODELS["gpt_oss"](tmp_path_factory.mktemp("gpt_oss_lp"))
+    [prompt] = random_prompts([40], 384, seed=38)
+    engine, outputs = make_engine(path, chunk_size=16), []
+    engine.add_request("lp", prompt, {"temperature": 1.0, "seed": 3, "max_tokens": 5, "ignore_eos": True,
+                                      "logprobs": 1}, outputs.append)  # fmt: skip
+    while engine.has_work():
+        engine.step()
+    tokens = [t for o in outputs for t in o.token_ids]
+    ours = torch.tensor([step[t][0] for t, step in zip(tokens, (s for o in outputs for s in o.logprobs))])
+    model = hf_reference(path).model
+    ids = torch.tensor([prompt + tokens])
+
+    def theirs() -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+        return torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tokens)), tokens]
+
+    assert torch.allclose(ours, theirs(), atol=1e-4)
+    sinks = [layer.self_attn.sinks.detach().clone() for layer in model.model.layers]
+    try:
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data.fill_(-1e4)
+        assert (ours - theirs()).abs().max() > 1e-2
+    finally:
+        for layer, kept in zip(model.model.layers, sinks):
+            layer.self_attn.sinks.data.copy_(kept)
+    limit = model.model.layers[0].mlp.experts.limit
+    try:
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = 1e4
+        assert (ours - theirs()).abs().max() > 1e-2
+    finally:
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = limit
+
+
 def test_multimodal_gemma3_is_refused_naming_its_text_model():
     message = "'Gemma3ForConditionalGeneration' is multimodal: serve its text model, Gemma3ForCausalLM"
     with pytest.raises(ValueError, match=message):

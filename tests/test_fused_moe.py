@@ -1,7 +1,8 @@
 """The fused MoE kernel (``kernels/fused_moe.py``) against its float64 reference, under
 TRITON_INTERPRET=1 on the CPU (on a GPU host, on the card): tokens sorted by expert with
 padding to the block size, experts that receive no token, a single token, top-1 to top-4,
-shapes that no block divides; and against the engine's own MoE layer."""
+shapes that no block divides, experts with biases and gpt-oss's clamped SwiGLU; and
+against the engine's own MoE layer."""
 
 from __future__ import annotations
 
@@ -45,6 +46,26 @@ def test_fused_moe_matches_reference(dtype, tokens, top_k, experts):
     expect = ref.fused_moe_ref(*(t.double() for t in low), weights.float().double(), ids)
     assert out.dtype == dtype and out.shape == x.shape
     assert ((out.double().cpu() - expect).abs().max() / expect.abs().max()).item() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_moe_with_expert_biases_and_a_clamped_glu(dtype):
+    """gpt-oss's experts: each expert's bias added in the kernel after either projection,
+    and its clamped SwiGLU between them (clamped at 0.5, which these inputs exceed)."""
+    from preble_backend.model.activations import clamped_swiglu
+
+    x, gate_up, down, weights, ids = routed(19, 40, 24, 6, 2, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    biases = [torch.randn(6, n, generator=gen, dtype=torch.float64) for n in (48, 40)]
+    glu = clamped_swiglu(0.5, 1.702)
+    low = [t.to(dtype) for t in (x, gate_up, down, *biases)]
+    out = fused_moe(*(t.to(DEVICE) for t in low[:3]), weights.float().to(DEVICE), ids.to(DEVICE), glu,
+                    *(b.to(DEVICE) for b in low[3:]))  # fmt: skip
+    d = [t.double() for t in low]
+    expect = ref.fused_moe_ref(*d[:3], weights.double(), ids, glu, *d[3:])
+    assert ((out.double().cpu() - expect).abs().max() / expect.abs().max()).item() < TOL[dtype]
+    unbiased = ref.fused_moe_ref(*d[:3], weights.double(), ids, glu)
+    assert (unbiased - expect).abs().max() > 0.1  # the biases matter here
 
 
 def _layer():

@@ -32,7 +32,7 @@ def _run(make_engine, model: str, tp: int, params: dict, **config) -> tuple[list
     return out, engine.stats()
 
 
-MOE = ("qwen3_moe", "qwen3_moe_plain", "mixtral", "mixtral_fused")
+MOE = ("qwen3_moe", "qwen3_moe_plain", "mixtral", "mixtral_fused", "gpt_oss")
 NEW = ("qwen3", "gemma3", "qwen3_window", "mistral_window")
 
 
@@ -50,7 +50,7 @@ def moe_models(tmp_path_factory) -> dict[str, str]:
 
     built = {
         name: MODELS[name](tmp_path_factory.mktemp(name))
-        for name in ("qwen3_moe", "qwen3_moe_plain", "mixtral")
+        for name in ("qwen3_moe", "qwen3_moe_plain", "mixtral", "gpt_oss")
     }
     built["mixtral_fused"] = fused_copy(built["mixtral"], tmp_path_factory.mktemp("mixtral_fused"))
     return built
@@ -73,7 +73,8 @@ def new_models(tmp_path_factory) -> dict[str, str]:
                                            ("llama3_tied_model", 2), ("llama3_tied_model", 4),
                                            ("llama_bias_model", 2), ("qwen3_moe", 2), ("qwen3_moe_plain", 4),
                                            ("mixtral", 2), ("mixtral_fused", 2), ("qwen3", 2), ("gemma3", 2),
-                                           ("qwen3_window", 2), ("mistral_window", 2)])  # fmt: skip
+                                           ("qwen3_window", 2), ("mistral_window", 2),
+                                           ("gpt_oss", 2)])  # fmt: skip
 def test_tp_generates_exactly_what_one_device_does(request, make_engine, model, tp):
     path = checkpoint(request, model)
     for params in (GREEDY, SEEDED):

@@ -21,3 +21,20 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
         raise ValueError(f"hidden_act {name!r} is not supported: {list(ACTIVATIONS)}")
     return ACTIVATIONS[name]
+
+
+def gated(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A gated MLP's product of its gate and up projections: ``act(gate) * up``."""
+    act = activation(name)
+    return lambda gate, up: act(gate) * up
+
+
+def clamped_swiglu(limit: float, alpha: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """gpt-oss's experts: the gate clamped above and up clamped both ways at ``limit``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``, op for op as transformers computes it."""
+
+    def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(min=None, max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return glu

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from kernels.reference import extend_attention_ref, kv_write_ref
+from kernels.reference import attention_sinks_ref, extend_attention_ref, kv_write_ref
 from preble_backend.common.prefix import longest_match
 from preble_backend.model.kv_pool import KVPool
 
@@ -56,10 +56,12 @@ class AttentionBackend(ABC):
         pool: KVPool,
         window: int | None = None,
         scale: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Write the new K/V into their pages, then attend; with a ``window`` (a sliding
         layer), each query sees only the ``window`` keys up to itself. ``scale``: the
-        scores' (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``)."""
+        scores' (default ``head_dim ** -0.5``; Gemma's ``query_pre_attn_scalar ** -0.5``).
+        ``sinks`` [H]: gpt-oss's logit per head that joins the softmax with no value."""
 
     def decode_plan(self, kv_starts: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> Any:
         """The plan of a decode batch that a CUDA graph replays (``decode_graphs.py``): its
@@ -73,10 +75,10 @@ class TorchAttention(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None, sinks=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
-        out, _ = extend_attention_ref(
+        out, lse = extend_attention_ref(
             q,
             k_cache,
             v_cache,
@@ -85,10 +87,10 @@ class TorchAttention(AttentionBackend):
             batch.prefix_lens,
             batch.page_size,
             sm_scale=scale,
-            with_lse=False,
+            with_lse=sinks is not None,
             window=window,
         )
-        return out
+        return out if sinks is None else attention_sinks_ref(out, lse, sinks)
 
 
 def shared_prefix_groups(

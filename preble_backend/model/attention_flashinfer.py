@@ -16,10 +16,10 @@ class FlashInferAttention(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         self.paged = FlashInferPaged(device)
 
-    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
-        if window is not None or scale is not None:  # the engine refuses such a model at load
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None, sinks=None):
+        if window is not None or scale is not None or sinks is not None:  # the engine refuses such a model
             raise ValueError(
-                "attention_backend 'flashinfer' runs neither sliding windows nor a scale of its own"
+                "attention_backend 'flashinfer' runs neither sliding windows, a scale of its own nor sinks"
             )
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         k_cache[batch.slot_mapping] = k

@@ -63,7 +63,7 @@ class Plan:
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
 
-    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None, sinks=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write_ref(k_cache, v_cache, k, v, batch.slot_mapping)
         if not isinstance(batch.plan, Plan):
@@ -76,16 +76,19 @@ class SdpaAttention(AttentionBackend):
             values = v_cache[d.slots].to(q.dtype).permute(0, 2, 1, 3)
             queries = q[d.rows].unsqueeze(2)  # [Bd, H, 1, D]
             mask = d.mask if window is None else d.window_mask(window)
+            if sinks is not None:
+                keys, values, mask = with_sink(keys, values, mask, sinks)
             attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
                                                       enable_gqa=True)  # fmt: skip
             out[d.rows] = attended.squeeze(2)
         for b, row, q_len, prefix in plan.extends:
             out[row : row + q_len] = self._extend(q[row : row + q_len], k_cache, v_cache, batch.page_table[b],
-                                                  prefix, batch.page_size, scale, window)  # fmt: skip
+                                                  prefix, batch.page_size, scale, window, sinks)  # fmt: skip
         return out
 
     @staticmethod
-    def _extend(queries, k_cache, v_cache, page_row, prefix: int, page_size: int, scale: float, window=None):
+    def _extend(queries, k_cache, v_cache, page_row, prefix: int, page_size: int, scale: float, window=None,
+                sinks=None):  # fmt: skip
         """One request's chunk: its queries over its whole context (with a ``window``, from
         the first query's window on), causal."""
         n = queries.shape[0]
@@ -97,7 +100,7 @@ class SdpaAttention(AttentionBackend):
         # A batch dimension: torch's CPU flash kernel takes 4-D inputs only; 3-D ones fall
         # to the math path, 4.3x slower for a 1,024-token causal prefill.
         q, keys, values = q[None], keys[None], values[None]
-        if prefix == 0 and (window is None or window >= n):
+        if prefix == 0 and (window is None or window >= n) and sinks is None:
             mask, causal = None, True
         else:
             k_pos = torch.arange(first, prefix + n, device=queries.device)
@@ -105,6 +108,8 @@ class SdpaAttention(AttentionBackend):
             mask, causal = k_pos[None, :] <= q_pos[:, None], False
             if window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - window
+            if sinks is not None:
+                keys, values, mask = with_sink(keys, values, mask[None, None], sinks)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
                                              enable_gqa=True)  # fmt: skip
         return out[0].transpose(0, 1)
@@ -119,3 +124,16 @@ class SdpaAttention(AttentionBackend):
         decode = DecodePlan.build(batch, members, starts, device) if members else None
         extends = [(b, starts[b], n, batch.prefix_lens[b]) for b, n in enumerate(batch.q_lens) if n != 1]
         return Plan(decode, extends)
+
+
+def with_sink(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor):
+    """Attention sinks (gpt-oss) in SDPA: a zero key and value after the others, which the
+    mask scores with each head's ``sinks`` logit (a zero key scores 0): the sink joins the
+    softmax and brings nothing. ``mask`` [B, 1, Lq, L] bool becomes [B, H, Lq, L + 1] float."""
+    pad = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])
+    keys, values = torch.cat([keys, pad], -2), torch.cat([values, pad], -2)
+    heads = sinks.shape[0]
+    bias = torch.zeros(mask.shape, dtype=keys.dtype, device=keys.device).masked_fill(~mask, float("-inf"))
+    bias = bias.expand(bias.shape[0], heads, *bias.shape[2:])
+    sink = sinks.to(keys.dtype).view(1, heads, 1, 1).expand(bias.shape[0], heads, bias.shape[2], 1)
+    return keys, values, torch.cat([bias, sink], -1)

@@ -12,6 +12,7 @@ import torch
 
 from kernels.cascade import cascade_attention_planned, decode_plan, plan_cascade
 from kernels.kv_write import kv_write
+from kernels.reference import attention_sinks_ref
 from kernels.tuning import interpreting
 from preble_backend.model.attention import AttentionBackend
 
@@ -45,7 +46,7 @@ class TritonAttention(AttentionBackend):
         self.cascade_forwards = 0  # forwards that attended a shared prefix once per group
         self.min_shared_tokens = cascade_threshold(device)
 
-    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None):
+    def forward(self, layer, q, k, v, batch, pool, window=None, scale=None, sinks=None):
         k_cache, v_cache = pool.k_cache[layer], pool.v_cache[layer]
         kv_write(k_cache, v_cache, k, v, batch.slot_mapping)
         if batch.plan is None:
@@ -56,9 +57,9 @@ class TritonAttention(AttentionBackend):
             if batch.sliding_plan is None:
                 batch.sliding_plan = plan_cascade(q, k_cache, batch.q_lens, batch.prefix_lens, [])
             plan = batch.sliding_plan
-        out, _ = cascade_attention_planned(q, k_cache, v_cache, batch.page_table, batch.page_size, plan,
-                                           sm_scale=scale, window=window)  # fmt: skip
-        return out
+        out, lse = cascade_attention_planned(q, k_cache, v_cache, batch.page_table, batch.page_size, plan,
+                                             sm_scale=scale, window=window)  # fmt: skip
+        return out if sinks is None else attention_sinks_ref(out, lse, sinks)  # merged by the kernel's LSE
 
     def decode_plan(self, kv_starts, seq_lens, max_seq_len):
         return decode_plan(kv_starts, seq_lens, max_seq_len)

@@ -23,18 +23,20 @@ from preble_backend.model.kv_pool import KVPool
 from preble_backend.model.model_card import weight_files
 from preble_backend.model.model_config import ModelConfig
 from preble_backend.model.moe import SparseMoE, fuse_experts
+from preble_backend.model.rope import rope_attention_factor
 from preble_backend.model.safetensors_slices import DTYPES, read_header, read_slice
 from preble_backend.model.tensor_parallel import TPGroup, shard_model, slice_of
 
 
 class RMSNorm(nn.Module):
-    """Llama's (``weight * normed.to(dtype)``), or Gemma's (``plus_one``: ``normed * (1 +
-    weight)`` in fp32, then the dtype), as each family's transformers code rounds."""
+    """Llama's (``weight * normed.to(dtype)``), Gemma's (``plus_one``: ``normed * (1 +
+    weight)`` in fp32, then the dtype) or gpt-oss's (``fp32``: ``weight * normed`` in fp32,
+    then the dtype), as each family's transformers code rounds."""
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.plus_one = eps, plus_one
+        self.eps, self.plus_one, self.fp32 = eps, plus_one, fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -42,6 +44,8 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
+        if self.fp32:
+            return (self.weight.float() * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -62,6 +66,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=cfg.o_bias)
         self.window, self.scale = cfg.window(layer), cfg.attn_scale
         self.sliding, self.kv_index = cfg.kv_group(layer)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3, Gemma 3: each head's q and k normalised before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -79,9 +84,9 @@ class Attention(nn.Module):
         if pool.window is not None:  # the KV of full and sliding layers in pools of their own
             if self.sliding:
                 pool, batch = pool.window, batch.window
-            out = backend.forward(self.kv_index, q, k, v, batch, pool, self.window, self.scale)
+            out = backend.forward(self.kv_index, q, k, v, batch, pool, self.window, self.scale, self.sinks)
         else:
-            out = backend.forward(self.layer, q, k, v, batch, pool, self.window, self.scale)
+            out = backend.forward(self.layer, q, k, v, batch, pool, self.window, self.scale, self.sinks)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -102,7 +107,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = SparseMoE(cfg) if cfg.moe and layer in cfg.moe.sparse_layers else MLP(cfg)
-        norm = (cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        norm = (cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one, cfg.norm_weight_fp32)
         self.input_layernorm = RMSNorm(*norm)
         self.post_attention_layernorm = RMSNorm(*norm)
         self.sandwich = cfg.sandwich_norms
@@ -125,12 +130,13 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one, cfg.norm_weight_fp32)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # one RoPE per distinct setting (Gemma 3: local and global), each layer's by index
         ropes = [cfg.rope_of(i) for i in range(cfg.num_layers)]
         distinct = [r for i, r in enumerate(ropes) if r not in ropes[:i]]
         self.ropes, self.rope_index = distinct, [distinct.index(r) for r in ropes]
+        self.rope_scales = [rope_attention_factor(r) for r in distinct]  # YaRN's; else 1
         self.register_buffer("inv_freq", self.rope_frequencies(), persistent=False)
 
     def rope_frequencies(self) -> torch.Tensor:
@@ -141,8 +147,13 @@ class LlamaForCausalLM(nn.Module):
         """(cos, sin) [T, 1, D] of each distinct RoPE."""
         freqs = positions[:, None, None].float() * self.inv_freq.float()[None]  # [T, R, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        return [(cos[:, r, None, :], sin[:, r, None, :]) for r in range(emb.shape[1])]
+        out = []
+        for r, scale in enumerate(self.rope_scales):
+            cos, sin = emb[:, r].cos(), emb[:, r].sin()
+            if scale != 1.0:
+                cos, sin = cos * scale, sin * scale
+            out.append((cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]))
+        return out
 
     @torch.inference_mode()
     def forward(
@@ -179,7 +190,7 @@ class LlamaForCausalLM(nn.Module):
             shard_model(model, tp)
         state = _load_state_dict(Path(model_path), (lambda key: slice_of(key, cfg, tp)) if sliced else None)
         if cfg.moe:
-            state = fuse_experts(state, cfg.moe.num_experts)
+            state = fuse_experts(state, cfg.moe, tp.rank if sliced else 0)
         if cfg.tie_word_embeddings:  # a checkpoint without it and untied lacks it: refused below
             state["lm_head.weight"] = state["embed_tokens.weight"]
         expected = set(model.state_dict())

@@ -1,9 +1,8 @@
 """What the engine needs to know about a checkpoint of a supported family (Llama, Mistral,
-Qwen2, Qwen3, and the mixture-of-experts Qwen3-MoE and Mixtral), read from its config.json.
+Qwen2, Qwen3, Gemma 3, and the mixture-of-experts Qwen3-MoE, Mixtral and gpt-oss), read from
+its config.json.
 
-Hugging Face has written RoPE settings two ways (``rope_theta`` + ``rope_scaling`` before
-transformers 5, one ``rope_parameters`` dict after); both are accepted here so checkpoints
-from either era load.
+RoPE settings are read by ``rope.py``.
 
 Loading is strict: every config.json field is either honoured (``HONOURED``, per family),
 known to leave the forward pass unchanged (``NO_EFFECT``, plus Hugging Face's generic
@@ -15,10 +14,11 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from preble_backend.model.rope import gemma3_ropes, rope_inv_freq, rope_parameters
 
 if TYPE_CHECKING:  # torch is imported where RoPE is computed: the model card reads configs
     import torch  # in processes that never load it (the front)
@@ -31,11 +31,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Wrappers whose text model is a supported one: named in the refusal (their vision tower and
 # projector are not served here).
 TEXT_MODEL_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _COMMON = {
     "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
@@ -67,6 +67,21 @@ HONOURED = {
         "final_logit_softcapping",
         "attention_bias",
     },
+    # gpt-oss: attention sinks and biases, alternating windows, YaRN, its router and
+    # clamped experts; ``experts_per_token`` and ``initial_context_length`` are the
+    # original release's names for num_experts_per_tok and YaRN's original length, which
+    # transformers does not read
+    "gpt_oss": _COMMON
+    | _MOE
+    | {
+        "sliding_window",
+        "layer_types",
+        "attention_bias",
+        "swiglu_alpha",
+        "swiglu_limit",
+        "experts_per_token",
+        "initial_context_length",
+    },
 }
 # Fields that do not change inference: training-only settings, metadata (and any key
 # starting with "_", such as the GGUF loader's ``_model_name_or_path``), token ids the
@@ -94,7 +109,13 @@ class MoESpec:
     renormalize: bool
     cast_weights: bool
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the mixture; the rest are dense
+    # gpt-oss: ``topk_softmax`` (top k of a biased router's logits, softmax over those k),
+    # experts with biases, and their clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``)
     router: str = "softmax_topk"
+    bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    interleaved: bool = False  # the checkpoint's gate_up_proj is [E, H, 2I], gate and up interleaved
 
 
 @dataclass(frozen=True)
@@ -129,6 +150,8 @@ class ModelConfig:
     attn_scale: float | None = None
     layer_ropes: tuple[dict, ...] = ()  # per layer where they differ; else ``rope`` for all
     final_softcap: float | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax
+    norm_weight_fp32: bool = False  # gpt-oss: norms multiply in fp32, then round
 
     @property
     def max_context(self) -> int:
@@ -180,9 +203,9 @@ class ModelConfig:
         max_pos = cfg.get("max_position_embeddings", 2048)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope = _rope_parameters(cfg)
+        rope = rope_parameters(cfg)
         qwen3, gemma = family in ("qwen3", "qwen3_moe"), family == "gemma3"
-        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3") and bool(
+        attention_bias = family in ("llama", "qwen3", "qwen3_moe", "gemma3", "gpt_oss") and bool(
             cfg.get("attention_bias")
         )
         return cls(
@@ -213,25 +236,16 @@ class ModelConfig:
             sandwich_norms=gemma,
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
             attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
-            layer_ropes=_gemma3_ropes(cfg) if gemma else (),
+            layer_ropes=gemma3_ropes(cfg, _gemma3_layer_types(cfg)) if gemma else (),
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            attention_sinks=family == "gpt_oss",
+            norm_weight_fp32=family == "gpt_oss",
         )
 
     def inv_freq(self, rope: dict | None = None) -> torch.Tensor:
         """RoPE inverse frequencies (of ``rope``, else the model's), computed exactly as
         Hugging Face does."""
-        import torch
-
-        rope = rope or self.rope
-        base = rope["rope_theta"]
-        dim = self.head_dim
-        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        kind = rope["rope_type"]
-        if kind == "linear":
-            inv = inv / rope["factor"]
-        elif kind == "llama3":
-            inv = _llama3_inv_freq(inv, rope)
-        return inv
+        return rope_inv_freq(rope or self.rope, self.head_dim, self.max_position_embeddings)
 
     def rope_of(self, layer: int) -> dict:
         return self.layer_ropes[layer] if self.layer_ropes else self.rope
@@ -269,25 +283,6 @@ def _gemma3_layer_types(cfg: dict) -> list[str]:
     ]
 
 
-def _gemma3_ropes(cfg: dict) -> tuple[dict, ...]:
-    """Gemma 3's RoPE per layer, as transformers 5 converts either era's config: the full
-    layers take ``rope_theta`` (1e6 by default) and ``rope_scaling``, the sliding ones
-    ``rope_local_base_freq`` (1e4); ``rope_parameters`` by layer kind where a config has it."""
-    params = {kind: dict(v) for kind, v in (cfg.get("rope_parameters") or {}).items() if isinstance(v, dict)}
-    full = {"rope_type": "default", **params.get("full_attention", {}), **(cfg.get("rope_scaling") or {})}
-    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    local = {"rope_type": "default", **params.get("sliding_attention", {})}
-    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-    ropes = {}
-    for kind, rope in (("full_attention", full), ("sliding_attention", local)):
-        rope["rope_type"] = rope.get("rope_type") or rope.pop("type", "default")
-        if rope["rope_type"] not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"{kind} rope_type {rope['rope_type']!r} is not supported; expected one of "
-                             f"{SUPPORTED_ROPE_TYPES}")  # fmt: skip
-        ropes[kind] = rope
-    return tuple(ropes[t] for t in _gemma3_layer_types(cfg))
-
-
 def _layer_windows(cfg: dict, family: str) -> tuple[int | None, ...]:
     """Each layer's sliding window, as each family's configuration class in transformers
     derives it: Mistral and Mixtral slide every layer (Mistral's window defaults to 4,096
@@ -298,6 +293,10 @@ def _layer_windows(cfg: dict, family: str) -> tuple[int | None, ...]:
     if family == "gemma3":
         window = cfg.get("sliding_window", 4096)
         return tuple(window if t == "sliding_attention" else None for t in _gemma3_layer_types(cfg))
+    if family == "gpt_oss":
+        window, types = cfg.get("sliding_window", 128), cfg.get("layer_types")
+        types = types or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
     if family in ("mistral", "mixtral"):
         window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
         return (window,) * layers
@@ -319,10 +318,16 @@ def _layer_windows(cfg: dict, family: str) -> tuple[int | None, ...]:
 
 def _moe_spec(cfg: dict, family: str) -> MoESpec | None:
     """The mixture, as each family's modeling code in transformers builds it."""
-    if family not in ("qwen3_moe", "mixtral"):
+    if family not in ("qwen3_moe", "mixtral", "gpt_oss"):
         return None
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     layers = range(cfg["num_hidden_layers"])
+    if family == "gpt_oss":
+        return MoESpec(experts, cfg.get("num_experts_per_tok", 4), cfg["intermediate_size"],
+                       renormalize=False, cast_weights=True, sparse_layers=tuple(layers),
+                       router="topk_softmax", bias=True, interleaved=True,
+                       swiglu_limit=cfg.get("swiglu_limit", 7.0),
+                       swiglu_alpha=cfg.get("swiglu_alpha", 1.702))  # fmt: skip
     if family == "mixtral":
         return MoESpec(experts, cfg.get("num_experts_per_tok", 2), cfg["intermediate_size"], renormalize=True,
                        cast_weights=False, sparse_layers=tuple(layers))  # fmt: skip
@@ -331,35 +336,3 @@ def _moe_spec(cfg: dict, family: str) -> MoESpec | None:
     renormalize = bool(cfg.get("norm_topk_prob"))
     return MoESpec(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"], renormalize=renormalize,
                    cast_weights=True, sparse_layers=sparse)  # fmt: skip
-
-
-def _rope_parameters(cfg: dict) -> dict:
-    """RoPE settings as transformers 5 reads them: ``rope_scaling``, where a config has it,
-    replaces ``rope_parameters`` (model cards tell users to add it for longer contexts, to
-    a config that already has ``rope_parameters``); ``rope_theta`` is then the dict's own,
-    else the config's top-level one, else 10,000."""
-    source = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    params = dict(cfg.get(source) or {})
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"{source} rope_type {kind!r} is not supported; expected one of "
-                         f"{SUPPORTED_ROPE_TYPES}")  # fmt: skip
-    params["rope_type"] = kind
-    return params
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
-    """Llama 3.1 frequency-dependent rescaling: long wavelengths stretched, short kept."""
-    import torch
-
-    factor = rope["factor"]
-    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
-    old_len = rope["original_max_position_embeddings"]
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)

@@ -117,6 +117,8 @@ def slice_of(key: str, cfg: ModelConfig, tp: TPGroup) -> tuple[int, int, int] | 
         return 0, split.kv_start * hd, split.kv_count * hd
     if module in ("gate_proj", "up_proj"):
         return 0, tp.rank * inter, inter
+    if module == "self_attn" and kind == "sinks":  # gpt-oss: one per query head
+        return 0, split.q_start, split.q_count
     if module == "o_proj" and kind == "weight":
         return 1, split.q_start * hd, split.q_count * hd
     if module == "down_proj" and kind == "weight":
@@ -132,6 +134,10 @@ def _expert_slice(key: str, module: str, cfg: ModelConfig, tp: TPGroup):
     size = cfg.moe.intermediate_size
     count = size // tp.size
     start = tp.rank * count
+    if cfg.moe.interleaved:  # gpt-oss: [E, H, 2I] with a feature's gate and up side by side
+        if key.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+            return (1 if key.endswith("bias") else 2), 2 * start, 2 * count
+        return (1, start, count) if key.endswith("experts.down_proj") else None
     if key.endswith("experts.gate_up_proj"):
         return [(1, start, count), (1, size + start, count)]
     if key.endswith("experts.down_proj"):
@@ -155,6 +161,10 @@ def shard_model(model: nn.Module, tp: TPGroup) -> HeadSplit:
         attn.v_proj = _rows(attn.v_proj, split.kv_start * hd, split.kv_count * hd)
         attn.o_proj = RowParallelLinear(attn.o_proj, split.q_start * hd, split.q_count * hd, tp)
         attn.num_heads, attn.num_kv_heads = split.q_count, split.kv_count
+        if attn.sinks is not None:
+            attn.sinks = nn.Parameter(
+                attn.sinks[split.q_start : split.q_start + split.q_count], requires_grad=False
+            )
         if hasattr(mlp, "experts"):  # a mixture: its experts' slices, one all-reduce after them
             mlp.shard(tp)
             continue

@@ -70,10 +70,11 @@ class ModelRunner:
         self.cfg = self.model.cfg
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.backend = make_attention_backend(attention_backend, self.device)
-        if self.backend.name == "flashinfer" and (any(self.cfg.layer_windows) or self.cfg.attn_scale):
-            raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers or a score "
-                             f"scale of the model's own yet ({self.cfg.architecture} has them): use "
-                             "'triton'")  # fmt: skip
+        if self.backend.name == "flashinfer" and (any(self.cfg.layer_windows) or self.cfg.attn_scale
+                                                  or self.cfg.attention_sinks):  # fmt: skip
+            raise ValueError("attention_backend 'flashinfer' does not run sliding-window layers, attention "
+                             f"sinks or a score scale of the model's own yet ({self.cfg.architecture} has "
+                             "them): use 'triton'")  # fmt: skip
         self.graph_batch = graph_batch if tensor_parallel_size == 1 and self.device.type == "cuda" else 0
         self.graphs: DecodeGraphs | None = None
 
