@@ -89,7 +89,8 @@ for s in "${@:-stack tests bench moe graphs backends parity tp tier}"; do
                 --device cuda --dtype bfloat16 --prefix-lens 1024,4096 --rounds 3 ;;
             tp) step tp 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tensor_parallel.py ;;
             parity) PREBLE_TEST_DEVICE=cuda step parity 400 python3 -m pytest -q -p no:cacheprovider $XDIST \
-                tests/test_parity.py tests/test_host_copy_ahead.py tests/test_host_load_beside.py ;;
+                tests/test_parity.py tests/test_host_copy_ahead.py tests/test_host_load_beside.py \
+                tests/test_architectures.py tests/test_sliding_windows.py ;;
             *) echo "unknown step $name (stack tests bench moe graphs backends parity tp tier)" >&2; exit 2 ;;
         esac
     done
