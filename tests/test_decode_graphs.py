@@ -50,7 +50,15 @@ def run(engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.T
     return [outputs[i] for i in range(len(prompts))], seen, decodes
 
 
-@pytest.mark.parametrize("model", ["qwen2_gqa_model", "llama3_tied_model"])
+@pytest.fixture(scope="module")
+def gpt_oss_model(tmp_path_factory) -> str:
+    """Sliding layers (their KV in the window pool, read through buffers of their own) and sinks."""
+    from checkpoints import MODELS
+
+    return MODELS["gpt_oss"](tmp_path_factory.mktemp("gpt_oss_graphs"))
+
+
+@pytest.mark.parametrize("model", ["qwen2_gqa_model", "llama3_tied_model", "gpt_oss_model"])
 def test_padded_decode_steps_give_the_eager_steps_and_transformers_tokens(request, make_engine, hf_reference,
                                                                           model):  # fmt: skip
     path = request.getfixturevalue(model)
@@ -74,11 +82,18 @@ def test_padded_decode_steps_give_the_eager_steps_and_transformers_tokens(reques
         assert a.shape == b.shape
         if a.numel():  # fp32: the split counts differ, so the sums' order, and nothing else
             assert (a - b).abs().max() / a.abs().max() < 1e-5
-    # Padding rows wrote no KV: the same slots were written, with the same values.
-    for side in ("k_cache", "v_cache"):
-        a, b = getattr(eager.pool, side), getattr(padded.pool, side)
-        assert torch.equal(a.abs().sum((-2, -1)) == 0, b.abs().sum((-2, -1)) == 0)
-        assert (a - b).abs().max() / a.abs().max() < 1e-5
+    # Padding rows wrote no KV: the same slots were written, with the same values (in the
+    # window pool too, where the model has sliding layers).
+    pools = [(eager.pool, padded.pool)] + (
+        [(eager.pool.window, padded.pool.window)] if eager.pool.window else []
+    )
+    for one, other in pools:
+        for side in ("k_cache", "v_cache"):
+            a, b = getattr(one, side), getattr(other, side)
+            if not a.numel():
+                continue
+            assert torch.equal(a.abs().sum((-2, -1)) == 0, b.abs().sum((-2, -1)) == 0)
+            assert (a - b).abs().max() / a.abs().max() < 1e-5
 
 
 def test_only_plain_decode_batches_fit_the_buffers(qwen2_gqa_model, make_engine):

@@ -9,7 +9,8 @@ slots, page table, sequence lengths: the buffers below) and its launch grids dep
 bucket alone (the attention backend's ``decode_plan``: the split count chosen for the
 longest context served, a shorter one leaving splits empty). A batch is padded to its
 bucket: a padding row writes no KV (slot -1) and sees no context (length 0), and its
-logits are never read.
+logits are never read. A model with sliding layers reads their pages through buffers of
+their own (the window pool's slots and page table, ``kv_pool.py``), with the same lengths.
 
 Without ``capture`` (the CPU, where there are no graphs) every step runs the same padded,
 buffer-reading forward eagerly: what the tests check against the eager path.
@@ -46,6 +47,10 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.kv_starts = torch.zeros(max_batch, dtype=torch.int32, device=dev)  # no cascade: all 0
         self.rows = torch.arange(max_batch, dtype=torch.long, device=dev)
+        self.window_slots = self.window_table = None
+        if pool.window is not None:
+            self.window_slots = torch.full_like(self.slots, -1)
+            self.window_table = torch.zeros_like(self.page_table)
         self.buckets = batch_buckets(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps served through the buffers (replayed, or run eagerly on them)
@@ -76,6 +81,10 @@ class DecodeGraphs:
         # Columns past a row's own pages keep older ids: the kernels read no further than
         # the row's length.
         self.page_table[:n, : attn.page_table.shape[1]].copy_(attn.page_table)
+        if self.window_table is not None:
+            self.window_slots[:n].copy_(attn.window.slot_mapping)
+            self.window_slots[n:bucket].fill_(-1)
+            self.window_table[:n, : attn.page_table.shape[1]].copy_(attn.window.page_table)
         self.seq_lens[:n].copy_(torch.tensor(attn.seq_lens, dtype=torch.int32))
         self.seq_lens[n:bucket].zero_()
         self.replays += 1
@@ -99,6 +108,9 @@ class DecodeGraphs:
             shared_prefixes=[],
             plan=plan,
         )
+        if self.window_table is not None:  # the same lengths, in the window pool's pages
+            window = (self.window_slots[:bucket], self.window_table[:bucket])
+            attn.window = AttentionBatch([1] * bucket, [], *window, self.pool.page_size, [], plan=plan)
         rows = self.rows[:bucket]
         return self.model(self.ids[:bucket], self.positions[:bucket], attn, self.pool, self.backend, rows)
 

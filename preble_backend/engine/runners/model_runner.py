@@ -91,7 +91,7 @@ class ModelRunner:
         pool = KVPool(num_pages, page_size, cfg.num_layers - sliding, *kv, pin_memory=host and gpu)
         if sliding and not host:
             pool.add_window(KVPool(window_pages, page_size, sliding, *kv), cfg.sliding_window)
-        elif self.graph_batch and self.backend.capturable and not host:
+        if self.graph_batch and self.backend.capturable and not host:
             self.use_decode_graphs(pool, self.graph_batch)
         return pool
 
