@@ -89,7 +89,15 @@ def test_rope_scaling_beside_rope_parameters_is_honoured_as_transformers_does(
     prompts = random_prompts([30, 9], 320, seed=41)
     out = make_engine(str(path)).generate(prompts, {**GREEDY, "max_tokens": 12, "ignore_eos": True})
     assert out == [hf_reference(str(path)).greedy(p, 12) for p in prompts]
-    for kind in ("yarn", "dynamic", "longrope"):
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }  # Qwen3's long-context card
+    path = _with_config(llama3_tied_model, tmp_path / "yarn", rope_parameters=default, rope_scaling=yarn)
+    out = make_engine(str(path)).generate(prompts, {**GREEDY, "max_tokens": 12, "ignore_eos": True})
+    assert out == [hf_reference(str(path)).greedy(p, 12) for p in prompts]
+    for kind in ("dynamic", "longrope"):
         with pytest.raises(ValueError, match=f"rope_scaling rope_type '{kind}' is not supported"):
             ModelConfig.from_dict({**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
                                    "rope_scaling": {"rope_type": kind, "factor": 2.0}})  # fmt: skip

@@ -56,7 +56,11 @@ def _yarn_inv_freq(rope: dict, dim: int, max_position_embeddings: int) -> torch.
     it, ramped linearly between (transformers' ``_compute_yarn_parameters``, op for op)."""
     import torch
 
-    base, old_len = rope["rope_theta"], rope["original_max_position_embeddings"]
+    # transformers fills a missing original length with the model's own
+    base, old_len = (
+        rope["rope_theta"],
+        rope.get("original_max_position_embeddings") or max_position_embeddings,
+    )
     factor = rope.get("factor") or max_position_embeddings / old_len
     fast, slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
 
