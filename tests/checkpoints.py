@@ -60,8 +60,10 @@ def _mixtral(tmp, **over):
 
 def _gpt_oss(tmp, **over):
     """gpt-oss: layers alternating a 16-token window and full attention, YaRN, 4 experts
-    with biases, top 2. Its sinks scaled up (to N(0, 2)) and its SwiGLU clamped at 1 (not
-    7), so that both change the output of a model this small."""
+    with biases, top 2. Its sinks scaled up (to N(0, 2)) and its experts' gate and up
+    weights too (to N(0, 3)), so that both the sinks and the SwiGLU's clamp at 7 change the
+    output of a model this small. (The clamp is left at gpt-oss's 7: transformers before
+    5.24 ignores ``swiglu_limit`` and clamps at 7, and the device image has 5.17.)"""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     rope = {
@@ -72,13 +74,14 @@ def _gpt_oss(tmp, **over):
     }
     cfg = GptOssConfig(**{**SMALL, "intermediate_size": 32, "num_hidden_layers": 3, "num_local_experts": 4,
                           "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 16,
-                          "rope_parameters": rope, "swiglu_limit": 1.0, **over})  # fmt: skip
+                          "rope_parameters": rope, **over})  # fmt: skip
     cfg.architectures = ["GptOssForCausalLM"]
     path = _write_random_checkpoint(tmp, cfg, seed=26)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.sinks.mul_(20.0)
+            layer.mlp.experts.gate_up_proj.mul_(30.0)
     model.save_pretrained(path)
     return path
 
