@@ -54,7 +54,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def _grouped_gemm_kernel(
     A, W, C, SortedIds, ExpertOfBlock, RouterWeights, Bias,
     num_pairs, N, K, top_k_of_a,
-    stride_am, stride_we, stride_wn, stride_cm,
+    stride_am, stride_we, stride_wn, stride_wk, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -75,7 +75,7 @@ def _grouped_gemm_kernel(
         k_ok = k < K
         a_mask = real[:, None] & k_ok[None, :]
         a = tl.load(A + a_row[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
-        w = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None],
+        w = tl.load(W + expert * stride_we + n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
@@ -99,7 +99,7 @@ def _grouped_gemm(
         a, w, out, sorted_ids, expert_of_block, router_weights if router_weights is not None else a,
         bias.contiguous() if bias is not None else a,
         out.shape[0], n, k, top_k_of_a,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=blocks.k, WEIGHTED=router_weights is not None,
         HAS_BIAS=bias is not None, UPCAST=upcast, PRECISION="ieee" if upcast else "tf32",
         num_warps=blocks.warps, num_stages=blocks.stages,
@@ -115,7 +115,7 @@ def fused_moe(x, gate_up, down, topk_weights, topk_ids, glu=silu_and_mul, gate_u
     tokens, top_k = topk_ids.shape
     if tokens == 0:
         return torch.zeros_like(x)
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    x = x.contiguous()  # the weights may be views of either orientation: the kernel takes strides
     blocks = moe_blocks_for(x.device)
     sorted_ids, expert_of_block, _ = align_block_size(topk_ids, gate_up.shape[0], blocks.m)
     pairs, inter = tokens * top_k, down.shape[2]

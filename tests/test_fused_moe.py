@@ -68,12 +68,17 @@ def test_fused_moe_with_expert_biases_and_a_clamped_glu(dtype):
     assert (unbiased - expect).abs().max() > 0.1  # the biases matter here
 
 
-def _layer():
+def _layer(gpt_oss: bool = False):
+    """A Mixtral mixture, or gpt-oss's (its router, biases, clamped SwiGLU, and its experts
+    held input-major)."""
     from preble_backend.model.model_config import ModelConfig, MoESpec
     from preble_backend.model.moe import SparseMoE
 
     spec = MoESpec(num_experts=8, top_k=2, intermediate_size=24, renormalize=True, cast_weights=False,
                    sparse_layers=(0,))  # fmt: skip
+    if gpt_oss:
+        spec = MoESpec(8, 2, 24, renormalize=False, cast_weights=True, sparse_layers=(0,),
+                       router="topk_softmax", bias=True, swiglu_limit=0.5, interleaved=True)  # fmt: skip
     cfg = ModelConfig("mixtral", 64, 32, 48, 1, 4, 2, 8, 128, 1e-6, "silu", *[False] * 4, moe=spec)
     torch.manual_seed(0)
     layer = SparseMoE(cfg)
@@ -82,24 +87,29 @@ def _layer():
     return layer
 
 
-def test_the_cpu_layers_grouped_product_and_its_loop_agree(monkeypatch):
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["mixtral", "gpt_oss"])
+def test_the_cpu_layers_grouped_product_and_its_loop_agree(monkeypatch, gpt_oss):
     """The grouped product (torch 2.11 on) and the loop over experts (older torch)."""
     from preble_backend.model import moe
 
-    layer, x = _layer(), torch.randn(13, 32)
+    layer, x = _layer(gpt_oss), torch.randn(13, 32)
     with torch.no_grad():
         grouped = layer(x)
         monkeypatch.setattr(moe, "GROUPED_MM", None)
         assert torch.allclose(layer(x), grouped, rtol=1e-5, atol=1e-6)
 
 
-def test_fused_moe_is_the_engines_moe_layer():
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["mixtral", "gpt_oss"])
+def test_fused_moe_is_the_engines_moe_layer(gpt_oss):
     """The kernel, given the engine's own router and expert weights, gives the layer's output
-    (the CPU engine runs transformers' grouped product; a GPU engine runs this kernel)."""
-    layer = _layer()
+    (the CPU engine runs transformers' grouped product; a GPU engine runs this kernel);
+    gpt-oss's input-major experts reach it as transposed views, read by their strides."""
+    layer = _layer(gpt_oss)
     x = torch.randn(9, 32)
     weights, ids = layer.gate(x)
-    experts = [w.detach().to(DEVICE) for w in (layer.experts.gate_up_proj, layer.experts.down_proj)]
-    out = fused_moe(x.to(DEVICE), *experts, weights.to(DEVICE), ids.to(DEVICE))
+    experts = [w.detach().to(DEVICE) for w in layer.experts.weights()]
+    biases = [b.detach().to(DEVICE) for b in (layer.experts.gate_up_proj_bias, layer.experts.down_proj_bias)
+              if b is not None]  # fmt: skip
+    out = fused_moe(x.to(DEVICE), *experts, weights.to(DEVICE), ids.to(DEVICE), layer.experts.glu, *biases)
     with torch.no_grad():
         assert torch.allclose(out.cpu(), layer(x), rtol=1e-4, atol=1e-5)

@@ -64,9 +64,9 @@ def _interleaved(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
     return {
         "router.weight": state["gate.weight"], "router.bias": state["gate.bias"],
-        "experts.gate_up_proj": weave(state["experts.gate_up_proj"].transpose(1, 2)),
+        "experts.gate_up_proj": weave(state["experts.gate_up_proj"]),  # both held input-major
         "experts.gate_up_proj_bias": weave(state["experts.gate_up_proj_bias"]),
-        "experts.down_proj": state["experts.down_proj"].transpose(1, 2),
+        "experts.down_proj": state["experts.down_proj"],
         "experts.down_proj_bias": state["experts.down_proj_bias"],
     }  # fmt: skip
 

@@ -64,14 +64,31 @@ class Experts(nn.Module):
         limit = spec.swiglu_limit
         self.glu = gated(cfg.hidden_act) if limit is None else clamped_swiglu(limit, spec.swiglu_alpha)
         e, i, h = spec.num_experts, spec.intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        # gpt-oss: held input-major, as its checkpoints are ([E, H, 2I], [E, I, H]), so that
+        # the CPU's grouped product reads them as transformers does (a transposed view of
+        # them runs its batch-1 products ~1.5x slower); ``weights`` gives both orientations
+        # the same shape
+        self.input_major = spec.interleaved
+        self.gate_up_proj = nn.Parameter(torch.empty((e, h, 2 * i) if self.input_major else (e, 2 * i, h)))
+        self.down_proj = nn.Parameter(torch.empty((e, i, h) if self.input_major else (e, h, i)))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if spec.bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(e, h)) if spec.bias else None
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up`` [E, 2I, H] (gate rows, then up) and ``down`` [E, H, I], as views."""
+        if self.input_major:
+            return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        return self.gate_up_proj, self.down_proj
+
+    def hold(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Keep ``weights()``-shaped tensors in this module's orientation."""
+        if self.input_major:
+            gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        args = (x, self.gate_up_proj, self.down_proj, weights, experts, self.glu, self.gate_up_proj_bias,
-                self.down_proj_bias)  # fmt: skip
+        args = (x, *self.weights(), weights, experts, self.glu, self.gate_up_proj_bias, self.down_proj_bias)
         if x.is_cuda:  # one grouped GEMM per projection over every expert's tokens
             return fused_moe(*args)
         if GROUPED_MM is None:
@@ -82,12 +99,11 @@ class Experts(nn.Module):
         """transformers' ``eager`` experts, for a torch without a grouped product on the CPU."""
         out = torch.zeros_like(x)
         biased = self.gate_up_proj_bias is not None
+        gate_up, down = self.weights()
         for e in torch.unique(experts).tolist():  # sorted: expert order
             k_pos, tokens = torch.where((experts == e).T)  # choice-major, as transformers gathers them
-            h = F.linear(x[tokens], self.gate_up_proj[e], self.gate_up_proj_bias[e] if biased else None)
-            y = F.linear(
-                self.glu(*h.chunk(2, dim=-1)), self.down_proj[e], self.down_proj_bias[e] if biased else None
-            )
+            h = F.linear(x[tokens], gate_up[e], self.gate_up_proj_bias[e] if biased else None)
+            y = F.linear(self.glu(*h.chunk(2, dim=-1)), down[e], self.down_proj_bias[e] if biased else None)
             out.index_add_(0, tokens, (y * weights[tokens, k_pos, None]).to(out.dtype))
         return out
 
@@ -103,12 +119,13 @@ class SparseMoE(nn.Module):
         """Keep rank ``tp.rank``'s slice of every expert's intermediate features (gate and
         up rows, down columns); each rank routes every token alike (the router is whole),
         so the partial outputs sum to the whole in one all-reduce."""
-        experts, size = self.experts, self.experts.down_proj.shape[2]
+        experts = self.experts
+        gate_up, down = experts.weights()
+        size = down.shape[2]
         count = size // tp.size
         mine = slice(tp.rank * count, (tp.rank + 1) * count)
-        gate, up = experts.gate_up_proj[:, :size], experts.gate_up_proj[:, size:]
-        experts.gate_up_proj = nn.Parameter(torch.cat([gate[:, mine], up[:, mine]], 1), requires_grad=False)
-        experts.down_proj = nn.Parameter(experts.down_proj[:, :, mine], requires_grad=False)
+        gate, up = gate_up[:, :size], gate_up[:, size:]
+        experts.hold(torch.cat([gate[:, mine], up[:, mine]], 1), down[:, :, mine])
         if experts.gate_up_proj_bias is not None:  # (the down bias: fuse_experts keeps it on rank 0 only)
             bias = experts.gate_up_proj_bias
             experts.gate_up_proj_bias = nn.Parameter(torch.cat([bias[:, mine], bias[:, size:][:, mine]], 1),
@@ -150,15 +167,12 @@ def fuse_experts(state: dict[str, torch.Tensor], spec: MoESpec, rank: int = 0) -
 def _gpt_oss_tensor(key: str, tensor: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
     """One of gpt-oss's MLP tensors in this module's layout: ``router`` named ``gate``; the
     gate and up columns of ``gate_up_proj`` [E, H, 2I] (and its bias) de-interleaved into
-    gate rows, then up rows; ``down_proj`` [E, I, H] transposed; the down bias zero off rank 0."""
+    all the gate columns, then the up ones (``Experts`` holds them input-major, as they
+    come); the down bias zero off rank 0."""
     if ".mlp.router." in key:
         return {key.replace(".mlp.router.", ".mlp.gate."): tensor}
-    if key.endswith("experts.gate_up_proj"):
-        return {key: torch.cat([tensor[..., ::2], tensor[..., 1::2]], -1).transpose(1, 2).contiguous()}
-    if key.endswith("experts.gate_up_proj_bias"):
+    if key.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
         return {key: torch.cat([tensor[..., ::2], tensor[..., 1::2]], -1)}
-    if key.endswith("experts.down_proj"):
-        return {key: tensor.transpose(1, 2).contiguous()}
     if key.endswith("experts.down_proj_bias") and rank:
         return {key: torch.zeros_like(tensor)}
     return {key: tensor}
