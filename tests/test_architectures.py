@@ -85,11 +85,8 @@ def test_sliding_windows_past_the_window(windowed_model, make_engine, hf_referen
     assert small.stats()["num_preemptions"] > 0
 
 
-def test_gemma3_log_probabilities_are_its_soft_capped_ones(tmp_path_factory, make_engine, hf_reference):
-    """Soft-capping is monotonic, so greedy tokens cannot show it: the log probabilities of
-    sampled tokens do, against transformers' own (capped) logits, past the window."""
-    path = WINDOWED["gemma3"](tmp_path_factory.mktemp("gemma3_lp"))
-    [prompt] = random_prompts([40], 384, seed=37)
+def sampled_log_probabilities(make_engine, path: str, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Five tokens sampled past the window, and the engine's log probability of each."""
     engine, outputs = make_engine(path, chunk_size=16), []
     engine.add_request("lp", prompt, {"temperature": 1.0, "seed": 3, "max_tokens": 5, "ignore_eos": True,
                                       "logprobs": 1}, outputs.append)  # fmt: skip
@@ -97,12 +94,24 @@ def test_gemma3_log_probabilities_are_its_soft_capped_ones(tmp_path_factory, mak
         engine.step()
     tokens = [t for o in outputs for t in o.token_ids]
     steps = [step for o in outputs for step in o.logprobs]
+    return tokens, torch.tensor([step[t][0] for t, step in zip(tokens, steps)])
+
+
+def reference_log_probabilities(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' log probability of each of ``tokens`` after ``prompt``."""
     with torch.inference_mode():
-        logits = hf_reference(path).model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-    reference = torch.log_softmax(logits.float(), dim=-1)
-    assert [step[t][0] for t, step in zip(tokens, steps)] == pytest.approx(
-        [float(ref[t]) for t, ref in zip(tokens, reference)], abs=1e-4
-    )
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tokens)), tokens]
+
+
+def test_gemma3_log_probabilities_are_its_soft_capped_ones(tmp_path_factory, make_engine, hf_reference):
+    """Soft-capping is monotonic, so greedy tokens cannot show it: the log probabilities of
+    sampled tokens do, against transformers' own (capped) logits, past the window."""
+    path = WINDOWED["gemma3"](tmp_path_factory.mktemp("gemma3_lp"))
+    [prompt] = random_prompts([40], 384, seed=37)
+    tokens, ours = sampled_log_probabilities(make_engine, path, prompt)
+    theirs = reference_log_probabilities(hf_reference(path).model, prompt, tokens)
+    assert ours.tolist() == pytest.approx(theirs.tolist(), abs=1e-4)
 
 
 def test_gpt_oss_log_probabilities_are_its_own_with_sinks_and_clamped_experts(
@@ -114,20 +123,11 @@ def test_gpt_oss_log_probabilities_are_its_own_with_sinks_and_clamped_experts(
     comparison sees both)."""
     path = MODELS["gpt_oss"](tmp_path_factory.mktemp("gpt_oss_lp"))
     [prompt] = random_prompts([40], 384, seed=38)
-    engine, outputs = make_engine(path, chunk_size=16), []
-    engine.add_request("lp", prompt, {"temperature": 1.0, "seed": 3, "max_tokens": 5, "ignore_eos": True,
-                                      "logprobs": 1}, outputs.append)  # fmt: skip
-    while engine.has_work():
-        engine.step()
-    tokens = [t for o in outputs for t in o.token_ids]
-    ours = torch.tensor([step[t][0] for t, step in zip(tokens, (s for o in outputs for s in o.logprobs))])
+    tokens, ours = sampled_log_probabilities(make_engine, path, prompt)
     model = hf_reference(path).model
-    ids = torch.tensor([prompt + tokens])
 
     def theirs() -> torch.Tensor:
-        with torch.inference_mode():
-            logits = model(ids).logits[0, len(prompt) - 1 : -1]
-        return torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(tokens)), tokens]
+        return reference_log_probabilities(model, prompt, tokens)
 
     assert torch.allclose(ours, theirs(), atol=1e-4)
     sinks = [layer.self_attn.sinks.detach().clone() for layer in model.model.layers]

@@ -87,7 +87,8 @@ class RadixCache(TierMoves):
         while (child := node.children.get(self._first(tokens, pos))) is not None:
             n = self._common_pages(child, tokens, pos)
             pos += n * self.page_size
-            pages += child.pages[:n]
+            if self.windows is not None:
+                pages += child.pages[:n]
             if n < len(child.pages):
                 break
             node = child
