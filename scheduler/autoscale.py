@@ -24,7 +24,7 @@ class Autoscaling:
     tree: GlobalPrefixTree
     history: list[InstanceHistory]
     decode_lengths: DecodeLengths
-    cost: CostModel
+    costs: list[CostModel]
     capacity: list[int]
     live: set[int]
     page_size: int
@@ -69,13 +69,13 @@ class Autoscaling:
             return None
         key_tokens = min(self.page_size * sum(match.lengths[: at + 1]), match.cached_on(choice))
         shared_by = 1 - (len(serving) + 1) / n
-        decode_ms = self.cost.decode_time(d)
 
         def amortized(i: int) -> float:
             cached = match.cached_on(i)
             missed, shared = prompt_len - cached, max(0, key_tokens - cached)
-            recompute = self.cost.prefill_time(missed) - self.cost.prefill_time(missed - shared)
-            decoding = self.history[i].decoding(decode_ms)
+            cost = self.costs[i]
+            recompute = cost.prefill_time(missed) - cost.prefill_time(missed - shared)
+            decoding = self.history[i].decoding(cost.decode_time(d))
             return self.load_cost(i, match, prompt_len, now) - recompute * (1 + decoding) * shared_by
 
         best = min(sorted(self.live - serving), key=amortized)

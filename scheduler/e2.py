@@ -42,6 +42,7 @@ from collections.abc import Callable
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.autoscale import Autoscaling
+from scheduler.calibrated import Calibrated
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
@@ -50,13 +51,13 @@ from scheduler.tree_node import GlobalNode, Match
 log = logging.getLogger("preble.e2")
 
 
-class E2(Autoscaling, MirrorsCaches, Policy):
+class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
     name = "e2"
 
     def __init__(
         self,
         num_instances: int,
-        cost_model: CostModel | str = "tiny_cpu",
+        cost_model: CostModel | list[CostModel] | str = "tiny_cpu",
         capacity_tokens: int | list[int] = 32768,
         window_s: float = 180.0,
         th_bal: float = 3.0,
@@ -74,9 +75,11 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         load_model: str = "batch",
         amortized_replicas: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        calibrate: bool = False,
+        calibration_window: float = 2000.0,
     ) -> None:
         super().__init__(num_instances, clock)
-        self.cost = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model)
+        self._init_costs(num_instances, cost_model, calibrate, calibration_window)
         caps = capacity_tokens if isinstance(capacity_tokens, list) else [capacity_tokens] * num_instances
         self.capacity = list(caps)
         self.tiered = [False] * num_instances  # the engine reported a host tier
@@ -175,10 +178,12 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         if len(candidates) == 1:
             return next(iter(candidates))
         start, n = self._next, self.num_instances
-        best = min(
-            candidates,
-            key=lambda i: (self.load_cost(i, match, prompt_len, now), _busy(loads, i), (i - start) % n),
-        )
+
+        def rank(i: int) -> tuple:
+            return self.load_cost(i, match, prompt_len, now), _busy(loads, i), (i - start) % n
+
+        best = min(candidates, key=rank)
+        self._agrees(best, candidates, rank)
         self._next = (best + 1) % n
         return best
 
@@ -201,7 +206,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
             cost = functools.partial(self.load_cost, match=match, prompt_len=prompt_len, now=now)
             return lightest if cost(lightest) < cost(choice) else None
         gap = load[choice] - load[lightest]
-        recompute = self.cost.prefill_time(match.cached_on(choice))
+        recompute = self.costs[choice].prefill_time(match.cached_on(choice))
         return lightest if gap > recompute else None
 
     def _decode_heavy_instance(self) -> int | None:
@@ -222,7 +227,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
     def load(self, instance: int, now: float, signal: str) -> float:
         """L: the instance's load, each request's decoding counted as DECODETIME(the
         average decoding length in the window)."""
-        decode_ms = self.cost.decode_time(self.decode_lengths.average(now))
+        decode_ms = self.costs[instance].decode_time(self.decode_lengths.average(now))
         return self.history[instance].load(now, decode_ms, signal)
 
     def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
@@ -233,18 +238,19 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         for their own prefill go first and do not wait for it); with ``serial`` (the
         paper's), L is a DECODETIME per request and P the request's own prefill. Prompt
         tokens the instance's host tier holds cost their load-back, not a prefill."""
+        cost = self.costs[instance]
         hosted = match.hosted_on(instance) if match.hosted else 0  # loaded back, not recomputed
         missed = prompt_len - match.cached_on(instance) - hosted
-        prefill = self.cost.prefill_time(missed) + (self.cost.load_time(hosted) if hosted else 0.0)
+        prefill = cost.prefill_time(missed) + (cost.load_time(hosted) if hosted else 0.0)
         need = self.tree.held_tokens[instance] + missed + hosted - self.capacity[instance]
         evicted, per_user = 0.0, self.load_model == "serial"  # M on L's scale
         if need > 0:
             host = self.tree.host.pages[instance] if self.tiered[instance] else None
-            evicted = memory_cost(self.tree, instance, need, match, now, self.cost, host, per_user)
+            evicted = memory_cost(self.tree, instance, need, match, now, cost, host, per_user)
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
         d = self.decode_lengths.average(now)
-        decoding = self.history[instance].decoding(self.cost.decode_time(d))
+        decoding = self.history[instance].decoding(cost.decode_time(d))
         return self._batch_load(instance, match, prompt_len, now, d) + prefill * (1 + decoding) + evicted
 
     def _batch_load(self, instance: int, match: Match, prompt_len: int, now: float, d: float) -> float:
@@ -261,7 +267,9 @@ class E2(Autoscaling, MirrorsCaches, Policy):
             new_kv = prompt_len - match.pinned_on(instance)
         else:
             queued, batch_kv, new_kv = h.in_flight_prefill_ms, h.in_flight_tokens, prompt_len
-        return batch_load(h, self.cost, d, prompt_len, self.capacity[instance], queued, batch_kv, new_kv)
+        return batch_load(
+            h, self.costs[instance], d, prompt_len, self.capacity[instance], queued, batch_kv, new_kv
+        )
 
     # ---- recording a decision ---------------------------------------------------------------
 
@@ -273,7 +281,8 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         prompt_len = len(request.input_ids)
         hosted = match.hosted_on(instance) if match.hosted else 0
         cached = match.cached_on(instance) + hosted
-        prefill = self.cost.prefill_time(prompt_len - cached) + (self.cost.load_time(hosted) if hosted else 0)
+        cost = self.costs[instance]
+        prefill = cost.prefill_time(prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
         self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the
@@ -316,6 +325,7 @@ class E2(Autoscaling, MirrorsCaches, Policy):
         self.history.append(InstanceHistory(self.tree.window_s))
         self.capacity.append(self.default_capacity)
         self.tiered.append(False)
+        self._grow_costs()
 
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()

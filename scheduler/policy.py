@@ -139,6 +139,16 @@ class Policy(ABC):
         response): what it is, not only how busy. Policies that price no engine ignore it."""
         return None
 
+    def calibrate(self, instance: int, load: dict) -> None:
+        """A health probe's answer, off the request path (the router's probe thread): what
+        the engine's passes cost. Policies that learn no cost model ignore it."""
+        return None
+
+    def cost_fits(self) -> list:
+        """Per engine, the cost model it is priced with and why (``calibration.CostFit``);
+        empty for policies that price no engine."""
+        return []
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         """The request finished on ``instance``. Policies that keep no state ignore it."""
         return None

@@ -11,6 +11,7 @@ import time
 from client.bench import BenchConfig, bench, describe_cluster, served_model_path
 from client.bench import write as write_bench
 from client.workloads import Materializer, generate, poisson_arrivals
+from preble_backend.cli.cost_line import announce, engine_facts
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
 from preble_backend.engine.config import EngineConfig
@@ -19,6 +20,7 @@ from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.runtime.access import read_admin_key
 from preble_backend.runtime.repository import write_repository
+from scheduler.cost_priors import parse_setting
 from scheduler.sim.profile import profile
 from scheduler.sim.replay import replay
 from scheduler.sim.simulator import SimConfig
@@ -62,7 +64,8 @@ def demo(args: argparse.Namespace) -> int:
 def repo(args: argparse.Namespace) -> int:
     gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else None
     remotes = [r for r in (args.remote or "").split(",") if r]
-    engine = {"compute": args.compute, "cost_model": args.cost_model, "emulated_slowdown": args.slowdown,
+    fit = parse_setting(args.cost_model)[1] or "tiny_cpu"  # what an emulated engine waits out
+    engine = {"compute": args.compute, "cost_model": fit, "emulated_slowdown": args.slowdown,
               "attention_backend": args.attention_backend,
               "tensor_parallel_size": args.tensor_parallel}  # fmt: skip
     if args.max_num_tokens is not None:
@@ -77,6 +80,10 @@ def repo(args: argparse.Namespace) -> int:
         host_cores=None if args.no_pin else len(os.sched_getaffinity(0)), **engine,
     )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
+    device = f"cuda:{gpus[0]}" if gpus else "cpu"
+    facts = engine_facts(args.model_path, resolve_model(args.model_path), device, args.tensor_parallel,
+                         args.compute, fit, args.slowdown)  # fmt: skip
+    announce(args.cost_model, facts, "preble repo")
     return 0
 
 

@@ -14,6 +14,7 @@ from preble_backend.common.settings import ATTENTION_BACKENDS, DEFAULT_REPOSITOR
 from preble_backend.engine.config import COMPUTE, EngineConfig
 from preble_backend.model.pypi_models import MODELS
 from preble_backend.router.config import RouterConfig
+from scheduler.cost_priors import check_setting
 from scheduler.policies import ALL_POLICIES, POLICIES
 
 WORKLOAD_HELP = (
@@ -59,6 +60,15 @@ def _fractions(text: str) -> list[float]:
 def _cost_model(text: str) -> str:
     try:
         CostModel.load(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _cost_setting(text: str) -> str:
+    """The router's: auto, auto:FIT or FIT (``scheduler/cost_priors.py``)."""
+    try:
+        check_setting(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -169,10 +179,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cost-model",
-        type=_cost_model,
+        type=_cost_setting,
         default=RouterConfig.cost_model,
-        help=f"{COST_MODEL_HELP}: E2's PREFILLTIME/DECODETIME and, with --compute "
-        "emulated, the engines' iteration times",
+        help=f"E2's PREFILLTIME/DECODETIME: auto (learnt online per engine from the shipped fit that "
+        f"matches its model and device, else an estimate from the model's shape), auto:FIT (learnt "
+        f"from FIT) or FIT, fixed; FIT is {COST_MODEL_HELP}. With --compute emulated, FIT (tiny_cpu "
+        "under auto) is also the engines' iteration times",
     )
     p.add_argument(
         "--compute",

@@ -8,6 +8,7 @@ message, and the exit code is 0."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -17,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from preble_backend.cli.cost_line import announce, engine_facts
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV, ENGINE_KEY_ENV
 from preble_backend.common.version import __version__
 from preble_backend.model.model_card import ModelCard, model_card
@@ -110,6 +112,7 @@ def serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         front.wait_answering()
         print(f"  model    {model.line()}")
+        announce_cost_model(repository, model)
         _announce(args, public, front)
         engines = [unit for unit in supervisor.units if unit.role == "engine"]
         for unit in engines:  # their preble_engine_* series; loopback only, no key needed
@@ -222,6 +225,21 @@ def unreachable_engines(router_config: Path, key: str | None, timeout_s: float =
             problems.append(f"engine {entry} is unreachable ({reason}); the router routes around it "
                             "until it answers")  # fmt: skip
     return problems
+
+
+def announce_cost_model(repository: Path, model: ModelCard) -> None:
+    """The router's cost model for the first local engine (``cost_line.announce``)."""
+    router = repository / "preble" / "config.pbtxt"
+    setting = (config_parameter(router.read_text(), "cost_model") if router.is_file() else None) or "auto"
+    engine = next(iter(sorted(repository.glob("preble_engine_*/config.pbtxt"))), None)
+    if engine is None:
+        return announce(setting, None, "preble serve")
+    text = engine.read_text()
+    get = functools.partial(config_parameter, text)
+    tp, slowdown = int(get("tensor_parallel_size") or 1), float(get("emulated_slowdown") or 1)
+    facts = engine_facts(model.name, model.path, get("device") or "cpu", tp, get("compute") or "model",
+                         get("cost_model") or "", slowdown)  # fmt: skip
+    announce(setting, facts, "preble serve")
 
 
 def served_model(repository: Path) -> ModelCard:

@@ -43,6 +43,12 @@ class CostModel:
     experts_ms: float = 0.0
     num_experts: int = 0
     experts_per_token: int = 0
+    # What the fit was measured or modelled for: the model's shape (``model_card.shape_signature``),
+    # the device class (``model_card.device_class``) and the tensor-parallel width. A router
+    # prices an engine with a shipped fit only where all three match (``scheduler/cost_priors.py``).
+    model: str = ""
+    device: str = ""
+    tensor_parallel: int = 1
 
     def expert_reads(self, tokens: int) -> float:
         """The expected time to read the experts ``tokens`` tokens route to, each choosing
@@ -99,6 +105,11 @@ class CostModel:
             source=f"{self.source} (x{factor:g})" if factor != 1 else self.source,
         )
 
+    def terms(self) -> list[float]:
+        """The coefficients in ``pass_costs.TERMS`` order."""
+        return [self.base_ms, self.prefill_ms_per_token, self.decode_ms_per_request,
+                self.attention_ms_per_context_token, self.load_ms_per_token, self.experts_ms]  # fmt: skip
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
@@ -116,28 +127,43 @@ class CostModel:
 Sample = tuple[int, int, int, float]  # (prefill tokens, decodes, context tokens, milliseconds)
 
 
-def fit(samples: list[Sample], decode_step_ms: float, source: str) -> CostModel:
-    """Non-negative least-squares fit of iteration times (time never falls with more
-    work). Exact for four coefficients: the best unconstrained fit over every subset of
-    them whose coefficients all come out non-negative. Clipping an unconstrained fit at
-    zero, as this did before, is not that optimum: on noisy CPU timings it set the base
-    time to 0 and left the other coefficients where the negative base had put them."""
+def nnls(a, b, yty: float):
+    """Non-negative least squares from the normal equations (``a = XᵀWX``, ``b = XᵀWy``,
+    ``yty = yᵀWy``): time never falls with more work. Exact for a handful of terms: the
+    best unconstrained fit over every subset of them whose coefficients all come out
+    non-negative (terms no row exercises stay 0). Clipping an unconstrained fit at zero is
+    not that optimum: on noisy CPU timings it set the base time to 0 and left the other
+    coefficients where the negative base had put them. Returns (coefficients, the residual
+    sum of squares)."""
     import numpy as np  # here: the CLI's help reads this module, and numpy costs it ~1.7 s
+
+    n = len(b)
+    live = [i for i in range(n) if a[i, i] > 0]
+    scale = np.sqrt(np.where(np.diag(a) > 0, np.diag(a), 1.0))  # terms span 1 to 10^5 tokens:
+    a, b = a / np.outer(scale, scale), b / scale  # solved as correlations, or precision goes
+    best, best_error = np.zeros(n), yty
+    for subset in itertools.product((False, True), repeat=len(live)):
+        cols = [i for i, keep in zip(live, subset) if keep]
+        if not cols:
+            continue
+        sub = a[np.ix_(cols, cols)]
+        coef = np.linalg.lstsq(sub, b[cols], rcond=None)[0]
+        if np.any(coef < 0):
+            continue
+        error = yty - 2 * float(coef @ b[cols]) + float(coef @ sub @ coef)
+        if error < best_error - 1e-12 * max(abs(yty), 1.0):
+            best, best_error = np.zeros(n), error
+            best[cols] = coef
+    return best / scale, max(best_error, 0.0)
+
+
+def fit(samples: list[Sample], decode_step_ms: float, source: str) -> CostModel:
+    """``nnls`` of iteration times over the four terms ``preble profile`` varies."""
+    import numpy as np
 
     x = np.array([[1.0, p, d, c] for p, d, c, _ in samples])
     y = np.array([ms for *_, ms in samples])
-    best, best_error = np.zeros(4), float(np.sum(y**2))
-    for subset in itertools.product((False, True), repeat=4):
-        cols = [i for i, keep in enumerate(subset) if keep]
-        if not cols:
-            continue
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if np.any(coef < 0):
-            continue
-        error = float(np.sum((x[:, cols] @ coef - y) ** 2))
-        if error < best_error:
-            best, best_error = np.zeros(4), error
-            best[cols] = coef
+    best, _ = nnls(x.T @ x, x.T @ y, float(y @ y))
     return CostModel(
         base_ms=float(best[0]),
         prefill_ms_per_token=float(best[1]),

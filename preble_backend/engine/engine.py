@@ -22,9 +22,11 @@ from preble_backend.common.cache_event import EventBatch
 from preble_backend.common.procfs import pin_process
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.cache.event_log import EventLog
+from preble_backend.engine.cache.sliding_windows import window_report
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.outputs import guided
 from preble_backend.engine.outputs.sampling import SamplerState, sample_one, token_logprobs
+from preble_backend.engine.runners.cost_facts import cost_facts, pass_costs
 from preble_backend.engine.runners.emulated_runner import EmulatedRunner
 from preble_backend.engine.runners.kv_capacity import kv_pages
 from preble_backend.engine.runners.model_runner import ModelRunner, device_facts
@@ -64,6 +66,8 @@ class Engine:
         self.cache = self.scheduler.blocks.cache
         self.events = EventLog()  # what every router mirroring this cache reads
         self.stops = StopChecker(config.model_path, self.model_config.eos_token_ids)
+        self.pass_costs = pass_costs(self.model_config)  # what its passes cost: E2's online fit
+        self.cost_facts = cost_facts(config, self.runner.device, self.runner.dtype)
         self._requests: dict[str, Request] = {}
         self._inbox: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -176,9 +180,11 @@ class Engine:
             req = self._requests.get(request_id)
             if req is not None and req.status is not Status.FINISHED:
                 self._finish(req, "abort")
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return
+        work, replays = batch.work(), self.runner.graph_replays()
         for part, logits, rows in self._forward_isolating(batch):
             self.scheduler.advance(part)
             masked, complete, failed = self._mask_guided([part.requests[i] for i in rows], logits)
@@ -190,6 +196,8 @@ class Engine:
                     self._finish(req, "stop")  # the structured answer is whole
                 else:
                     self._sample(req, masked.get(k, row))
+        ms, graph = 1000 * (time.perf_counter() - started), self.runner.graph_replays() > replays
+        self.pass_costs.add(work, ms, graph)
 
     def _forward_isolating(
         self, batch: ScheduledBatch
@@ -336,6 +344,10 @@ class Engine:
             "step_age_s": time.monotonic() - started if started is not None else 0.0,
         }
 
+    def cost_report(self) -> dict:
+        """What the engine serves and what its passes cost (any thread): E2's online fit."""
+        return {"cost_facts": self.cost_facts, "pass_costs": self.pass_costs.report()}
+
     def shutdown(self) -> None:
         """Stop the thread; every request still queued or running finishes as ``abort``."""
         if self._thread is not None:
@@ -366,18 +378,9 @@ class Engine:
             "prompt_tokens_cached": s.prompt_tokens_cached,
             "num_preemptions": s.num_preemptions, "requests_finished": self.num_finished,
             **(cache.host.report() if cache and cache.host else {}),
-            **self._window_report(),
+            **window_report(self.pool, self.scheduler.blocks.windows),
             **self.runner.stats(),
         }  # fmt: skip
-
-    def _window_report(self) -> dict[str, int]:
-        """The window pool's pages, and the window a router's hits must respect."""
-        window = self.pool.window
-        if window is None:
-            return {}
-        idle = len(self.scheduler.blocks.windows.idle)
-        return {"sliding_window": self.pool.window_tokens, "kv_window_pages_total": window.num_pages,
-                "kv_window_pages_used": window.num_used, "kv_window_pages_idle": idle}  # fmt: skip
 
     def cache_events(self, cursor: str | None) -> EventBatch:
         """The cache events after a reader's ``cursor`` (see ``event_log``), or a snapshot

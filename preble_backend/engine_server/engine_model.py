@@ -164,7 +164,8 @@ class TritonPythonModel:
         The others run in the engine loop, between iterations: ``execute`` never waits."""
         if op["op"] == "health":
             answer: Future = Future()
-            answer.set_result(encode_report({**self._stats(), **self.engine.loop_health()}))
+            answer.set_result(encode_report({**self._stats(), **self.engine.loop_health(),
+                                             **self.engine.cost_report()}))  # fmt: skip
             self._put(CONTROL, (sender, answer))
             return
         if op["op"] == "abort":

@@ -7,11 +7,12 @@ per token, read from the directory without loading a weight (safetensors headers
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from preble_backend.common.version import __version__
-from preble_backend.model.model_config import ModelConfig
+from preble_backend.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from preble_backend.model.pypi_models import is_named
 from preble_backend.model.safetensors_slices import read_header
 
@@ -27,6 +28,22 @@ class ModelCard:
     active_parameters: int = 0  # per token: all but the experts it is not routed to
     kv_bytes_per_token: int = 0  # every layer's K and V, at ``dtype``, as the engine holds them
     sliding_layers: str = ""  # e.g. "5 of 6 layers slide over 512 tokens"
+    signature: str = ""  # its shape (``shape_signature``): what a shipped cost-model fit names
+    expert_parameters: int = 0  # of ``parameters``, the experts'
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def cost_facts(self, device: str, tensor_parallel: int = 1, cores: int = 0) -> dict:
+        """What E2 needs to price this engine before it has timed a pass: the model's shape
+        and size and the device class (``device_class``), for a shipped fit that matches
+        or a first-principles estimate (``scheduler/cost_priors.py``)."""
+        item = 4 if self.dtype == "float32" else 2
+        return {"model": self.signature, "device": device, "tensor_parallel": tensor_parallel,
+                "cores": cores, "dtype_bytes": item, "parameters": self.parameters,
+                "active_parameters": self.active_parameters or self.parameters,
+                "expert_parameters": self.expert_parameters, "num_experts": self.num_experts,
+                "experts_per_token": self.experts_per_token,
+                "kv_bytes_per_token": self.kv_bytes_per_token}  # fmt: skip
 
     @property
     def served_by(self) -> str:
@@ -65,7 +82,31 @@ def model_card(model_path: str, resolved: str | Path, dtype: str = "auto", devic
     windows = [w for w in cfg.layer_windows if w is not None]
     sliding = f"{len(windows)} of {cfg.num_layers} layers slide over {min(windows)} tokens" if windows else ""
     arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
-    return ModelCard(name, str(directory), total, dtype, cfg.max_context, arch, active, kv, sliding)
+    moe = (cfg.moe.num_experts, cfg.moe.top_k) if cfg.moe else (0, 0)
+    return ModelCard(name, str(directory), total, dtype, cfg.max_context, arch, active, kv, sliding,
+                     shape_signature(cfg), experts, *moe)  # fmt: skip
+
+
+def shape_signature(cfg: ModelConfig) -> str:
+    """A checkpoint's shape in one line, e.g. ``llama L32 H4096 A32/8x128 I14336 V32000``:
+    two checkpoints that share it cost the same per pass, whatever their names."""
+    family = SUPPORTED_ARCHITECTURES.get(cfg.architecture, cfg.architecture)
+    sig = (f"{family} L{cfg.num_layers} H{cfg.hidden_size} A{cfg.num_heads}/{cfg.num_kv_heads}"
+           f"x{cfg.head_dim} I{cfg.intermediate_size} V{cfg.vocab_size}")  # fmt: skip
+    if cfg.moe:
+        sig += f" E{cfg.moe.num_experts}k{cfg.moe.top_k}i{cfg.moe.intermediate_size}"
+    return sig
+
+
+def device_class(name: str) -> str:
+    """``cpu``, or a GPU by its class as NVML or torch names it ("NVIDIA H100 80GB HBM3" is
+    ``H100``): the device a shipped fit was measured or modelled on."""
+    if name == "cpu" or name.startswith("cpu"):
+        return "cpu"
+    for token in re.split(r"[\s_-]+", name.upper()):
+        if re.fullmatch(r"(?:[ABHL]\d{2,3}S?|B\d{3}|GB\d{3}|RTX\d{4}|A\d{4}|L4)", token):
+            return token
+    return name
 
 
 def weight_files(path: Path) -> list[str]:

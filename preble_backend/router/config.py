@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import DEFAULT_PAGE_SIZE, MAX_INPUT_BYTES, parse_strings, setting
+from scheduler.cost_priors import check_setting
 from scheduler.policies import POLICIES
 
 
@@ -38,8 +38,9 @@ class RouterConfig:
     )
     policy: str = setting("e2", doc=" | ".join(POLICIES))
     cost_model: str = setting(
-        "tiny_cpu",
-        doc="E2's PREFILLTIME/DECODETIME fit: shipped name (tiny_cpu, mistral7b_a6000) or JSON path",
+        "auto",
+        doc="E2's PREFILLTIME/DECODETIME: auto (learnt online per engine from the best prior), "
+        "auto:FIT (learnt from FIT), or FIT fixed (a shipped name such as tiny_cpu, or a JSON path)",
     )
     page_size: int = setting(
         DEFAULT_PAGE_SIZE, doc="the engines' KV page size: prompts are matched per page (must equal theirs)"
@@ -70,7 +71,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is invalid: expected one of {', '.join(POLICIES)}")
-        CostModel.load(self.cost_model)  # a bad name is refused at load, whatever the policy
+        check_setting(self.cost_model)  # a bad name is refused at load, whatever the policy
         for key in ("page_size", "max_inflight", "max_input_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 1")

@@ -44,6 +44,17 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
                "the engine's GPU memory in use, as the router last sampled it (NVML; engines on this host)"),
     MetricSpec("preble_router_migrations_total", "counter",
                "requests that went on elsewhere when their engine failed, by the engine that failed"),
+    MetricSpec("preble_router_cost_model_learnt", "gauge",
+               "1 while E2 prices the engine with its online fit, 0 with a prior or a fixed fit"),
+    MetricSpec("preble_router_cost_model_mismatch", "gauge",
+               "1 while E2 prices the engine with another model's or device's fit (a fixed one, or a prior "
+               "until the online fit takes over)"),
+    MetricSpec("preble_router_cost_fit_error", "gauge",
+               "the fit in use: RMS error over the mean pass time, over the engine's recent passes"),
+    MetricSpec("preble_router_cost_fit_passes", "gauge", "the engine's recent passes the fit weighs"),
+    MetricSpec("preble_router_cost_ms", "gauge",
+               "the fit in use, by term: base, prefill per token, decode per request, attention per "
+               "context token, decode step"),
     MetricSpec("preble_router_poisoned_total", "counter",
                "requests failed because every engine that ran them failed (then refused for poison_ttl_s)"),
 ]  # fmt: skip

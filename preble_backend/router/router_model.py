@@ -138,7 +138,7 @@ class TritonPythonModel(RouterState):
         self.monitor = EngineMonitor(
             self.engines, self._on_loop(self._engine_down), self._on_loop(self._engine_up),
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
-            on_load=self._on_loop(self._engine_load),
+            on_load=self._probe_answered,
         )  # fmt: skip
         self.draining = False
         self.discovery.start(self._on_loop(self.membership.change))
@@ -150,6 +150,15 @@ class TritonPythonModel(RouterState):
             f"preble router: policy {self.policy.name} over {[e.name for e in self.engines]}, "
             f"max_inflight {config.max_inflight}, max_queue {config.max_queue}"
         )
+
+    def _probe_answered(self, instance: int, load: dict) -> None:
+        """The monitor's thread: the engine's costs are fitted here; the rest of the
+        answer is learnt on the loop."""
+        try:
+            self.calibrate(instance, load)
+        except Exception as exc:  # a fit must never cost an engine its probe
+            pb_utils.Logger.log_error(f"preble router: fitting engine {instance}'s costs failed: {exc!r}")
+        self._on_loop(self._engine_load)(instance, load)
 
     def _watch_once_serving(self) -> None:
         """Start the engine monitor once this server's gRPC endpoint listens (local engines

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from preble_backend.common.cost_model import CostModel
+from preble_backend.common.pass_costs import PassCosts
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.outputs.sampling import SamplerState
@@ -83,7 +84,8 @@ class RequestRecord:
 class SimInstance:
     def __init__(self, index: int, cfg: SimConfig, cost: CostModel) -> None:
         self.index = index
-        self.cost = cost
+        self.cost = cost  # its true costs
+        self.passes = PassCosts(cost.num_experts, cost.experts_per_token)  # as an engine reports them
         num_pages = cfg.capacity_tokens // cfg.page_size
         self.pool = _pool(num_pages, cfg.page_size)
         host_pages = cfg.engine.host_pages(num_pages)
@@ -109,7 +111,10 @@ class SimInstance:
             self.busy = False
             return None
         self.busy, self.batch = True, batch
-        return self.cost.iteration_time(*batch.work()) / 1000.0
+        work = batch.work()
+        ms = self.cost.iteration_time(*work)
+        self.passes.add(work, ms)
+        return ms / 1000.0
 
     def finish_iteration(self) -> tuple[list[Request], list[Request]]:
         """Apply the batch: requests that produced their first token, requests finished."""
@@ -139,6 +144,15 @@ class SimInstance:
             "kv_host_pages_total": self.cache.host.pool.num_pages if self.cache and self.cache.host else 0,
         }
 
+    def cost_report(self) -> dict:
+        """What a health probe's answer adds: what it serves and what its passes cost."""
+        facts = {
+            "model": self.cost.model,
+            "device": self.cost.device,
+            "tensor_parallel": self.cost.tensor_parallel,
+        }
+        return {"cost_facts": facts, "pass_costs": self.passes.report()}
+
 
 def _pool(num_pages: int, page_size: int) -> KVPool:
     return KVPool(num_pages, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float16)
@@ -156,16 +170,22 @@ class SimResult:
     end_time: float = 0.0
 
 
-def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: CostModel) -> SimResult:
+def simulate(
+    requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: CostModel | list[CostModel]
+) -> SimResult:
     """Run ``requests`` (with arrival times) through a cluster routed by the policy that
-    ``policy_factory(clock)`` builds."""
+    ``policy_factory(clock)`` builds; ``cost``: every instance's true costs, or each one's
+    (a mixed cluster). The policy hears each instance's pass costs when a request finishes
+    there (``Policy.calibrate``), as a router hears them from its probes."""
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
-    instances = [SimInstance(i, cfg, cost) for i in range(cfg.num_instances)]
+    costs = cost if isinstance(cost, list) else [cost] * cfg.num_instances
+    instances = [SimInstance(i, cfg, costs[i]) for i in range(cfg.num_instances)]
     _refuse_oversized(requests, instances[0].pool.capacity_tokens)
     loads = [InstanceLoad() for _ in instances]
     for inst in instances:  # the router's first health probe of each engine, before it routes there
         policy.learn(inst.index, inst.stats())
+        policy.calibrate(inst.index, inst.cost_report())
     result = SimResult(instances=instances)
     routing: dict[str, RoutingRequest] = {}
     seq = itertools.count()
@@ -212,6 +232,7 @@ def simulate(requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: C
             ttft = (record.first_token or now[0]) - record.arrival
             info = FinishInfo(inst.cache.drain_events(), load, ttft, len(req.output_ids))
             policy.on_finish(inst.index, routing.pop(req.request_id), info)
+            policy.calibrate(inst.index, inst.cost_report())
             for nxt in followers.pop(req.request_id, ()):
                 heapq.heappush(events, (now[0] + nxt.think_s, next(seq), "arrive", nxt))
         start(inst)
@@ -232,10 +253,12 @@ def _refuse_oversized(requests: list[SimRequest], capacity: int) -> None:
             )
 
 
-def metrics(result: SimResult) -> dict[str, float]:
+def metrics(result: SimResult, after: int = 0) -> dict[str, float]:
     """A run's record: latency (average, p50, p99), time to first token (average, p99),
-    time per output token, throughput and cache hit ratio (``docs/SCHEDULER.md``)."""
-    recs = [r for r in result.records.values() if r.finish is not None]
+    time per output token, throughput and cache hit ratio (``docs/SCHEDULER.md``); of the
+    requests after the first ``after`` to arrive (a policy that learns, once it has)."""
+    recs = sorted((r for r in result.records.values() if r.finish is not None), key=lambda r: r.arrival)
+    recs = recs[after:]
     lat = np.array([r.finish - r.arrival for r in recs])
     ttft = np.array([r.first_token - r.arrival for r in recs])
     tpot = np.array(

@@ -125,3 +125,13 @@ class SlidingWindows:
                 self.idle.pop(page, None)
             self.need[page] = 0
         self.store.free(freed)
+
+
+def window_report(pool: KVPool, windows: SlidingWindows | None) -> dict[str, int]:
+    """The window pool's pages, and the window a router's hits must respect (the engine's
+    stats; nothing without a window pool)."""
+    window = pool.window
+    if window is None or windows is None:
+        return {}
+    return {"sliding_window": pool.window_tokens, "kv_window_pages_total": window.num_pages,
+            "kv_window_pages_used": window.num_used, "kv_window_pages_idle": len(windows.idle)}  # fmt: skip

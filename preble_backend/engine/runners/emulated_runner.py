@@ -60,6 +60,10 @@ class EmulatedRunner:
     def close(self) -> None:
         """Nothing runs beside it."""
 
+    def graph_replays(self) -> int:
+        """No CUDA graphs here."""
+        return 0
+
     def stats(self) -> dict[str, float]:
         """``emulated_behind_s`` > 0: the host could not keep up with the modelled device,
         and a bench on this engine measured the host too."""

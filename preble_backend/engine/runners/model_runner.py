@@ -129,6 +129,10 @@ class ModelRunner:
     def stats(self) -> dict[str, float]:
         return {} if self.graphs is None else {"decode_graph_steps": self.graphs.replays}
 
+    def graph_replays(self) -> int:
+        """Decode passes that replayed a CUDA graph so far (their cost is told apart)."""
+        return 0 if self.graphs is None else self.graphs.replays
+
     def close(self) -> None:
         """Stop the other ranks (a single-device runner has none)."""
         if self.ranks is not None:

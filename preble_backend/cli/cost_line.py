@@ -1,0 +1,37 @@
+"""``preble repo`` and ``preble serve`` say what E2 prices the engines with (issue 63): the
+fit in use or the prior online calibration starts from, and a warning where that is
+another model's or device's fit, never a silent default."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from preble_backend.model.model_card import device_class, model_card
+from scheduler.cost_priors import describe
+
+
+def engine_facts(model_path: str, resolved: str, device: str, tensor_parallel: int = 1,
+                 compute: str = "model", fit: str = "", slowdown: float = 1.0) -> dict | None:  # fmt: skip
+    """What the engines will report to the router (``ModelCard.cost_facts``); None where it
+    is not known here (a GPU this machine cannot name)."""
+    if compute == "emulated":
+        return {"emulated": fit, "slowdown": slowdown}
+    if device == "cpu":
+        name = "cpu"
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name(int(device.partition(":")[2] or 0))
+    card = model_card(model_path, resolved, "auto", "cpu" if device == "cpu" else "cuda")
+    cores = len(os.sched_getaffinity(0)) if device == "cpu" else 0
+    return card.cost_facts(device_class(name), tensor_parallel, cores)
+
+
+def announce(setting: str, facts: dict | None, prefix: str) -> None:
+    line, warning = describe(setting, facts)
+    print(f"  cost     {line}")
+    if warning:
+        print(f"{prefix}: warning: {warning}", file=sys.stderr)

@@ -1,0 +1,110 @@
+"""E2's cost model per engine (issue 63): fixed, or learnt online from each engine's pass
+reports (``calibration.py``) from the prior that suits it (``cost_priors.py``).
+
+The router calls ``calibrate`` with each health probe's answer on its probe thread, and
+the simulator with each report: the fit runs there, never on a request's path, and E2
+swaps the engine's model in one assignment. ``cost_fits`` says, per engine, what it is
+priced with and why.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from preble_backend.common.cost_model import CostModel
+from scheduler.calibration import CostFit, OnlineCost
+from scheduler.cost_priors import Prior, matches, mismatch_message, parse_setting, prior_for
+
+log = logging.getLogger("preble.e2")
+UNKNOWN = "tiny_cpu"  # what an auto-calibrating E2 prices an engine with before it first reports
+
+
+class Calibrated:
+    """Mixed into E2: ``costs[i]`` is what engine ``i`` is priced with."""
+
+    costs: list[CostModel]
+
+    def _init_costs(self, num_instances: int, cost_model: CostModel | list[CostModel] | str, calibrate: bool,
+                    window_passes: float) -> None:  # fmt: skip
+        """``cost_model``: a fit (fixed, unless ``calibrate``: then the prior of every
+        engine), one per engine (fixed: the simulator's truth), or a setting
+        (``cost_priors.parse_setting``)."""
+        per_engine = list(cost_model) if isinstance(cost_model, list) else None
+        if per_engine is not None:
+            cost_model = per_engine[0]
+        self._object = cost_model if isinstance(cost_model, CostModel) else None
+        if self._object is not None:
+            self._named, self._given = None, self._object
+        else:
+            auto, self._named = parse_setting(cost_model)
+            calibrate = calibrate or auto
+            self._given = CostModel.load(self._named or UNKNOWN)
+        self.calibrating, self.window_passes = calibrate, window_passes
+        self.costs = per_engine or [self._given] * num_instances
+        self.shadow: list[CostModel] | None = None  # the simulator's true costs, to compare decisions
+        self.agreement: list[tuple[int, bool]] = []  # (decision, same choice as under ``shadow``)
+        label = self._named or self._given.source or "the given fit"
+        status = "prior" if calibrate else "fixed"
+        self._first = CostFit(self._given, status, label, "unknown", "the engine has not said what it serves")
+        self.fits: list[CostFit] = [self._first] * num_instances
+        self.online: list[OnlineCost | None] = [None] * num_instances
+
+    @property
+    def cost(self) -> CostModel:
+        """The fit E2 was given (the hand-computed tests' single model)."""
+        return self._given
+
+    def _grow_costs(self) -> None:
+        self.costs.append(self._given)
+        self.fits.append(self._first)
+        self.online.append(None)
+
+    def calibrate(self, instance: int, load: dict) -> None:
+        """An engine's report: what it serves (``cost_facts``, once: the prior) and what its
+        passes cost (``pass_costs``)."""
+        facts = load.get("cost_facts")
+        if facts and self.online[instance] is None and self.fits[instance] is self._first:
+            self._start(instance, facts)
+        online, passes = self.online[instance], load.get("pass_costs")
+        if online is not None and passes and online.observe(passes):
+            was, self.fits[instance] = self.fits[instance], online.fit
+            self.costs[instance] = online.fit.model
+            fit = online.fit
+            if was.status != fit.status:
+                why = fit.model.source if fit.status == "learnt" else fit.reason
+                log.info("instance %d is priced with %s: %s", instance, fit.status, why)
+
+    def _start(self, instance: int, facts: dict) -> None:
+        prior = self._prior(facts)
+        if self.calibrating:
+            self.online[instance] = OnlineCost(prior, self.window_passes)
+            self.fits[instance] = self.online[instance].fit
+            self.costs[instance] = prior.model
+        else:  # fixed: say whether it suits the engine
+            self.fits[instance] = CostFit(self._given, "fixed", prior.label, prior.kind)
+        if prior.kind == "mismatch":
+            log.warning("instance %d: %s", instance, mismatch_message(prior, facts, not self.calibrating))
+        else:
+            log.info("instance %d starts from %s", instance, prior.label)
+
+    def _prior(self, facts: dict) -> Prior:
+        """The fit named, or given, else the best this router has for the engine."""
+        if self._named is not None or self._object is None:
+            return prior_for(facts, self._named)
+        kind = "matches" if matches(self._object, facts) else "mismatch"
+        return Prior(self._object, self._object.source or "the given fit", kind)
+
+    def _agrees(self, choice: int, candidates, rank) -> None:
+        """With ``shadow`` set: whether the true costs pick the same candidate, on the same
+        state (``rank(i)``: a candidate's sort key, read under ``costs``)."""
+        if self.shadow is None:
+            return
+        mine, self.costs = self.costs, self.shadow
+        try:
+            truth = min(candidates, key=rank)
+        finally:
+            self.costs = mine
+        self.agreement.append((self._decisions, truth == choice))
+
+    def cost_fits(self) -> list[CostFit]:
+        return list(self.fits)

@@ -1,0 +1,225 @@
+"""E2's online cost model in the simulator (issue 63): what a wrong fit costs, and how soon
+E2 learns its engines' own costs.
+
+Each scenario is a cluster's true costs, per instance, and the fit E2 starts from:
+
+- ``mixed``: two fast and two slow instances, the slow ones 2x the fast ones' every
+  cost (the paper's Mistral-7B-on-A6000 fit); E2 starts from the fast ones' fit;
+- ``off10``: four equal instances; E2 starts from their fit with PREFILLTIME's per-token
+  cost 10x too high, so recompute weighs 10x too much against load (a fit scaled as a
+  whole changes no decision: L, M and P all scale with it);
+- ``smollm2_from_tiny`` and ``tiny_from_smollm2``: engines whose true costs are SmolLM2's
+  fit on this project's CPU while E2 starts from the embedded tiny model's, and the
+  reverse (what ``preble repo`` configured before ``cost_model: auto``).
+
+Policies: ``e2_true`` (E2 given each instance's true costs: what calibration aims at),
+``e2_online`` (E2 calibrating from the prior, as ``cost_model: auto`` does),
+``e2_prior`` (E2 fixed at the prior) and the baselines. Metrics are over the requests
+after the first ``after`` to arrive (and over all of them, under ``all``). For
+``e2_online`` the run also reports how often its choice matched the one the true costs
+make on the same state (``Calibrated.shadow``), before and after ``after`` requests, and
+from which request on it stays matched (``agree_from``: every later window of
+``AGREE_WINDOW`` costed decisions agrees at ``AGREE_SHARE`` or more).
+
+    python -m scheduler.sim.calibration_bench --out docs/sim --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from preble_backend.common.cost_model import CostModel
+from preble_backend.common.progress import progress
+from scheduler.cost_priors import TYPICAL_DECODE, with_decode_step
+from scheduler.e2 import E2
+from scheduler.policies import make_policy
+from scheduler.sim.simulator import SimConfig, metrics, simulate
+from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, find_stress_rps, trace
+
+WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "shifting_docs")
+SCENARIOS = ("mixed", "off10", "smollm2_from_tiny", "tiny_from_smollm2")
+BASELINES = ("round_robin", "least_load", "prefix_hash", "cache_aware", "kv_cost")
+E2_VARIANTS = ("e2_true", "e2_online", "e2_prior")
+AGREE_WINDOW, AGREE_SHARE = 50, 0.9
+INSTANCES = 4
+
+
+def scenario(name: str) -> tuple[list[CostModel], CostModel]:
+    """(each instance's true costs, the fit E2 starts from). The true costs' DECODETIME
+    step is their own iteration time at ``TYPICAL_DECODE``, as an online fit computes it: a
+    shipped fit's is a measured median or a figure at another batch, and E2 given the
+    truth would otherwise differ from E2 that has learnt it exactly."""
+    truth, prior = _scenario(name)
+    return [with_decode_step(t, *TYPICAL_DECODE) for t in truth], prior
+
+
+def _scenario(name: str) -> tuple[list[CostModel], CostModel]:
+    if name in ("mixed", "off10"):
+        fast = CostModel.load("mistral7b_a6000")
+        if name == "mixed":
+            return [fast, fast, fast.scaled(2), fast.scaled(2)], fast
+        off = replace(fast, prefill_ms_per_token=10 * fast.prefill_ms_per_token, source="prefill x10")
+        return [fast] * INSTANCES, off
+    smollm2, tiny = CostModel.load("smollm2_cpu"), CostModel.load("tiny_cpu")
+    if name == "smollm2_from_tiny":
+        return [smollm2] * INSTANCES, tiny
+    if name == "tiny_from_smollm2":
+        return [tiny] * INSTANCES, smollm2
+    raise ValueError(f"scenario={name!r} is invalid: expected one of {', '.join(SCENARIOS)}")
+
+
+def _policy(name: str, truth: list[CostModel], prior: CostModel, cfg: SimConfig, clock):
+    if name == "e2_true":
+        return E2(INSTANCES, list(truth), cfg.capacity_tokens, clock=clock)
+    if name == "e2_prior":
+        return E2(INSTANCES, prior, cfg.capacity_tokens, clock=clock)
+    if name == "e2_online":
+        policy = E2(INSTANCES, prior, cfg.capacity_tokens, clock=clock, calibrate=True)
+        policy.shadow = list(truth)
+        return policy
+    return make_policy(name, INSTANCES, cluster_facts(cfg, prior, clock))
+
+
+def agree_from(agreement: list[tuple[int, bool]]) -> int | None:
+    """The first decision from which every later window of ``AGREE_WINDOW`` costed decisions
+    agrees at ``AGREE_SHARE`` or more (None: never)."""
+    flags = [ok for _, ok in agreement]
+    if len(flags) < AGREE_WINDOW:
+        return None
+    first = None
+    for start in range(len(flags) - AGREE_WINDOW + 1):
+        good = sum(flags[start : start + AGREE_WINDOW]) >= AGREE_SHARE * AGREE_WINDOW
+        first = None if not good else (start if first is None else first)
+    return None if first is None else agreement[first][0]
+
+
+def _run(job: tuple) -> dict:
+    workload, n, seed, rps, name, policy_name, after = job
+    truth, prior = scenario(name)
+    cfg = SimConfig.of(INSTANCES)
+    made = []
+
+    def factory(clock):
+        made.append(_policy(policy_name, truth, prior, cfg, clock))
+        return made[0]
+
+    result = simulate(at_rate(_cached_trace(workload, n, seed), 1.0, rps), factory, cfg, truth)
+    record = {**metrics(result, after), "all": metrics(result)}
+    if policy_name == "e2_online":
+        agreement = made[0].agreement
+        early = [ok for i, ok in agreement if i < after]
+        late = [ok for i, ok in agreement if i >= after]
+        record["agreement_before"] = sum(early) / len(early) if early else None
+        record["agreement_after"] = sum(late) / len(late) if late else None
+        record["agree_from"] = agree_from(agreement)
+        record["fits"] = [fit.summary() for fit in made[0].cost_fits()]
+    return record
+
+
+def stress_rate(workload: str, name: str, n: int, seed: int) -> float:
+    """Where round robin's p99 is 5x its light-load p99 (``sweep.find_stress_rps``)."""
+    truth, _ = scenario(name)
+    requests = trace(workload, n, 1.0, seed)
+    cfg = SimConfig.of(INSTANCES)
+    mean_ms = sum(truth[0].prefill_time(len(r.input_ids)) + truth[0].decode_time(r.output_len)
+                  for r in requests) / n  # fmt: skip
+    return find_stress_rps(requests, 1.0, cfg, truth, 0.05 * INSTANCES * 1000.0 / mean_ms)[2]
+
+
+def bench(
+    workloads, scenarios, n: int, seeds: int, after: int, jobs: int, fractions=(0.5, 1.0)
+) -> list[dict]:
+    grid = []
+    for name in scenarios:
+        policies = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
+        for workload in workloads:
+            stress = stress_rate(workload, name, n, 0)
+            for fraction in fractions:
+                grid += [(workload, n, seed, stress * fraction, name, p, after, fraction)
+                         for p in policies for seed in range(seeds)]  # fmt: skip
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        work = pool.map(_run, [g[:7] for g in grid])
+        runs = list(progress(work, total=len(grid), desc="calibration", unit="run"))
+    records: dict[tuple, dict] = {}
+    for (workload, _, _, rps, name, policy, _, fraction), run in zip(grid, runs):
+        key = (name, workload, fraction, policy)
+        rec = records.setdefault(key, {"scenario": name, "workload": workload, "stress_fraction": fraction,
+                                       "rps": rps, "policy": policy, "per_seed": []})  # fmt: skip
+        rec["per_seed"].append(run)
+    for rec in records.values():
+        for k in ("avg_latency_s", "p99_latency_s", "cache_hit_ratio"):
+            rec[k] = statistics.fmean(r[k] for r in rec["per_seed"])
+            rec[k + "_all"] = statistics.fmean(r["all"][k] for r in rec["per_seed"])
+    return list(records.values())
+
+
+def summarize(records: list[dict]) -> list[str]:
+    """Markdown: per scenario, workload and rate, E2 online and E2 at the prior over E2 given
+    the true costs (average, p99, after the first requests), the best baseline's, and the
+    decisions' agreement."""
+    cells: dict[tuple, dict[str, dict]] = {}
+    for rec in records:
+        cells.setdefault((rec["scenario"], rec["workload"], rec["stress_fraction"]), {})[rec["policy"]] = rec
+    head = ("scenario", "workload", "load", "online/true avg", "online/true p99", "prior/true avg",
+            "prior/true p99", "hit online / true / prior", "agreement after", "agree from",
+            "behind a baseline")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (name, workload, fraction), by in sorted(cells.items()):
+        true, online, prior = by["e2_true"], by["e2_online"], by["e2_prior"]
+        agree = [r["agreement_after"] for r in online["per_seed"] if r["agreement_after"] is not None]
+        starts = [r["agree_from"] for r in online["per_seed"]]
+        hits = "/".join(f"{r['cache_hit_ratio']:.3f}" for r in (online, true, prior))
+        lines.append(
+            f"| {name} | {workload} | {fraction:g} | {online['avg_latency_s'] / true['avg_latency_s']:.3f} "
+            f"| {online['p99_latency_s'] / true['p99_latency_s']:.3f} "
+            f"| {prior['avg_latency_s'] / true['avg_latency_s']:.3f} "
+            f"| {prior['p99_latency_s'] / true['p99_latency_s']:.3f} | {hits} "
+            f"| {statistics.fmean(agree) if agree else float('nan'):.2f} | {starts} | {behind(online, by)} |"
+        )
+    return lines
+
+
+def behind(online: dict, by: dict[str, dict]) -> str:
+    """The baselines E2 online trails on average latency, each with its lead and whether the
+    lead is within the traces' spread (the standard deviation of the per-trace differences)."""
+    out = []
+    for policy, rec in sorted(by.items()):
+        if policy in E2_VARIANTS:
+            continue
+        diffs = [o["avg_latency_s"] - b["avg_latency_s"] for o, b in zip(online["per_seed"], rec["per_seed"])]
+        lead = statistics.fmean(diffs)
+        if lead > 0:
+            spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
+            where = "within" if lead <= spread else "beyond"
+            out.append(f"{policy} by {lead / rec['avg_latency_s']:.1%} ({where} spread)")
+    return "; ".join(out) or "none"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--num-requests", type=int, default=600)
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--after", type=int, default=200, help="metrics over the requests after these")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--out", default="", help="a directory for calibration.json.gz")
+    args = p.parse_args()
+    records = bench(args.workloads.split(","), args.scenarios.split(","), args.num_requests, args.seeds,
+                    args.after, args.jobs)  # fmt: skip
+    print("\n".join(summarize(records)))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with gzip.GzipFile(Path(args.out) / "calibration.json.gz", "wb", mtime=0) as f:
+            f.write(json.dumps(records, indent=1).encode())
+
+
+if __name__ == "__main__":
+    main()
