@@ -89,3 +89,45 @@ def test_probes_reach_the_policy_routing_now_and_a_fresh_policy_starts_from_the_
         [sys.executable, "-c", SCENARIO], capture_output=True, text=True, env=env, timeout=120
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+CALIBRATION = """
+from types import SimpleNamespace
+from preble_backend.common.cost_model import CostModel
+from preble_backend.common.pass_costs import PassCosts
+from preble_backend.router.cluster.router_state import RouterState
+from scheduler.policies import make_policy
+
+gauges = {}
+record = lambda name, value, labels=None: gauges.__setitem__((name, labels.get("term", "")), value)
+router = SimpleNamespace(engines=[SimpleNamespace(name="e0")], metrics=SimpleNamespace(gauge=record),
+                         policy=make_policy("e2", 1, {"cost_model": "auto", "page_size": 16}))
+smollm2 = {"model": "llama L30 H576 A9/3x64 I1536 V49152", "device": "cpu", "tensor_parallel": 1}
+RouterState.calibrate(router, 0, {"cost_facts": smollm2})  # the first probe: the prior that matches
+state = lambda: tuple(gauges[f"preble_router_cost_model_{k}", ""] for k in ("learnt", "mismatch"))
+assert state() == (0, 0)
+truth, engine = CostModel.load("smollm2_cpu").scaled(1.5), PassCosts()  # this host is slower
+for k in range(300):
+    prefill, decodes = (k * 37) % 600 if k % 3 else 0, 1 + k % 16
+    context = prefill + decodes * (100 + (k * 53) % 900)
+    engine.add((prefill, decodes, context, 0), truth.iteration_time(prefill, decodes, context))
+RouterState.calibrate(router, 0, {"cost_facts": smollm2, "pass_costs": engine.report()})
+assert state() == (1, 0) and gauges["preble_router_cost_fit_error", ""] < 1e-3
+assert abs(gauges["preble_router_cost_ms", "prefill_per_token"] / truth.prefill_ms_per_token - 1) < 1e-3
+router.policy = make_policy("e2", 1, {"cost_model": "tiny_cpu", "page_size": 16})  # another model's, fixed
+RouterState.calibrate(router, 0, {"cost_facts": smollm2, "pass_costs": engine.report()})
+assert state() == (0, 1)
+print("ok")
+"""
+
+
+def test_probes_calibrate_the_policy_and_the_fit_in_use_is_exported(tmp_path):
+    """The router's probe thread hands each answer to the policy's fit and exports it: from
+    the matching prior, to the learnt fit once passes come; a fixed fit of another model is
+    a mismatch for as long as it is used."""
+    (tmp_path / "triton_python_backend_utils.py").write_text(STAND_IN)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, "-c", CALIBRATION], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -166,6 +166,14 @@ def test_the_metrics_port_carries_the_router_and_every_engine(stack):
     for engine in ("preble_engine_0", "preble_engine_1"):
         assert any(ln.startswith(f'preble_engine_kv_pages_free{{engine="{engine}",') for ln in lines), engine
         assert any(ln.startswith(f'nv_inference_count{{engine="{engine}",') for ln in lines), engine
+        # E2's cost model per engine (issue 63): the tiny model on the CPU starts from its shipped fit
+        cost = {ln.split("{")[0] + ("/" + ln.split('term="')[1].split('"')[0] if "term=" in ln else ""):
+                float(ln.split()[-1]) for ln in lines
+                if ln.startswith("preble_router_cost_") and f'engine="{engine}"' in ln}  # fmt: skip
+        assert cost["preble_router_cost_model_mismatch"] == 0, cost
+        assert (
+            cost["preble_router_cost_ms/prefill_per_token"] > 0 and "preble_router_cost_model_learnt" in cost
+        )
     types = [ln.split()[2] for ln in lines if ln.startswith("# TYPE ")]
     assert len(types) == len(set(types))
     assert listening_addresses(stack.process.pid)  # (the port is the front's, on loopback like the rest)

@@ -1,0 +1,219 @@
+"""E2's online cost model (issue 63): the engine's pass statistics, the router's fit per
+engine from them (window, prior, outliers, fallbacks), the prior for an engine, E2 pricing
+each instance with its own model (choices computed by hand), and the engine's report."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from test_e2 import Clock, req, stored
+
+from preble_backend.common.cost_model import CostModel, nnls
+from preble_backend.common.pass_costs import PassCosts
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.model.model_card import model_card
+from preble_backend.model.pypi_models import tiny_model_path
+from scheduler.calibration import OnlineCost
+from scheduler.cost_priors import TYPICAL_DECODE, Prior, check_setting, describe, estimate, prior_for
+from scheduler.e2 import E2
+from scheduler.policy import InstanceLoad
+
+TRUE = CostModel(base_ms=20.0, prefill_ms_per_token=0.1, decode_ms_per_request=0.5,
+                 attention_ms_per_context_token=0.001, decode_step_ms=0.0)  # fmt: skip
+WRONG = CostModel(base_ms=0.0, prefill_ms_per_token=1.0, decode_ms_per_request=0.05,
+                  attention_ms_per_context_token=0.0, decode_step_ms=30.0, source="wrong")  # fmt: skip
+TERMS = ("base_ms", "prefill_ms_per_token", "decode_ms_per_request", "attention_ms_per_context_token")
+
+
+def passes(engine: PassCosts, cost: CostModel, n: int, seed: int = 0, noise: float = 0.0) -> None:
+    """``n`` passes as a serving engine runs them: prefill chunks, decode batches, both."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        prefill = rng.choice((0, 0, rng.randint(16, 2048)))
+        decodes = rng.randint(0 if prefill else 1, 32)
+        context = prefill + decodes * rng.randint(64, 4096)
+        ms = cost.iteration_time(prefill, decodes, context) * (1 + rng.gauss(0, noise))
+        engine.add((prefill, decodes, context, 0, 0), ms)
+
+
+def online(prior: CostModel = WRONG, **kw) -> OnlineCost:
+    return OnlineCost(Prior(prior, "the prior", "mismatch"), **kw)
+
+
+def coefficients(model: CostModel) -> np.ndarray:
+    return np.array([getattr(model, t) for t in TERMS])
+
+
+def test_exact_passes_are_learnt_exactly_whatever_the_prior():
+    engine, fit = PassCosts(), online()
+    passes(engine, TRUE, 400)
+    assert fit.observe({"eager": engine.report()["eager"]})
+    assert fit.fit.status == "learnt" and fit.fit.error < 1e-6 and fit.fit.prior_error > 0.5
+    assert coefficients(fit.fit.model) == pytest.approx(coefficients(TRUE), rel=1e-4)
+    batch, context = TYPICAL_DECODE  # DECODETIME's step, as preble profile times it
+    assert fit.fit.model.decode_step_ms == pytest.approx(TRUE.iteration_time(0, batch, batch * context))
+
+
+def test_a_few_outliers_do_not_swing_the_fit():
+    """Host pauses: 2% of passes take 10x. The engine weighs them down (Huber); the plain
+    least-squares fit of the same passes is swung, so the test can fail."""
+    engine, rows, times = PassCosts(), [], []
+    rng = random.Random(1)
+    for i in range(2000):
+        prefill = rng.choice((0, rng.randint(16, 1024)))
+        decodes = rng.randint(0 if prefill else 1, 32)
+        context = prefill + decodes * rng.randint(64, 2048)
+        ms = TRUE.iteration_time(prefill, decodes, context) * (10 if i % 50 == 49 else 1 + rng.gauss(0, 0.02))
+        engine.add((prefill, decodes, context, 0), ms)
+        rows.append((1.0, prefill, decodes, context))
+        times.append(ms)
+    fit = online()
+    fit.observe(engine.report())
+    assert fit.fit.outliers >= 35
+    x, y = np.array(rows), np.array(times)
+    swung = nnls(x.T @ x, x.T @ y, float(y @ y))[0]
+    assert np.max(np.abs(swung / coefficients(TRUE) - 1)) > 0.15
+    assert coefficients(fit.fit.model) == pytest.approx(coefficients(TRUE), rel=0.08)
+
+
+def test_too_few_passes_or_a_singular_design_fall_back_to_the_prior_and_say_why():
+    engine, fit = PassCosts(), online(min_passes=50, refit_passes=8)
+    passes(engine, TRUE, 20)
+    fit.observe(engine.report())
+    assert (fit.fit.status, fit.fit.model) == (
+        "prior",
+        WRONG,
+    ) and "too few passes (20 of 50)" in fit.fit.reason
+    same, fit = PassCosts(), online(refit_passes=8)
+    for _ in range(200):  # one decode of one request, over and over: base and decode are one
+        same.add((0, 1, 100, 0), TRUE.iteration_time(0, 1, 100))
+    fit.observe(same.report())
+    assert fit.fit.status == "prior" and fit.fit.reason.startswith("singular design")
+
+
+def test_the_window_follows_an_engine_that_slows_down_and_survives_a_restart():
+    engine, fit = PassCosts(), online(window_passes=500)
+    passes(engine, TRUE, 600, seed=2)
+    fit.observe(engine.report())
+    slow = TRUE.scaled(2)
+    for k in range(6):  # reports every 500 passes, as probes come
+        passes(engine, slow, 500, seed=10 + k)
+        fit.observe(engine.report())
+    assert coefficients(fit.fit.model) == pytest.approx(coefficients(slow), rel=0.05)
+    restarted = PassCosts()  # the engine restarted: its sums start again from zero
+    passes(restarted, TRUE, 100, seed=3)
+    fit.observe(restarted.report())
+    assert fit.windows["eager"].w > 0 and fit.fit.status == "learnt"
+
+
+def test_graph_replays_are_fitted_apart_for_the_decode_terms():
+    engine, fit = PassCosts(), online()
+    passes(engine, TRUE, 400)
+    graph = replace(TRUE, base_ms=5.0, decode_ms_per_request=0.2)
+    rng = random.Random(4)
+    for _ in range(300):
+        decodes = rng.randint(1, 32)
+        context = decodes * rng.randint(64, 4096)
+        engine.add((0, decodes, context, 0), graph.iteration_time(0, decodes, context), graph=True)
+    fit.observe(engine.report())
+    model = fit.fit.model
+    assert model.base_ms == pytest.approx(20.0, rel=1e-3) and model.prefill_ms_per_token == pytest.approx(0.1)
+    assert model.decode_ms_per_request == pytest.approx(0.2, rel=1e-3)
+    assert model.decode_step_ms == pytest.approx(graph.iteration_time(0, 16, 16 * 512), rel=1e-3)
+
+
+def test_the_prior_is_a_fit_of_this_model_and_device_else_an_estimate_else_named():
+    tiny = model_card("tiny", tiny_model_path()).cost_facts("cpu", 1, 2)
+    assert prior_for(tiny).kind == "matches" and prior_for(tiny).model == CostModel.load("tiny_cpu")
+    assert prior_for({**tiny, "device": "H100"}).kind == "estimate"
+    assert prior_for(tiny, "mistral7b_a6000").kind == "mismatch"
+    assert prior_for({"emulated": "mistral7b_a6000", "slowdown": 2.0}).model == CostModel.load(
+        "mistral7b_a6000"
+    ).scaled(2.0)
+    # Mistral-7B's shape on one H100 in bf16, worked out from the device table by hand
+    facts = {"model": "mistral L32 H4096 A32/8x128 I14336 V32000", "device": "H100", "tensor_parallel": 1,
+             "dtype_bytes": 2, "parameters": 7_241_732_096, "kv_bytes_per_token": 131072}  # fmt: skip
+    guess = estimate(facts)
+    assert guess.base_ms == pytest.approx(7_241_732_096 * 2 / 3.35e12 * 1e3 + 32 * 0.05)
+    assert guess.prefill_ms_per_token == pytest.approx(2 * 7_241_732_096 / 5e14 * 1e3)
+    assert guess.attention_ms_per_context_token == pytest.approx(131072 / 3.35e12 * 1e3)
+    shipped = CostModel.load("mistral7b_a6000")  # the paper's A6000 fit, against the A6000 estimate
+    a6000 = estimate({**facts, "device": "A6000"})
+    assert 0.5 < a6000.prefill_time(2048) / shipped.prefill_time(2048) < 2
+
+
+def test_settings_and_what_repo_says():
+    for good in ("auto", "auto:tiny_cpu", "tiny_cpu"):
+        check_setting(good)
+    with pytest.raises(ValueError, match="'nope' is invalid"):
+        check_setting("auto:nope")
+    smollm2 = {"model": "llama L30 H576 A9/3x64 I1536 V49152", "device": "cpu", "tensor_parallel": 1}
+    line, warning = describe("tiny_cpu", smollm2)
+    assert "fixed, never learnt" in line and "another model's or device's timings" in warning
+    assert describe("auto", smollm2)[1] is None and "learnt online" in describe("auto", smollm2)[0]
+    assert "until the online fit takes over" in describe("auto:tiny_cpu", smollm2)[1]
+
+
+SLOW = replace(TRUE, base_ms=80.0, prefill_ms_per_token=0.4)
+
+
+def e2(costs, **kw) -> E2:
+    return E2(2, costs, 100_000, clock=Clock(), page_size=1, th_bal=float("inf"), **kw)
+
+
+def test_e2_prices_each_instance_with_its_own_costs():
+    """Instance 0 caches 30 of a 100-token prompt (30 < 70 missed: explore). Priced alike,
+    instance 0 costs P = 20 + 70 * 0.1 = 27 ms, instance 1 P = 20 + 100 * 0.1 = 30 ms: 0.
+    With instance 0 four times slower, 80 + 70 * 0.4 = 108 ms against 30: instance 1."""
+    for costs, expected in (([TRUE, TRUE], 0), ([SLOW, TRUE], 1)):
+        policy = e2(costs)
+        first = req(range(30))
+        policy.record(first, 0)
+        policy.on_finish(0, first, stored(range(30)))
+        decision = policy.select(req(list(range(30)) + [7] * 70), [InstanceLoad(), InstanceLoad()])
+        assert (decision.instance, decision.branch) == (expected, "explore")
+
+
+def test_e2_calibrating_learns_that_an_instance_is_slow_and_moves_its_choice():
+    policy = e2(TRUE, calibrate=True)
+    facts = {"model": "m", "device": "cpu", "tensor_parallel": 1}
+    for i, cost in enumerate((SLOW, TRUE)):
+        engine = PassCosts()
+        passes(engine, cost, 300, seed=i)
+        policy.calibrate(i, {"cost_facts": facts, "pass_costs": engine.report()})
+    assert [f.status for f in policy.cost_fits()] == ["learnt", "learnt"]
+    assert policy.costs[0].prefill_ms_per_token == pytest.approx(0.4, rel=1e-3)
+    first = req(range(30))
+    policy.record(first, 0)
+    policy.on_finish(0, first, stored(range(30)))
+    policy.shadow = [SLOW, TRUE]  # the simulator's comparison with the true costs
+    decision = policy.select(req(list(range(30)) + [7] * 70), [InstanceLoad(), InstanceLoad()])
+    assert decision.instance == 1 and policy.agreement == [(1, True)]
+
+
+def test_a_fixed_fit_says_whether_it_suits_the_engine(caplog):
+    policy = E2(1, "tiny_cpu")
+    policy.calibrate(0, {"cost_facts": {"model": "llama L30 H576 A9/3x64 I1536 V49152", "device": "cpu"}})
+    fit = policy.cost_fits()[0]
+    assert (fit.status, fit.prior_kind, fit.mismatch) == ("fixed", "mismatch", True)
+    assert "another model's or device's timings" in caplog.text
+    assert policy.costs[0] == CostModel.load("tiny_cpu")  # never learnt
+
+
+def test_the_engine_reports_each_pass_and_what_it_serves():
+    engine = Engine(EngineConfig(model_path=tiny_model_path(), max_num_tokens=4096, chunk_size=64))
+    calls = []
+    forward = engine.runner.forward
+    engine.runner.forward = lambda *a: calls.append(1) or forward(*a)
+    engine.generate([[5] * 150, [7] * 40], {"max_tokens": 12, "ignore_eos": True})
+    report = engine.cost_report()
+    sums = report["pass_costs"]["eager"]
+    assert sums["n"] == len(calls) == sums["xtx"][0] and sums["yty"] > 0  # one row per pass, each weight 1
+    assert set(report["pass_costs"]) == {"eager"}  # no CUDA graph on the CPU
+    assert report["cost_facts"] == model_card("tiny", tiny_model_path(), "float32").cost_facts(
+        "cpu", 1, report["cost_facts"]["cores"]
+    )
