@@ -256,6 +256,10 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
                        "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip
                 rec.update(router_cost(rec, stack.spent(), cfg.model))
+                if policy != "direct" and cfg.admin_key:  # what E2 priced each engine with, by then
+                    status = PrebleClient(grpc_url=cfg.urls[0], model=cfg.model, api_key=cfg.api_key).admin(
+                        "status", cfg.admin_key)  # fmt: skip
+                    rec["cost_models"] = status.get("cost_models", {})
                 records.append(rec)
                 log(summary_line(rec))
         order = order[1:] + order[:1]  # the next repeat starts with another policy

@@ -85,12 +85,16 @@ class _Window:
         if new <= 0:
             return 0
         a, b, yty = normal_equations(report)
+        w = report["w"] - (last["w"] if last else 0.0)
         if last is not None:
             a0, b0, yty0 = normal_equations(last)
             a, b, yty = a - a0, b - b0, yty - yty0
         keep = keep_per_pass**new
-        self.a, self.b, self.yty = self.a * keep + a, self.b * keep + b, self.yty * keep + yty
-        self.w = self.w * keep + report["w"] - (last["w"] if last else 0.0)
+        # the block's passes came one after another: each is forgotten as far as its place
+        # (all of a fresh router's first report, since the engine started, is one block)
+        part = (1 - keep) / (new * (1 - keep_per_pass)) if keep_per_pass < 1 else 1.0
+        self.a, self.b = self.a * keep + part * a, self.b * keep + part * b
+        self.yty, self.w = self.yty * keep + part * yty, self.w * keep + part * w
         return new
 
     def sse(self, beta: np.ndarray) -> float:
