@@ -26,6 +26,9 @@ Per request:
    a replica where that is cheaper than its holder once the recompute is shared by the
    requests that would follow it there (``autoscale.py``).
 
+Each instance is priced with its own cost model (``calibrated.py``): fixed, or learnt
+online from its engine's pass reports (``cost_model: auto``, the router's default).
+
 The load model: ``batch`` (the default) prices L and P as a batching engine pays them
 (``load_cost.batch_load``), so load and recompute are weighed on one scale; ``serial`` is
 Algorithm 2's DECODETIME per request in flight (docs/SCHEDULER.md has both and why).

@@ -123,10 +123,12 @@ def _run(job: tuple) -> dict:
     return record
 
 
-def stress_rate(workload: str, name: str, n: int, seed: int) -> float:
-    """Where round robin's p99 is 5x its light-load p99 (``sweep.find_stress_rps``)."""
+def stress_rate(job: tuple) -> float:
+    """Where round robin's p99 is 5x its light-load p99 (``sweep.find_stress_rps``), found on
+    the first trace; a top-level function of ``(workload, scenario, requests)`` for a pool."""
+    workload, name, n = job
     truth, _ = scenario(name)
-    requests = trace(workload, n, 1.0, seed)
+    requests = trace(workload, n, 1.0, 0)
     cfg = SimConfig.of(INSTANCES)
     mean_ms = sum(truth[0].prefill_time(len(r.input_ids)) + truth[0].decode_time(r.output_len)
                   for r in requests) / n  # fmt: skip
@@ -136,15 +138,21 @@ def stress_rate(workload: str, name: str, n: int, seed: int) -> float:
 def bench(
     workloads, scenarios, n: int, seeds: int, after: int, jobs: int, fractions=(0.5, 1.0)
 ) -> list[dict]:
-    grid = []
-    for name in scenarios:
-        policies = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
-        for workload in workloads:
-            stress = stress_rate(workload, name, n, 0)
-            for fraction in fractions:
-                grid += [(workload, n, seed, stress * fraction, name, p, after, fraction)
-                         for p in policies for seed in range(seeds)]  # fmt: skip
+    cells = [(workload, name, n) for name in scenarios for workload in workloads]
+    # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
+                                          unit="cell")))  # fmt: skip
+        grid = []
+        for workload, name, _ in cells:
+            policies = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
+            for fraction in fractions:
+                rps = stress[workload, name, n] * fraction
+                grid += [
+                    (workload, n, seed, rps, name, p, after, fraction)
+                    for p in policies
+                    for seed in range(seeds)
+                ]
         work = pool.map(_run, [g[:7] for g in grid])
         runs = list(progress(work, total=len(grid), desc="calibration", unit="run"))
     records: dict[tuple, dict] = {}
