@@ -217,3 +217,25 @@ def test_the_engine_reports_each_pass_and_what_it_serves():
     assert report["cost_facts"] == model_card("tiny", tiny_model_path(), "float32").cost_facts(
         "cpu", 1, report["cost_facts"]["cores"]
     )
+
+
+def test_agreement_holds_from_the_first_window_after_which_every_window_agrees():
+    from scheduler.sim.calibration_bench import agree_from
+
+    flags = [False] * 60 + [True] * 100  # a window of 50 agrees at 90% from index 55 on
+    assert agree_from([(2 * i, ok) for i, ok in enumerate(flags)]) == 110
+    assert agree_from([(i, i % 5 != 0) for i in range(200)]) is None  # 80%: never
+
+
+def test_the_simulator_prices_a_mixed_cluster_and_e2_learns_it():
+    """Two fast and two slow instances, E2 starting from the fast ones' fit: the slow ones
+    run their passes at twice the time, and E2's fits of them come out at the truth."""
+    from scheduler.sim.calibration_bench import _run, scenario
+
+    truth, prior = scenario("mixed")
+    record = _run(("toolbench", 240, 0, 4.0, "mixed", "e2_online", 100))
+    learnt = [f["prefill_ms_per_token"] for f in record["fits"]]
+    assert [f["status"] for f in record["fits"]] == ["learnt"] * 4
+    assert learnt == pytest.approx([t.prefill_ms_per_token for t in truth], rel=0.02)
+    assert prior.prefill_ms_per_token == truth[0].prefill_ms_per_token != truth[2].prefill_ms_per_token
+    assert record["agreement_after"] > 0.9 and record["num_requests"] == 140
