@@ -45,7 +45,7 @@ class CostFit:
     model: CostModel
     status: str  # fixed | prior | learnt
     prior: str
-    prior_kind: str  # matches | estimate | mismatch
+    prior_kind: str  # matches | estimate | mismatch | unknown
     reason: str = ""
     passes: float = 0.0  # the window's passes (weighted, decayed)
     error: float | None = None  # relative RMS error of ``model`` over the window's passes
@@ -54,8 +54,9 @@ class CostFit:
 
     @property
     def mismatch(self) -> bool:
-        """Priced with another model's or device's timings."""
-        return self.status != "learnt" and self.prior_kind == "mismatch"
+        """Priced with another model's or device's timings, or with a fit not known to be
+        this engine's (it has not said what it serves)."""
+        return self.status != "learnt" and self.prior_kind in ("mismatch", "unknown")
 
     def summary(self) -> dict:
         m = self.model
