@@ -141,6 +141,12 @@ def nnls(a, b, yty: float):
     live = [i for i in range(n) if a[i, i] > 0]
     scale = np.sqrt(np.where(np.diag(a) > 0, np.diag(a), 1.0))  # terms span 1 to 10^5 tokens:
     a, b = a / np.outer(scale, scale), b / scale  # solved as correlations, or precision goes
+    if live:  # the unconstrained optimum, where it is non-negative, is the answer: one solve
+        coef = np.linalg.lstsq(a[np.ix_(live, live)], b[live], rcond=None)[0]
+        if np.all(coef >= 0):
+            best = np.zeros(n)
+            best[live] = coef
+            return best / scale, max(yty - float(coef @ b[live]), 0.0)
     best, best_error = np.zeros(n), yty
     for subset in itertools.product((False, True), repeat=len(live)):
         cols = [i for i, keep in zip(live, subset) if keep]
