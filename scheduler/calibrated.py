@@ -95,16 +95,18 @@ class Calibrated:
         return Prior(self._object, self._object.source or "the given fit", kind)
 
     def _agrees(self, choice: int, candidates, rank) -> None:
-        """With ``shadow`` set: whether the true costs pick the same candidate, on the same
-        state (``rank(i)``: a candidate's sort key, read under ``costs``)."""
+        """With ``shadow`` set: whether the choice is one the true costs would make on the
+        same state: its true cost within a rounding of the best (``rank(i)``: a candidate's
+        sort key, its cost first, read under ``costs``). Candidates whose costs tie are all
+        right: float noise, not the fit, picks among them."""
         if self.shadow is None:
             return
         mine, self.costs = self.costs, self.shadow
         try:
-            truth = min(candidates, key=rank)
+            best, chosen = min(rank(i)[0] for i in candidates), rank(choice)[0]
         finally:
             self.costs = mine
-        self.agreement.append((self._decisions, truth == choice))
+        self.agreement.append((self._decisions, chosen <= best + 1e-6 * max(1.0, abs(best))))
 
     def cost_fits(self) -> list[CostFit]:
         return list(self.fits)
