@@ -59,20 +59,23 @@ class Calibrated:
         self.fits.append(self._first)
         self.online.append(None)
 
-    def calibrate(self, instance: int, load: dict) -> None:
+    def calibrate(self, instance: int, load: dict) -> bool:
         """An engine's report: what it serves (``cost_facts``, once: the prior) and what its
-        passes cost (``pass_costs``)."""
-        facts = load.get("cost_facts")
+        passes cost (``pass_costs``). True when its fit changed."""
+        facts, started = load.get("cost_facts"), False
         if facts and self.online[instance] is None and self.fits[instance] is self._first:
             self._start(instance, facts)
+            started = True
         online, passes = self.online[instance], load.get("pass_costs")
-        if online is not None and passes and online.observe(passes):
-            was, self.fits[instance] = self.fits[instance], online.fit
-            self.costs[instance] = online.fit.model
-            fit = online.fit
-            if was.status != fit.status:
-                why = fit.model.source if fit.status == "learnt" else fit.reason
-                log.info("instance %d is priced with %s: %s", instance, fit.status, why)
+        if online is None or not passes or not online.observe(passes):
+            return started
+        was, self.fits[instance] = self.fits[instance], online.fit
+        self.costs[instance] = online.fit.model
+        fit = online.fit
+        if was.status != fit.status:
+            why = fit.model.source if fit.status == "learnt" else fit.reason
+            log.info("instance %d is priced with %s: %s", instance, fit.status, why)
+        return True
 
     def _start(self, instance: int, facts: dict) -> None:
         prior = self._prior(facts)

@@ -76,19 +76,21 @@ class _Window:
     def __init__(self) -> None:
         n = len(TERMS)
         self.a, self.b, self.yty, self.w = np.zeros((n, n)), np.zeros(n), 0.0, 0.0
-        self.last: dict | None = None  # the engine's previous cumulative report
+        # the engine's previous cumulative report: (passes, Σw, its normal equations)
+        self.last: tuple[int, float, tuple] | None = None
 
     def add(self, report: dict, keep_per_pass: float) -> int:
         """Fold in what ``report`` adds to the last one; the passes it adds."""
-        last = self.last if self.last is not None and report["n"] >= self.last["n"] else None  # restarted
-        self.last = report
-        new = report["n"] - (last["n"] if last else 0)
+        last = self.last if self.last is not None and report["n"] >= self.last[0] else None  # restarted
+        new = report["n"] - (last[0] if last else 0)
         if new <= 0:
             return 0
-        a, b, yty = normal_equations(report)
-        w = report["w"] - (last["w"] if last else 0.0)
+        sums = normal_equations(report)
+        self.last = (report["n"], report["w"], sums)
+        a, b, yty = sums
+        w = report["w"] - (last[1] if last else 0.0)
         if last is not None:
-            a0, b0, yty0 = normal_equations(last)
+            a0, b0, yty0 = last[2]
             a, b, yty = a - a0, b - b0, yty - yty0
         keep = keep_per_pass**new
         # the block's passes came one after another: each is forgotten as far as its place
@@ -106,9 +108,6 @@ class _Window:
         if self.w <= 0 or self.b[0] <= 0:
             return None
         return math.sqrt(self.sse(beta) / self.w) / (self.b[0] / self.w)
-
-    def separable(self) -> bool:
-        return separable(self.a)
 
 
 class OnlineCost:
@@ -150,13 +149,13 @@ class OnlineCost:
         if eager.w < self.min_passes:
             return CostFit(prior, "prior", reason=f"too few passes ({eager.w:.0f} of {self.min_passes:.0f})",
                            error=common["prior_error"], **common)  # fmt: skip
-        if not eager.separable():
+        if not separable(eager.a):
             return CostFit(prior, "prior", reason="singular design: the window's passes do not tell the base "
                            "from the per-token costs", error=common["prior_error"], **common)  # fmt: skip
         beta = self._solve(eager)
         model = _model(prior, beta, self.prior.label, eager.w)
         graph = self.windows["graph"]
-        if graph.w >= self.min_passes and graph.separable():  # decodes replaying CUDA graphs
+        if graph.w >= self.min_passes and separable(graph.a):  # decodes replaying CUDA graphs
             gb = self._solve(graph)
             model = replace(
                 model, decode_ms_per_request=float(gb[2]), attention_ms_per_context_token=float(gb[3])

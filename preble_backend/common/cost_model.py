@@ -25,6 +25,14 @@ from pathlib import Path
 SHIPPED = Path(__file__).parent / "cost_models"
 
 
+def expert_share(tokens: int, num_experts: int, top_k: int) -> float:
+    """The expected share of ``num_experts`` experts that ``tokens`` tokens choosing ``top_k``
+    each read (independently and uniformly: a trained router's skew reads fewer)."""
+    if not num_experts or tokens <= 0:
+        return 0.0
+    return 1.0 - (1.0 - top_k / num_experts) ** tokens
+
+
 @dataclass(frozen=True)
 class CostModel:
     base_ms: float
@@ -51,11 +59,8 @@ class CostModel:
     tensor_parallel: int = 1
 
     def expert_reads(self, tokens: int) -> float:
-        """The expected time to read the experts ``tokens`` tokens route to, each choosing
-        ``k`` of ``E`` (independently and uniformly: a trained router's skew reads fewer)."""
-        if not self.num_experts or tokens <= 0:
-            return 0.0
-        return self.experts_ms * (1.0 - (1.0 - self.experts_per_token / self.num_experts) ** tokens)
+        """The expected time to read the experts ``tokens`` tokens route to."""
+        return self.experts_ms * expert_share(tokens, self.num_experts, self.experts_per_token)
 
     def prefill_time(self, tokens: int) -> float:
         if tokens <= 0:

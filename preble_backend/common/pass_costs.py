@@ -26,6 +26,8 @@ import threading
 
 import numpy as np
 
+from preble_backend.common.cost_model import expert_share
+
 TERMS = ("base_ms", "prefill_ms_per_token", "decode_ms_per_request", "attention_ms_per_context_token",
          "load_ms_per_token", "experts_ms")  # fmt: skip
 N = len(TERMS)
@@ -33,14 +35,6 @@ UPPER = [(i, j) for i in range(N) for j in range(i, N)]  # xᵀx is symmetric: i
 REFIT = 32  # passes before any is down-weighted, and between the engine's own refits
 HUBER = 3.0
 RELATIVE = 0.25
-
-
-def expert_share(tokens: int, num_experts: int, top_k: int) -> float:
-    """The expected share of ``num_experts`` experts that ``tokens`` tokens choosing ``top_k``
-    each read (``CostModel.expert_reads`` over ``experts_ms``)."""
-    if not num_experts or tokens <= 0:
-        return 0.0
-    return 1.0 - (1.0 - top_k / num_experts) ** tokens
 
 
 def row(prefill: int, decodes: int, context: int, moved: int = 0, num_experts: int = 0, top_k: int = 0):

@@ -41,7 +41,7 @@ from scheduler.cost_priors import TYPICAL_DECODE, with_decode_step
 from scheduler.e2 import E2
 from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, find_stress_rps, trace
+from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, find_stress_rps, light_rate, trace
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "shifting_docs")
 SCENARIOS = ("mixed", "off10", "smollm2_from_tiny", "tiny_from_smollm2")
@@ -129,10 +129,9 @@ def stress_rate(job: tuple) -> float:
     workload, name, n = job
     truth, _ = scenario(name)
     requests = trace(workload, n, 1.0, 0)
-    cfg = SimConfig.of(INSTANCES)
-    mean_ms = sum(truth[0].prefill_time(len(r.input_ids)) + truth[0].decode_time(r.output_len)
-                  for r in requests) / n  # fmt: skip
-    return find_stress_rps(requests, 1.0, cfg, truth, 0.05 * INSTANCES * 1000.0 / mean_ms)[2]
+    return find_stress_rps(
+        requests, 1.0, SimConfig.of(INSTANCES), truth, light_rate(requests, truth[0], INSTANCES)
+    )[2]
 
 
 def bench(

@@ -82,10 +82,11 @@ class RequestRecord:
 
 
 class SimInstance:
-    def __init__(self, index: int, cfg: SimConfig, cost: CostModel) -> None:
+    def __init__(self, index: int, cfg: SimConfig, cost: CostModel, reporting: bool = False) -> None:
         self.index = index
         self.cost = cost  # its true costs
-        self.passes = PassCosts(cost.num_experts, cost.experts_per_token)  # as an engine reports them
+        # its passes, as an engine reports them, kept only for a policy that learns from them
+        self.passes = PassCosts(cost.num_experts, cost.experts_per_token) if reporting else None
         num_pages = cfg.capacity_tokens // cfg.page_size
         self.pool = _pool(num_pages, cfg.page_size)
         host_pages = cfg.engine.host_pages(num_pages)
@@ -113,7 +114,8 @@ class SimInstance:
         self.busy, self.batch = True, batch
         work = batch.work()
         ms = self.cost.iteration_time(*work)
-        self.passes.add(work, ms)
+        if self.passes is not None:
+            self.passes.add(work, ms)
         return ms / 1000.0
 
     def finish_iteration(self) -> tuple[list[Request], list[Request]]:
@@ -180,12 +182,14 @@ def simulate(
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
     costs = cost if isinstance(cost, list) else [cost] * cfg.num_instances
-    instances = [SimInstance(i, cfg, costs[i]) for i in range(cfg.num_instances)]
+    learns = policy.calibrating
+    instances = [SimInstance(i, cfg, costs[i], learns) for i in range(cfg.num_instances)]
     _refuse_oversized(requests, instances[0].pool.capacity_tokens)
     loads = [InstanceLoad() for _ in instances]
     for inst in instances:  # the router's first health probe of each engine, before it routes there
         policy.learn(inst.index, inst.stats())
-        policy.calibrate(inst.index, inst.cost_report())
+        if learns:
+            policy.calibrate(inst.index, inst.cost_report())
     result = SimResult(instances=instances)
     routing: dict[str, RoutingRequest] = {}
     seq = itertools.count()
@@ -232,7 +236,8 @@ def simulate(
             ttft = (record.first_token or now[0]) - record.arrival
             info = FinishInfo(inst.cache.drain_events(), load, ttft, len(req.output_ids))
             policy.on_finish(inst.index, routing.pop(req.request_id), info)
-            policy.calibrate(inst.index, inst.cost_report())
+            if learns:
+                policy.calibrate(inst.index, inst.cost_report())
             for nxt in followers.pop(req.request_id, ()):
                 heapq.heappush(events, (now[0] + nxt.think_s, next(seq), "arrive", nxt))
         start(inst)

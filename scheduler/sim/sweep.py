@@ -85,6 +85,12 @@ def at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[Sim
     return [replace(r, arrival=r.arrival * k, think_s=r.think_s * k) for r in requests]
 
 
+def light_rate(requests: list[SimRequest], cost: CostModel, instances: int) -> float:
+    """Where a stress search starts: ~5% of one instance's no-cache throughput per instance."""
+    work = (cost.prefill_time(len(r.input_ids)) + cost.decode_time(r.output_len) for r in requests)
+    return 0.05 * instances * 1000.0 / (sum(work) / len(requests))
+
+
 def find_stress_rps(
     requests, base_rps, cfg, cost, start_rps: float, factor: float = 5.0, max_steps: int = 24
 ):
@@ -148,10 +154,8 @@ def sweep(
     base_rps = 1.0
     if stress_rps is None:
         requests = trace(workload, n, base_rps, seed)
-        if start_rps is None:  # ~5% of one instance's no-cache throughput per instance
-            work = (cost.prefill_time(len(r.input_ids)) + cost.decode_time(r.output_len) for r in requests)
-            mean_ms = sum(work) / n
-            start_rps = 0.05 * instances * 1000.0 / mean_ms
+        if start_rps is None:
+            start_rps = light_rate(requests, cost, instances)
         light, light_p99, stress, stress_p99 = find_stress_rps(requests, base_rps, cfg, cost, start_rps)
         log(
             f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "

@@ -138,9 +138,10 @@ class RouterState:
 
     def calibrate(self, instance: int, load: dict) -> None:
         """A probe's answer, on the monitor's thread: the policy fits the engine's costs
-        there, never on a request's path, and the fit in use is exported."""
+        there, never on a request's path, and the fit in use is exported when it changed."""
         policy = self.policy
-        policy.calibrate(instance, load)
+        if not policy.calibrate(instance, load):
+            return
         fits = policy.cost_fits()
         if instance >= len(fits) or instance >= len(self.engines):
             return
