@@ -10,10 +10,17 @@ request's window can go back while the full-attention layers keep theirs. A page
 pool names a span of tokens; ``window_of[page]`` is the window pool's page holding the
 sliding layers' KV of the same span, or -1 where it is not held
 (``engine/cache/sliding_windows.py`` decides which are).
+
+Each page carries a generation stamp that ``free`` advances. A reader in another process
+(``preble_backend/kv_transfer``) is offered pages with their stamps, reads the pages, then
+reads the stamps again: a page freed (and so possibly reused) since the offer no longer
+matches, and the read is discarded instead of decoded from. The stamps live in host memory
+whatever the pool's device, so a remote agent can read them beside the pages.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -45,6 +52,7 @@ class KVPool:
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         # Low page ids first: a LIFO stack keeps recently freed (cache-warm) pages in use.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.stamps = np.zeros(num_pages, dtype=np.int64)  # generation per page
         self.window: KVPool | None = None  # the sliding layers' pool, where the model has them
         self.window_of: list[int] = []  # per page: its window pool page, -1 where none
         self.window_tokens = 0  # the sliding layers' widest window
@@ -71,6 +79,8 @@ class KVPool:
         return pages[::-1]
 
     def free(self, pages: list[int]) -> None:
+        if pages:  # before any reuse can write into them
+            self.stamps[pages] += 1
         self._free.extend(reversed(pages))
 
     def add_window(self, window: KVPool, tokens: int) -> None:

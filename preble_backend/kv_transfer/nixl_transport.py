@@ -1,0 +1,244 @@
+"""One engine's side of KV transfer over NIXL.
+
+**Pull, not push.** The decode engine reads the pages it lacks from the prefill engine's
+pool into pages it has just allocated. Push (the prefill side writing into pages the
+decode side reserved) saves one round trip, but it needs those pages reserved before the
+prefill ends, for a decode placement that may still change, and a failed push leaves the
+decode side holding pages it cannot trust. With pull, the side that will decode from the
+pages decides what it lacks (its own radix cache may hold part of the prompt), checks what
+it read, and frees its own pages on any failure; the prefill side only holds a lease.
+
+**Stamps, not trust.** A read is offered pages with their generation stamps
+(``KVPool.stamps``). After the pages arrive, the reader reads the stamps again: a page the
+prefill side freed since the offer (its lease ended, an eviction) no longer matches, and
+the read is reported stale and must not be decoded from. The prefill side bumps a page's
+stamp when it frees it, before any reuse can write into it, so a matching stamp read after
+the data proves no reuse had begun while the data was read.
+
+**Lanes.** On this host, NIXL's UCX backend reads another process's memory with CMA
+(``process_vm_readv``), one thread per agent, at about a third of a memcpy; several agents
+(lanes), each reading a share from its own thread, run in parallel. Agents run without
+NIXL's progress thread, which spins a core; the passive side progresses every few
+milliseconds from a thread of its own (connection wire-up needs it; reads do not).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from preble_backend.kv_transfer.layout import PoolLayout, page_runs
+from preble_backend.model.kv_pool import KVPool
+
+_names = itertools.count()
+_SETTLE_ROUNDS = 25  # progress calls before an agent is destroyed (~50 ms)
+
+
+def load_nixl():
+    """NIXL's Python API, or an error that says how to get it."""
+    try:
+        import nixl_cu12 as nixl
+    except ImportError as e:  # pragma: no cover - a dependency of the project
+        raise RuntimeError("KV transfer needs NIXL: pip install nixl-cu12") from e
+    return nixl
+
+
+@dataclass
+class TransferResult:
+    ok: bool
+    pages: int
+    bytes: int
+    seconds: float
+    descriptors: int
+    stale: list[int]  # offered pages whose stamp changed while they were read
+    error: str = ""
+
+
+class KVTransport:
+    """``lanes`` NIXL agents over one pool; ``offer`` is what a peer needs to read from it."""
+
+    def __init__(self, name: str, pool: KVPool, lanes: int = 2, passive_poll_s: float = 0.005) -> None:
+        nixl = load_nixl()
+        self.name = f"{name}-{next(_names)}"
+        self.pool = pool
+        self.layout = PoolLayout.of(pool)
+        config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agents = [nixl.nixl_agent(f"{self.name}/{i}", config) for i in range(max(1, lanes))]
+        regions = self._regions()
+        for agent in self.agents:
+            for memory, rows in regions.items():
+                agent.register_memory(rows, memory)
+        self._scratch = np.zeros(pool.num_pages, dtype=np.int64)  # stamps read back
+        self.agents[0].register_memory([(self._scratch.ctypes.data, self._scratch.nbytes, 0, "")], "DRAM")
+        self._peers: dict[str, tuple[list[str], PoolLayout]] = {}
+        self._lock = threading.Lock()  # one user of the agents at a time: a read, or the poller
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._progress, args=(passive_poll_s,), daemon=True,
+                                        name=f"nixl-progress-{self.name}")  # fmt: skip
+        self._poller.start()
+
+    def _regions(self) -> dict[str, list[tuple[int, int, int, str]]]:
+        lay, pool = self.layout, self.pool
+        size = pool.k_cache.numel() * pool.k_cache.element_size()
+        data = [(lay.k_address, size, lay.device_id, ""), (lay.v_address, size, lay.device_id, "")]
+        stamps = [(lay.stamps_address, pool.stamps.nbytes, 0, "")]
+        if lay.memory == "DRAM":
+            return {"DRAM": data + stamps}
+        return {lay.memory: data, "DRAM": stamps}
+
+    def _progress(self, every_s: float) -> None:
+        """Progress the agents while no read does: an agent (thread sync NONE, the mode
+        without locks) must never be driven from two threads at once."""
+        while not self._stop.wait(every_s):
+            if self._lock.acquire(blocking=False):
+                try:
+                    for agent in self.agents:
+                        agent.get_new_notifs()
+                finally:
+                    self._lock.release()
+
+    def offer(self) -> dict:
+        """What a peer needs to read this pool: JSON-safe, sent over the engines' own
+        authenticated channel (never an open port)."""
+        return {
+            "name": self.name,
+            "agents": [base64.b64encode(a.get_agent_metadata()).decode() for a in self.agents],
+            "layout": self.layout.to_json(),
+        }
+
+    def connect(self, offer: dict) -> str:
+        """Learn a peer from its ``offer``; returns its name. Every lane talks to the
+        peer's first agent."""
+        peer, layout = offer["name"], PoolLayout.from_json(offer["layout"])
+        why = self.layout.mismatch(layout)
+        if why:
+            raise ValueError(f"cannot move KV between {self.name} and {peer}: {why}")
+        metadata = base64.b64decode(offer["agents"][0])
+        names = [agent.add_remote_agent(metadata) for agent in self.agents]
+        self._peers[peer] = (names, layout)
+        return peer
+
+    def disconnect(self, peer: str) -> None:
+        names, _ = self._peers.pop(peer, ([], None))
+        for agent, name in zip(self.agents, names):
+            agent.remove_remote_agent(name)
+
+    def read(self, peer: str, remote_pages: list[int], stamps: list[int], local_pages: list[int],
+             timeout_s: float = 5.0) -> TransferResult:  # fmt: skip
+        """Read ``remote_pages`` of ``peer`` (offered with ``stamps``) into ``local_pages``
+        of this pool. Never raises for the peer's failures: a dead, stalled or stale peer
+        is a result with ``ok`` false, within ``timeout_s``."""
+        names, remote = self._peers[peer]
+        src_runs, dst_runs = page_runs(remote_pages, local_pages)
+        src, dst = remote.page_descriptors(src_runs), self.layout.page_descriptors(dst_runs)
+        start = time.perf_counter()
+        deadline = start + timeout_s
+        nbytes = int(src[:, 1].sum()) if len(src) else 0
+        with self._lock:
+            error = self._read_lanes(names, remote.memory, src, dst, deadline)
+            stale: list[int] = []
+            if not error and remote_pages:
+                error = self._read_stamps(names[0], remote, remote_pages, deadline)
+                got = self._scratch[: len(remote_pages)]
+                stale = [p for p, s, g in zip(remote_pages, stamps, got) if s != g]
+        seconds = time.perf_counter() - start
+        ok = not error and not stale
+        if stale and not error:
+            error = f"{len(stale)} of {len(remote_pages)} pages were freed on {peer} while read"
+        return TransferResult(ok, len(remote_pages), nbytes, seconds, len(src), stale, error)
+
+    def _read_lanes(self, names: list[str], memory: str, src: np.ndarray, dst: np.ndarray,
+                    deadline: float) -> str:  # fmt: skip
+        """Split the descriptors into one share per lane, by bytes, and read them in
+        parallel; the first error, or an empty string."""
+        if not len(src):
+            return ""
+        shares = _shares(src[:, 1], len(self.agents))
+        errors: list[str] = []
+        threads = []
+        for agent, name, (lo, hi) in zip(self.agents, names, shares):
+            if lo == hi:
+                continue
+            args = (agent, name, memory, src[lo:hi], dst[lo:hi], deadline, errors, self.layout.memory)
+            threads.append(threading.Thread(target=_read, args=args, daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.perf_counter()) + 1.0)
+        if any(t.is_alive() for t in threads):
+            return "the transfer did not finish in time"
+        return errors[0] if errors else ""
+
+    def _read_stamps(self, name: str, remote: PoolLayout, pages: list[int], deadline: float) -> str:
+        src = remote.stamp_descriptors(pages)
+        dst = np.array([(self._scratch.ctypes.data + 8 * i, 8, 0) for i in range(len(pages))],
+                       dtype=np.uint64).reshape(-1, 3)  # fmt: skip
+        self._scratch[: len(pages)] = -1
+        errors: list[str] = []
+        _read(self.agents[0], name, "DRAM", src, dst, deadline, errors, local_memory="DRAM")
+        return errors[0] if errors else ""
+
+    def close(self) -> None:
+        """Disconnect every peer, then progress until UCX has failed or finished what was
+        in flight to them: an agent destroyed with requests still queued to a dead peer
+        aborts the process (UCX asserts its queues are empty)."""
+        self._stop.set()
+        self._poller.join()
+        with self._lock:
+            for peer in list(self._peers):
+                self.disconnect(peer)
+            for _ in range(_SETTLE_ROUNDS):
+                for agent in self.agents:
+                    agent.get_new_notifs()
+                time.sleep(0.002)
+
+
+def _shares(sizes: np.ndarray, lanes: int) -> list[tuple[int, int]]:
+    """Cut descriptor rows into ``lanes`` contiguous shares of about equal bytes."""
+    cumulative = np.cumsum(sizes.astype(np.float64))
+    total = cumulative[-1]
+    cuts = [0] + [int(np.searchsorted(cumulative, total * k / lanes)) for k in range(1, lanes)] + [len(sizes)]
+    return list(itertools.pairwise(cuts))
+
+
+def _read(agent, peer: str, memory: str, src: np.ndarray, dst: np.ndarray, deadline: float,
+          errors: list[str], local_memory: str | None = None) -> None:  # fmt: skip
+    """One agent's READ of ``src`` (the peer's) into ``dst`` (ours), polled to the deadline."""
+    handle = None
+    try:
+        local = agent.get_xfer_descs(dst, local_memory or memory)
+        remote = agent.get_xfer_descs(src, memory)
+        handle = agent.initialize_xfer("READ", local, remote, peer)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            if time.perf_counter() > deadline:
+                errors.append("the transfer did not finish in time")
+                return
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            errors.append(f"the transfer failed ({state})")
+    except Exception as e:  # NIXL raises for a peer that went away
+        errors.append(f"the transfer failed: {type(e).__name__}: {e}")
+    finally:
+        if handle is not None:
+            _settle(agent, handle)
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:  # still in flight: NIXL keeps it until the agent closes
+                pass
+
+
+def _settle(agent, handle) -> None:
+    """Progress a failed or abandoned request until UCX lets go of it (bounded)."""
+    for _ in range(_SETTLE_ROUNDS):
+        try:
+            if agent.check_xfer_state(handle) != "PROC":
+                return
+        except Exception:
+            return
+        time.sleep(0.002)
