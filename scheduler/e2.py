@@ -48,7 +48,7 @@ from scheduler.autoscale import Autoscaling
 from scheduler.calibrated import Calibrated
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
-from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
+from scheduler.policy import LEG, Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
 log = logging.getLogger("preble.e2")
@@ -119,9 +119,17 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         now = self.clock()
+        match = self.tree.match(request.chain(self.page_size))
+        decision = self.choose(request, loads, match, now)
+        self._record(request, decision.instance, match, now)
+        return decision
+
+    def choose(
+        self, request: RoutingRequest, loads: list[InstanceLoad], match: Match, now: float
+    ) -> Decision:
+        """Algorithm 1's choice among the live instances, not yet recorded."""
         prompt_len = len(request.input_ids)
         chain = request.chain(self.page_size)
-        match = self.tree.match(chain)
         reach = self._host_reach(match, chain) if self.tree.host.total else {}
         cached = max(match.matched, *reach.values()) if reach else match.matched
         missed = prompt_len - cached
@@ -147,7 +155,6 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
                 decision = Decision(decode_heavy, "explore_decode_balance")
             else:
                 decision = Decision(self._cheapest(self.live, match, prompt_len, loads, now), "explore")
-        self._record(request, decision.instance, match, now)
         return decision
 
     def _host_reach(self, match: Match, chain) -> dict[int, int]:
@@ -233,14 +240,18 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         decode_ms = self.costs[instance].decode_time(self.decode_lengths.average(now))
         return self.history[instance].load(now, decode_ms, signal)
 
-    def load_cost(self, instance: int, match: Match, prompt_len: int, now: float) -> float:
+    def load_cost(
+        self, instance: int, match: Match, prompt_len: int, now: float, decode_len: float | None = None
+    ) -> float:
         """L + M + P of sending this request to ``instance`` (milliseconds). With the
         ``batch`` load model, L is what the instance's batch costs the request and the
         request costs the batch (``load_cost.batch_load``), and P is paid by the request and
         by every request decoding beside it while its prefill runs (requests still waiting
         for their own prefill go first and do not wait for it); with ``serial`` (the
         paper's), L is a DECODETIME per request and P the request's own prefill. Prompt
-        tokens the instance's host tier holds cost their load-back, not a prefill."""
+        tokens the instance's host tier holds cost their load-back, not a prefill.
+        ``decode_len``: the request's own decoding length where it is known (a prefill
+        that leaves after one token, ``disagg.py``), else the window's average."""
         cost = self.costs[instance]
         hosted = match.hosted_on(instance) if match.hosted else 0  # loaded back, not recomputed
         missed = prompt_len - match.cached_on(instance) - hosted
@@ -252,7 +263,7 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
             evicted = memory_cost(self.tree, instance, need, match, now, cost, host, per_user)
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
-        d = self.decode_lengths.average(now)
+        d = self.decode_lengths.average(now) if decode_len is None else decode_len
         decoding = self.history[instance].decoding(cost.decode_time(d))
         return self._batch_load(instance, match, prompt_len, now, d) + prefill * (1 + decoding) + evicted
 
@@ -279,11 +290,14 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
     def record(self, request: RoutingRequest, instance: int) -> None:
         self._record(request, instance, self.tree.match(request.chain(self.page_size)), self.clock())
 
-    def _record(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
-        """Count the request in the instance's load and route it in the tree."""
+    def _record(
+        self, request: RoutingRequest, instance: int, match: Match, now: float, received: bool = False
+    ) -> None:
+        """Count the request in the instance's load and route it in the tree; ``received``:
+        its prompt's KV arrives from a prefill instance, so it prefills nothing here."""
         prompt_len = len(request.input_ids)
-        hosted = match.hosted_on(instance) if match.hosted else 0
-        cached = match.cached_on(instance) + hosted
+        hosted = match.hosted_on(instance) if match.hosted and not received else 0
+        cached = prompt_len if received else match.cached_on(instance) + hosted
         cost = self.costs[instance]
         prefill = cost.prefill_time(prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
         self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
@@ -340,7 +354,8 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         end, key = routed
         self.tree.finish(end, instance)
         self.history[instance].finish(request.request_id)
-        self.decode_lengths.add(now, info.num_output_tokens)
+        if not request.request_id.endswith(LEG):  # a prefill leg's one token is no answer's length
+            self.decode_lengths.add(now, info.num_output_tokens)
         if key is not None and info.ttft_s is not None:
             self._autoscale(self.tree.live(key), info.ttft_s, now)
 

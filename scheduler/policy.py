@@ -39,10 +39,14 @@ class RoutingRequest:
         return chain
 
 
+LEG = "#prefill"  # a prefill leg's request id: the request's, with this after it (scheduler/disagg.py)
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
-    instance: int
+    instance: int  # where the request decodes (and prefills, unless ``prefill`` says elsewhere)
     branch: str  # which rule of the policy chose it (for metrics and tests)
+    prefill: int | None = None  # disaggregated: the instance that prefills it (scheduler/disagg.py)
 
 
 @dataclass(frozen=True)

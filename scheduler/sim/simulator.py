@@ -29,7 +29,9 @@ from preble_backend.engine.outputs.sampling import SamplerState
 from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.scheduling.request import Request
 from preble_backend.model.kv_pool import KVPool
+from scheduler.disagg import LEG, KVLink
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
+from scheduler.sim.disagg_legs import Legs
 
 SIMULATED = "(simulated)"  # the model path of a simulated engine: the cost model stands in
 
@@ -74,6 +76,7 @@ class RequestRecord:
     arrival: float
     instance: int = -1
     branch: str = ""
+    prefill_instance: int = -1  # disaggregated: where it prefilled
     first_token: float | None = None
     finish: float | None = None
     prompt_len: int = 0
@@ -170,15 +173,21 @@ class SimResult:
     records: dict[str, RequestRecord] = field(default_factory=dict)
     instances: list[SimInstance] = field(default_factory=list)
     end_time: float = 0.0
+    moved_tokens: int = 0  # KV moved from prefill to decode instances
 
 
 def simulate(
-    requests: list[SimRequest], policy_factory, cfg: SimConfig, cost: CostModel | list[CostModel]
+    requests: list[SimRequest],
+    policy_factory,
+    cfg: SimConfig,
+    cost: CostModel | list[CostModel],
+    link: KVLink | None = None,
 ) -> SimResult:
     """Run ``requests`` (with arrival times) through a cluster routed by the policy that
     ``policy_factory(clock)`` builds; ``cost``: every instance's true costs, or each one's
     (a mixed cluster). The policy hears each instance's pass costs when a request finishes
-    there (``Policy.calibrate``), as a router hears them from its probes."""
+    there (``Policy.calibrate``), as a router hears them from its probes. ``link``: what
+    moving KV costs, for a policy that disaggregates (``disagg_legs.py``)."""
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
     costs = cost if isinstance(cost, list) else [cost] * cfg.num_instances
@@ -205,6 +214,11 @@ def simulate(
         if duration is not None:
             heapq.heappush(events, (now[0] + duration, next(seq), "iteration", inst))
 
+    def later(delay_s: float, kind: str, payload) -> None:
+        heapq.heappush(events, (now[0] + delay_s, next(seq), kind, payload))
+
+    legs = Legs(link or KVLink(25.0, 1.0, 131072), instances, loads, routing, start, later)
+
     while events:
         now[0], _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
@@ -217,16 +231,30 @@ def simulate(
             result.records[req.request_id] = RequestRecord(
                 now[0], decision.instance, decision.branch, prompt_len=len(req.input_ids)
             )
+            if decision.prefill is not None and decision.prefill != decision.instance:
+                result.records[req.request_id].prefill_instance = decision.prefill
+                legs.dispatch(req, route, decision)
+                continue
             inst = instances[decision.instance]
             inst.add(req)
             if not inst.busy:
                 start(inst)
             continue
+        if kind == "received":
+            legs.received(*payload)
+            continue
         inst = payload
         first, done = inst.finish_iteration()
         for req in first:
-            result.records[req.request_id].first_token = now[0]
+            if req.request_id in result.records:  # (a prefill leg's token is not the answer's)
+                result.records[req.request_id].first_token = now[0]
         for req in done:
+            if req.request_id.endswith(LEG):
+                loads[inst.index].in_flight -= 1
+                info = FinishInfo(inst.cache.drain_events(), inst.stats(), None, 1)
+                policy.on_finish(inst.index, routing.pop(req.request_id), info)
+                legs.leg_done(req.request_id)
+                continue
             record = result.records[req.request_id]
             record.finish, record.output_len = now[0], len(req.output_ids)
             record.cached_tokens = req.num_cached_tokens or 0
@@ -241,7 +269,7 @@ def simulate(
             for nxt in followers.pop(req.request_id, ()):
                 heapq.heappush(events, (now[0] + nxt.think_s, next(seq), "arrive", nxt))
         start(inst)
-    result.end_time = now[0]
+    result.end_time, result.moved_tokens = now[0], legs.moved_tokens
     return result
 
 
@@ -258,19 +286,19 @@ def _refuse_oversized(requests: list[SimRequest], capacity: int) -> None:
             )
 
 
-def metrics(result: SimResult, after: int = 0) -> dict[str, float]:
+def metrics(result: SimResult, after: int = 0, slo: tuple[float, float] | None = None) -> dict[str, float]:
     """A run's record: latency (average, p50, p99), time to first token (average, p99),
-    time per output token, throughput and cache hit ratio (``docs/SCHEDULER.md``); of the
-    requests after the first ``after`` to arrive (a policy that learns, once it has)."""
+    time per output token (average, p99), throughput and cache hit ratio
+    (``docs/SCHEDULER.md``); of the requests after the first ``after`` to arrive (a policy
+    that learns, once it has). ``slo``: (TTFT, TPOT) bounds in seconds; adds goodput, the
+    share of requests that meet both, and the rate of those."""
     recs = sorted((r for r in result.records.values() if r.finish is not None), key=lambda r: r.arrival)
     recs = recs[after:]
     lat = np.array([r.finish - r.arrival for r in recs])
     ttft = np.array([r.first_token - r.arrival for r in recs])
-    tpot = np.array(
-        [(r.finish - r.first_token) / (r.output_len - 1) for r in recs if r.output_len > 1] or [0.0]
-    )
+    tpot = np.array([_tpot(r) for r in recs if r.output_len > 1] or [0.0])
     span = max(r.finish for r in recs) - min(r.arrival for r in recs)
-    return {
+    out = {
         "num_requests": len(recs),
         "avg_latency_s": float(lat.mean()),
         "p50_latency_s": float(np.percentile(lat, 50)),
@@ -278,6 +306,16 @@ def metrics(result: SimResult, after: int = 0) -> dict[str, float]:
         "avg_ttft_s": float(ttft.mean()),
         "p99_ttft_s": float(np.percentile(ttft, 99)),
         "avg_tpot_s": float(tpot.mean()),
+        "p99_tpot_s": float(np.percentile(tpot, 99)),
         "throughput_rps": len(recs) / span if span > 0 else 0.0,
         "cache_hit_ratio": sum(r.cached_tokens for r in recs) / max(1, sum(r.prompt_len for r in recs)),
     }
+    if slo is not None:
+        good = sum(r.first_token - r.arrival <= slo[0] and _tpot(r) <= slo[1] for r in recs)
+        out["goodput"] = good / len(recs)
+        out["goodput_rps"] = good / span if span > 0 else 0.0
+    return out
+
+
+def _tpot(r: RequestRecord) -> float:
+    return (r.finish - r.first_token) / (r.output_len - 1) if r.output_len > 1 else 0.0

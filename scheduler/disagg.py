@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation that E2 prices as a whole, per request.
+
+Engines serve as ``prefill``, ``decode`` or ``both``. For each request, ``E2PD`` weighs:
+
+- **aggregated**: E2's own choice (Algorithm 1) among the instances that decode, at its
+  L + M + P, where P is paid by the request and by every request decoding beside it while
+  the prefill runs (the batch load model: the interference a local prefill causes);
+- **disaggregated**: the best prefill instance P, at L + M + P with the request leaving P
+  after one token (its queue and its miss cost there), plus the transfer of the KV the
+  decode instance D lacks (``KVLink``: bytes over a measured bandwidth, plus a latency),
+  plus D's L (the request decoding in D's batch) and M (room for the received KV).
+
+The pair's cost splits into a term of P and a term of D, so the best pair is the best P
+with the best D: O(instances), not O(P × D). The cheaper of the two wins; a tie stays
+aggregated. The anchors' rules (``disagg_baselines.py``) threshold or pick P and D apart.
+
+A prefill on P is its own request to the policy (``prefill_leg``), so P's load, its tree
+and its finish report are counted as any other request's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.e2 import E2
+from scheduler.load_cost import memory_cost
+from scheduler.policy import LEG, Decision, InstanceLoad, RoutingRequest
+
+ROLES = ("prefill", "decode", "both")
+
+
+def check_roles(roles: list[str] | tuple[str, ...]) -> None:
+    """Refuse, by name, a layout that cannot serve: an unknown role, roles on a single
+    engine, decoding engines with no engine that prefills for them, or none that decodes."""
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise ValueError(f"engine role {bad[0]!r} is invalid: expected one of {', '.join(ROLES)}")
+    if set(roles) == {"both"}:
+        return
+    if len(roles) < 2:
+        raise ValueError("engine roles need two engines or more: one engine prefills and decodes alone")
+    if not any(r in ("decode", "both") for r in roles):
+        raise ValueError("no engine decodes: give at least one engine the role decode or both")
+    if not any(r in ("prefill", "both") for r in roles):
+        raise ValueError("decode engines without a prefill role anywhere: give an engine the role prefill")
+
+
+@dataclass(frozen=True)
+class KVLink:
+    """What moving KV between two instances costs: ``bandwidth_gbps`` GB/s after a fixed
+    ``latency_ms`` per transfer, ``kv_bytes_per_token`` bytes per token moved."""
+
+    bandwidth_gbps: float
+    latency_ms: float
+    kv_bytes_per_token: int
+
+    def transfer_ms(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.latency_ms + tokens * self.kv_bytes_per_token / (self.bandwidth_gbps * 1e6)
+
+
+def prefill_leg(request: RoutingRequest) -> RoutingRequest:
+    """The request as its prefill instance sees it: the same prompt, one token out."""
+    params = type(request.params)(**{**vars(request.params), "max_tokens": 1})
+    return RoutingRequest(request.request_id + LEG, request.input_ids, params, chains=request.chains)
+
+
+class E2PD(E2):
+    name = "e2_pd"
+
+    def __init__(self, num_instances: int, roles: list[str] | tuple[str, ...] = (),
+                 link: KVLink | None = None, **e2_options) -> None:  # fmt: skip
+        super().__init__(num_instances, **e2_options)
+        roles = tuple(roles) or ("both",) * num_instances
+        check_roles(roles)
+        if len(roles) != num_instances:
+            raise ValueError(f"{len(roles)} engine roles for {num_instances} engines")
+        self.roles = list(roles)
+        self.link = link or KVLink(bandwidth_gbps=25.0, latency_ms=1.0, kv_bytes_per_token=131072)
+
+    def _grow(self) -> None:
+        super()._grow()
+        self.roles.append("both")
+
+    def _with(self, role: str) -> set[int]:
+        return {i for i in self.live if self.roles[i] in (role, "both")}
+
+    def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
+        now = self.clock()
+        match = self.tree.match(request.chain(self.page_size))
+        prompt_len = len(request.input_ids)
+        live, decoders, prefillers = self.live, self._with("decode"), self._with("prefill")
+        self.live = decoders
+        try:
+            aggregated = self.choose(request, loads, match, now)
+        finally:
+            self.live = live
+        agg_cost = self.load_cost(aggregated.instance, match, prompt_len, now)
+        p = min(sorted(prefillers), key=lambda i: self.load_cost(i, match, prompt_len, now, decode_len=1.0))
+        others = decoders - {p}
+        if not others:
+            self._record(request, aggregated.instance, match, now)
+            return aggregated
+        d = min(sorted(others), key=lambda i: self.decode_leg_cost(i, match, prompt_len, now))
+        pair = self.load_cost(p, match, prompt_len, now, decode_len=1.0) + self.decode_leg_cost(
+            d, match, prompt_len, now
+        )
+        if pair >= agg_cost:
+            self._record(request, aggregated.instance, match, now)
+            return aggregated
+        self._record(prefill_leg(request), p, match, now)
+        self._record(request, d, match, now, received=True)
+        return Decision(d, "disaggregate", prefill=p)
+
+    def decode_leg_cost(self, instance: int, match, prompt_len: int, now: float) -> float:
+        """The transfer of what ``instance`` lacks, then the request decoding in its batch
+        (L) and the room its received KV takes (M); no prefill there."""
+        lacking = prompt_len - match.cached_on(instance)
+        d = self.decode_lengths.average(now)
+        cost = self.costs[instance]
+        need = self.tree.held_tokens[instance] + lacking - self.capacity[instance]
+        evicted = 0.0
+        if need > 0:
+            host = self.tree.host.pages[instance] if self.tiered[instance] else None
+            evicted = memory_cost(self.tree, instance, need, match, now, cost, host, False)
+        batch = self._batch_load(instance, match, prompt_len, now, d)
+        return self.link.transfer_ms(lacking) + batch + evicted

@@ -1,0 +1,175 @@
+"""Prefill/decode disaggregation priced as a whole (``scheduler/disagg.py``), the anchors'
+rules beside it (``disagg_baselines.py``) and the simulator's P/D model: every expected
+choice computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+from test_e2 import Clock, req
+from test_e2_batch import BATCH
+
+from preble_backend.common.cache_event import CacheEvent
+from preble_backend.common.cost_model import CostModel
+from scheduler.disagg import E2PD, LEG, KVLink, check_roles
+from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
+from scheduler.policy import Decision, FinishInfo, InstanceLoad
+from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
+
+# 1 ms per token moved (1,000 bytes per token at 1,000 bytes per ms), after 2 ms
+SLOW_LINK = KVLink(bandwidth_gbps=1e-3, latency_ms=2.0, kv_bytes_per_token=1000)
+
+
+@pytest.mark.parametrize(
+    "roles, message",
+    [
+        (("prefill", "decoder"), "engine role 'decoder' is invalid"),
+        (("decode",), "need two engines or more"),
+        (("prefill", "prefill"), "no engine decodes"),
+        (("decode", "decode"), "decode engines without a prefill role anywhere"),
+    ],
+)
+def test_layouts_that_cannot_serve_are_refused_by_name(roles, message):
+    with pytest.raises(ValueError, match=message):
+        check_roles(roles)
+    check_roles(("both",))  # one engine without roles serves as ever
+    check_roles(("prefill", "decode", "both"))
+
+
+def test_a_transfer_costs_its_latency_plus_bytes_over_bandwidth():
+    link = KVLink(bandwidth_gbps=25.0, latency_ms=1.5, kv_bytes_per_token=131072)
+    assert link.transfer_ms(0) == 0.0
+    assert link.transfer_ms(4096) == pytest.approx(1.5 + 4096 * 131072 / 25e6)  # 4k tokens of 8B: 23 ms
+
+
+def pd_pair(b: int) -> tuple[E2PD, Clock]:
+    """Instance 0 prefills, instance 1 decodes and runs ``b`` requests fully cached."""
+    clock = Clock()
+    policy = E2PD(2, ("prefill", "decode"), SLOW_LINK, cost_model=BATCH, capacity_tokens=10_000,
+                  clock=clock, page_size=1)  # fmt: skip
+    for k in range(b):
+        policy.history[1].add(f"busy{k}", 0.0, 0.0, 1.0, 1000)
+    return policy, clock
+
+
+@pytest.mark.parametrize(
+    "b, m, expected",
+    [(0, 100, "aggregated"), (1, 100, "aggregated"), (2, 2, "aggregated"), (2, 3, "disaggregate"),
+     (3, 100, "disaggregate")],
+)  # fmt: skip
+def test_e2_disaggregates_when_the_prefill_would_cost_the_decodes_more_than_the_transfer(b, m, expected):
+    """A prompt of ``m`` tokens nobody caches. Aggregated on the decode instance it costs
+    48·b (its batch: 32 steps each b ms longer, and 16 of theirs it lengthens by 1 ms
+    each, ``test_e2_batch``) + m·(1 + b) (its prefill, waited for by the b decoding).
+    Disaggregated: m on the idle prefill instance, the transfer 2 + m, and the same 48·b
+    on the decode instance. So it moves when 2 + m < m·b: never at b ≤ 1; at b = 2 from
+    m = 3 (a tie at m = 2 stays)."""
+    policy, _ = pd_pair(b)
+    r = req(range(m))
+    decision = policy.select(r, [InstanceLoad(), InstanceLoad()])
+    assert decision.instance == 1
+    if expected == "aggregated":
+        assert decision.prefill is None and decision.branch != "disaggregate"
+        assert r.request_id in policy.history[1].in_flight and not policy.history[0].in_flight
+        return
+    assert (decision.branch, decision.prefill) == ("disaggregate", 0)
+    # the prefill is counted on P (m ms), the decode on D with nothing to prefill there
+    assert policy.history[0].in_flight == {r.request_id + LEG: (m, 0.0, m)}
+    assert policy.history[1].in_flight[r.request_id] == (0.0, 1.0, m)
+
+
+def test_what_the_decode_instance_caches_is_not_moved_and_not_priced():
+    """D already holds 80 of a 100-token prompt and runs 2 requests: aggregated costs
+    48·2 + 20·3 = 156; disaggregated 100 (P holds nothing) + 2 + 20 (only what D lacks
+    moves) + 96 = 218, so it stays; with P holding it too, 20 + 22 + 96 = 138 < 156."""
+    tokens = list(range(100))
+    for p_holds, expected in ((False, None), (True, 0)):
+        policy, _ = pd_pair(2)
+        policy.tree.apply_events(1, [CacheEvent.of("stored", tokens[:80], 0, 1)])
+        if p_holds:
+            policy.tree.apply_events(0, [CacheEvent.of("stored", tokens[:80], 0, 1)])
+        match = policy.tree.match(req(tokens).chain(1))
+        assert policy.load_cost(1, match, 100, 0.0) == 156
+        assert policy.decode_leg_cost(1, match, 100, 0.0) == 22 + 96
+        assert policy.select(req(tokens), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
+def test_a_prefill_leg_does_not_shorten_the_average_decoding_length():
+    policy, _ = pd_pair(3)
+    r = req(range(100))
+    assert policy.select(r, [InstanceLoad(), InstanceLoad()]).branch == "disaggregate"
+    leg = next(iter(policy.history[0].in_flight))
+    policy.on_finish(0, type(r)(leg, r.input_ids, r.params), FinishInfo(num_output_tokens=1))
+    assert not policy.history[0].in_flight and policy.decode_lengths.average(0.0) == 32  # the default still
+
+
+def loads(n: int, in_flight=()) -> list[InstanceLoad]:
+    out = [InstanceLoad() for _ in range(n)]
+    for i, k in in_flight:
+        out[i].in_flight = k
+    return out
+
+
+@pytest.mark.parametrize(
+    "prompt, cached, expected",
+    [(1000, 400, "local"), (1000, 0, "remote"), (5000, 4000, "local"), (5000, 2000, "remote")],
+)
+def test_dynamo_keeps_a_prefill_local_only_when_its_uncached_part_is_short(prompt, cached, expected):
+    """Local when fewer than 2,048 tokens are uncached and they are under 70% of the
+    prompt: 600 of 1,000 (60%) and 1,000 of 5,000 stay; 1,000 of 1,000 and 3,000 go."""
+    policy = DynamoPD(3, ("prefill", "decode", "decode"), page_size=1, clock=Clock())
+    tokens = list(range(prompt))
+    policy.router.tree.apply_events(1, [CacheEvent.of("stored", tokens[:cached], 0, 1)] if cached else [])
+    decision = policy.select(req(tokens), loads(3))
+    assert decision.instance == 1 and decision.branch == expected  # (it holds the cached part, or ties first)
+    assert decision.prefill == (0 if expected == "remote" else None)
+
+
+def test_dynamos_prefill_load_variant_keeps_it_local_while_every_prefill_worker_is_busy():
+    policy = DynamoPD(3, ("prefill", "decode", "decode"), prefill_queue=2, page_size=1, clock=Clock())
+    assert policy.select(req(range(3000)), loads(3, [(0, 2)])).branch == "local_busy"
+    assert policy.select(req(range(3000)), loads(3, [(0, 1)])).branch == "remote"
+
+
+def test_llmd_picks_the_decode_pod_first_then_disaggregates_above_its_threshold():
+    """Pod 2 holds 500 of the prompt: score 0.5 + 1 against pod 1's 0 + 1; from pod 2,
+    500 tokens are uncached (≤ 512: local); a 1,100-token prompt leaves 600 (remote)."""
+    policy = LlmdPD(3, ("prefill", "decode", "decode"), page_size=1, clock=Clock())
+    policy.tree.apply_events(2, [CacheEvent.of("stored", list(range(500)), 0, 1)])
+    assert policy.select(req(range(1000)), loads(3)) == Decision(2, "local")
+    decision = policy.select(req(range(1100)), loads(3))
+    assert (decision.instance, decision.branch, decision.prefill) == (2, "remote", 0)
+
+
+def test_sglang_picks_prefill_and_decode_workers_apart_and_always_disaggregates():
+    policy = SGLangPD(4, ("prefill", "prefill", "decode", "decode"), page_size=1, clock=Clock())
+    decision = policy.select(req(range(10)), loads(4, [(0, 3)]))
+    assert decision.branch == "pd" and decision.prefill == 1 and decision.instance in (2, 3)
+
+
+COST = CostModel(base_ms=1, prefill_ms_per_token=0.1, decode_ms_per_request=0.2,
+                 attention_ms_per_context_token=0, decode_step_ms=5)  # fmt: skip
+
+
+def test_the_simulator_runs_disaggregated_requests_and_moves_only_what_decode_lacks():
+    """Three requests sharing a 64-token prefix, prefilled on instance 0 and decoded on
+    instance 1 (SGLang's rule always splits): the first moves its 64 + 16 whole pages'
+    tokens, later ones only their own 16 (and the last partial page is computed on D).
+    Every request decodes all its tokens on D, its first token after the transfer; every
+    page is back in the pool or the radix cache."""
+    shared = list(range(64))
+    reqs = [SimRequest(f"q{i}", i * 1.0, shared + list(range(100 * (i + 1), 100 * (i + 1) + 20)), 8)
+            for i in range(3)]  # fmt: skip
+    cfg = SimConfig.of(2, capacity_tokens=4096, page_size=16)
+    link = KVLink(bandwidth_gbps=1e-3, latency_ms=5.0, kv_bytes_per_token=1000)
+    policy = lambda c: SGLangPD(2, ("prefill", "decode"), page_size=16, clock=c)  # noqa: E731
+    result = simulate(reqs, policy, cfg, COST, link)
+    assert result.moved_tokens == 80 + 16 + 16
+    for r in result.records.values():
+        assert (r.instance, r.prefill_instance, r.branch, r.output_len) == (1, 0, "pd", 8)
+        assert r.first_token > r.arrival + 0.005 + 16e-3  # after P's prefill and at least 16 tokens moved
+    for inst in result.instances:
+        assert not inst.scheduler.running and not inst.scheduler.waiting
+        assert inst.pool.num_free + inst.cache.num_pages == inst.pool.num_pages
+    m = metrics(result, slo=(10.0, 1.0))
+    assert m["num_requests"] == 3 and m["goodput"] == 1.0 and m["p99_tpot_s"] >= m["avg_tpot_s"] > 0
+    assert metrics(result, slo=(0.0, 1.0))["goodput"] == 0.0
