@@ -1,0 +1,188 @@
+"""Prefill/decode disaggregation in the simulator (issue 64): E2 pricing the choice per
+request against aggregated E2 and the anchors' rules, on TTFT, TPOT and goodput.
+
+Clusters (``CLUSTERS``), each on 8 GPUs of one node, KV moved over NVLink:
+
+- ``70b_tp2``: Llama-3-70B, four TP-2 instances (the shipped H100 fit), P/D as 1 + 3;
+- ``70b_tp4``: Llama-3-70B, two TP-4 instances, P/D as 1 + 1;
+- ``8b``: Llama-3-8B, eight TP-1 instances (the first-principles H100 estimate), P/D as 2 + 6.
+
+The link (``links``): NVLink 4 moves 450 GB/s per GPU each way (H100 and H200 SXM: 18
+links × 25 GB/s; NVIDIA's "900 GB/s" counts both ways); a TP-k pair moves its k shards in
+parallel, so k × 450. InfiniBand NDR (ConnectX-7, 400 Gb/s) is 50 GB/s per GPU's NIC, for
+P and D on two nodes (``--link ib``). Each transfer also waits 0.5 ms (ours: NIXL's request
+and its completion notice), and moves the KV bytes per token of the model (70B: 80 layers
+× 8 KV heads × 128 × 2 × 2 bytes = 320 KiB; 8B: 32 layers, 128 KiB).
+
+Policies: ``e2`` (aggregated, every instance ``both``), ``e2_pd`` (E2 choosing per request
+with the P/D roles), ``e2_pd_flex`` (every instance ``both``: E2 may pair any two), and
+with the P/D roles ``dynamo_pd``, ``dynamo_pd_load`` (its prefill-load variant: local while
+every prefill worker has 2 requests in flight), ``llmd_pd`` and ``sglang_pd``. Rates: the
+stress rate (round robin's p99 at 5× its light-load p99, ``sweep.find_stress_rps``) and half
+of it. SLOs for goodput: ``SLO``, per model.
+
+    python -m scheduler.sim.disagg_bench --clusters 8b,70b_tp2 --seeds 3 --requests 300 --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import multiprocessing
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from preble_backend.common.cost_model import CostModel
+from preble_backend.common.progress import progress
+from scheduler.cost_priors import TYPICAL_DECODE, estimate, with_decode_step
+from scheduler.disagg import E2PD, KVLink
+from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
+from scheduler.e2 import E2
+from scheduler.sim.simulator import SimConfig, metrics, simulate
+from scheduler.sim.sweep import _cached_trace, at_rate, find_stress_rps, light_rate, trace
+
+WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "multi_tenant",
+             "agentic", "shifting_docs")  # fmt: skip
+POLICIES = ("e2", "e2_pd", "e2_pd_flex", "dynamo_pd", "dynamo_pd_load", "llmd_pd", "sglang_pd")
+KV_BYTES = {"70b": 80 * 8 * 128 * 2 * 2, "8b": 32 * 8 * 128 * 2 * 2}
+GBPS_PER_GPU = {"nvlink": 450.0, "ib": 50.0}
+LATENCY_MS = 0.5
+SLO = {"70b": (2.0, 0.10), "8b": (1.0, 0.05)}  # (TTFT, TPOT) seconds
+# name: (model, instances, tensor parallel, P/D roles)
+CLUSTERS = {
+    "70b_tp2": ("70b", 4, 2, ("prefill", "decode", "decode", "decode")),
+    "70b_tp4": ("70b", 2, 4, ("prefill", "decode")),
+    "8b": ("8b", 8, 1, ("prefill",) * 2 + ("decode",) * 6),
+}
+
+
+def cluster_cost(name: str) -> CostModel:
+    model, _, tp, _ = CLUSTERS[name]
+    if model == "70b":
+        return CostModel.load(f"llama3_70b_h100_tp{tp}")
+    facts = {"model": "llama L32 H4096 A32/8x128 I14336 V128256", "device": "H100", "tensor_parallel": 1,
+             "parameters": 8_030_000_000, "kv_bytes_per_token": KV_BYTES["8b"]}  # fmt: skip
+    return with_decode_step(estimate(facts), *TYPICAL_DECODE)
+
+
+def link_for(name: str, kind: str) -> KVLink:
+    model, _, tp, _ = CLUSTERS[name]
+    return KVLink(GBPS_PER_GPU[kind] * tp, LATENCY_MS, KV_BYTES[model])
+
+
+def make(policy: str, name: str, link: KVLink, cfg: SimConfig, clock):
+    _, n, _, roles = CLUSTERS[name]
+    cost = cluster_cost(name)
+    e2 = dict(cost_model=cost, capacity_tokens=cfg.capacity_tokens, page_size=cfg.page_size, clock=clock)
+    if policy == "e2":
+        return E2(n, **e2)
+    if policy in ("e2_pd", "e2_pd_flex"):
+        return E2PD(n, roles if policy == "e2_pd" else ("both",) * n, link, **e2)
+    kw = dict(page_size=cfg.page_size, clock=clock)
+    if policy.startswith("dynamo_pd"):
+        return DynamoPD(n, roles, prefill_queue=2 if policy == "dynamo_pd_load" else None, **kw)
+    return {"llmd_pd": LlmdPD, "sglang_pd": SGLangPD}[policy](n, roles, **kw)
+
+
+def _run(job: tuple) -> dict:
+    name, link_kind, workload, n, seed, rps, policy = job
+    cfg = SimConfig.of(CLUSTERS[name][1])
+    link = link_for(name, link_kind)
+    requests = at_rate(_cached_trace(workload, n, seed), 1.0, rps)
+    result = simulate(
+        requests, lambda clock: make(policy, name, link, cfg, clock), cfg, cluster_cost(name), link
+    )
+    branches: dict[str, int] = {}
+    for r in result.records.values():
+        branches[r.branch] = branches.get(r.branch, 0) + 1
+    slo = SLO[CLUSTERS[name][0]]
+    return {**metrics(result, slo=slo), "branches": branches, "moved_tokens": result.moved_tokens}
+
+
+def stress_rate(job: tuple) -> float:
+    name, workload, n = job
+    cfg, cost = SimConfig.of(CLUSTERS[name][1]), cluster_cost(name)
+    requests = trace(workload, n, 1.0, 0)
+    return find_stress_rps(requests, 1.0, cfg, cost, light_rate(requests, cost, cfg.num_instances))[2]
+
+
+def bench(
+    clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0)
+) -> list[dict]:
+    cells = [(name, workload, n) for name in clusters for workload in workloads]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
+                                          unit="cell")))  # fmt: skip
+        grid = [(name, link_kind, workload, n, seed, stress[name, workload, n] * f, policy, f)
+                for name, workload, _ in cells for f in fractions for policy in POLICIES
+                for seed in range(seeds)]  # fmt: skip
+        runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
+    cells_out: dict[tuple, dict] = {}
+    for g, record in zip(grid, runs):
+        name, _, workload, _, seed, rps, policy, f = g
+        fresh = {
+            "cluster": name,
+            "link": link_kind,
+            "workload": workload,
+            "fraction": f,
+            "rps": rps,
+            "policies": {},
+        }
+        cell = cells_out.setdefault((name, workload, f), fresh)
+        cell["policies"].setdefault(policy, []).append(record)
+    return list(cells_out.values())
+
+
+KEYS = ("avg_latency_s", "p99_latency_s", "avg_ttft_s", "p99_ttft_s", "avg_tpot_s", "p99_tpot_s", "goodput")
+
+
+def summarize(cells: list[dict]) -> list[str]:
+    """Per cell: each policy's mean over traces (and spread) of goodput and p99 TPOT, and
+    E2 P/D against the best of the rest on both, and against aggregated E2 on average."""
+    lines = []
+    for c in cells:
+        mean = {
+            p: {k: statistics.mean(r[k] for r in runs) for k in KEYS} for p, runs in c["policies"].items()
+        }
+        spread = {p: {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in KEYS}
+                  for p, runs in c["policies"].items()}  # fmt: skip
+        others = [p for p in mean if p not in ("e2_pd", "e2_pd_flex")]
+        best_good = max(others, key=lambda p: mean[p]["goodput"])
+        best_tpot = min(others, key=lambda p: mean[p]["p99_tpot_s"])
+        e = mean["e2_pd"]
+        lines.append(
+            f"{c['cluster']:8s} {c['workload']:15s} x{c['fraction']:.1f} goodput e2_pd {e['goodput']:.3f} "
+            f"{spread['e2_pd']['goodput']} vs {best_good} {mean[best_good]['goodput']:.3f}; "
+            f"p99 TPOT e2_pd {e['p99_tpot_s'] * 1e3:.1f} ms "
+            f"vs {best_tpot} {mean[best_tpot]['p99_tpot_s'] * 1e3:.1f}; "
+            f"avg latency e2_pd/e2 {e['avg_latency_s'] / mean['e2']['avg_latency_s']:.3f}"
+        )
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clusters", default=",".join(CLUSTERS))
+    ap.add_argument("--link", default="nvlink", choices=sorted(GBPS_PER_GPU))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", default=None, help="a directory for disagg.json.gz")
+    args = ap.parse_args()
+    cells = bench(args.clusters.split(","), args.link, args.workloads.split(","), args.requests, args.seeds,
+                  args.jobs)  # fmt: skip
+    for line in summarize(cells):
+        print(line)
+    if args.out:
+        path = Path(args.out) / f"disagg_{args.link}.json.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(path, "wt") as f:
+            json.dump({"args": vars(args), "cells": cells}, f)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
