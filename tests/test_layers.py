@@ -18,13 +18,14 @@ MAX_LINES = 400
 # the processes of ARCHITECTURE.md: the engine's Triton model (engine_server), the router's
 # (router), the processes that run them (runtime), the front, the CLI, and the benchmarks.
 BELOW_CLI = {"common", "client", "model", "engine", "scheduler", "scheduler.sim", "serving", "engine_server",
-             "router", "runtime", "frontend"}  # fmt: skip
+             "router", "runtime", "frontend", "kv_transfer"}  # fmt: skip
 ALLOWED = {
     "kernels": set(),
     "common": set(),
     "client": {"common"},
     "model": {"common", "kernels"},
     "engine": {"common", "model"},
+    "kv_transfer": {"common", "model"},
     "scheduler": {"common"},
     "scheduler.sim": {"common", "client", "model", "engine", "scheduler"},
     "serving": {"common", "model"},

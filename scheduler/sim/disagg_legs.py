@@ -8,6 +8,7 @@ every output token. Its time to first token is D's first token."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from scheduler.disagg import LEG, KVLink, prefill_leg
 from scheduler.policy import Decision, InstanceLoad, RoutingRequest
@@ -26,9 +27,7 @@ class Legs:
 
     def dispatch(self, req, route: RoutingRequest, decision: Decision) -> None:
         """Send the prefill leg to P; the request waits for it (counted on D already)."""
-        from scheduler.sim.simulator import SimRequest
-
-        leg = SimRequest(req.request_id + LEG, req.arrival, req.input_ids, 1, chains=req.chains)
+        leg = replace(req, request_id=req.request_id + LEG, output_len=1, output_ids=None, after=None)
         self.waiting[leg.request_id] = (req, decision.instance)
         self.routing[leg.request_id] = prefill_leg(route)
         self.loads[decision.prefill].in_flight += 1
