@@ -4,6 +4,8 @@ asked for, a freed page detected by its stamp, a dead peer failed fast."""
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
 import time
 
 import numpy as np
@@ -113,6 +115,26 @@ def test_a_dead_peer_fails_the_read_fast(peer):
         result = transport.read(name, [1, 2], [0, 0], [1, 2], timeout_s=3)
         assert not result.ok and "failed" in result.error
         assert time.perf_counter() - start < 4
+    finally:
+        transport.close()
+
+
+def test_a_stalled_peer_fails_the_read_in_its_bound_and_the_pair_recovers(peer):
+    """The peer stopped (SIGSTOP) before the first read wires the connection up: the read
+    fails at its timeout, not later; once the peer runs again, the same pair reads."""
+    _, process, offer = peer
+    transport = KVTransport("decode", seeded_pool(99))
+    try:
+        name = transport.connect(offer)
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            start = time.perf_counter()
+            result = transport.read(name, [1, 2], [0, 0], [1, 2], timeout_s=2)
+            assert not result.ok and result.error == "the transfer did not finish in time"
+            assert 2 <= time.perf_counter() - start < 3.5
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        assert transport.read(name, [1, 2], [0, 0], [1, 2], timeout_s=10).ok
     finally:
         transport.close()
 
