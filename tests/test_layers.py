@@ -24,7 +24,7 @@ ALLOWED = {
     "common": set(),
     "client": {"common"},
     "model": {"common", "kernels"},
-    "engine": {"common", "model"},
+    "engine": {"common", "model", "kv_transfer"},
     "kv_transfer": {"common", "model"},
     "scheduler": {"common"},
     "scheduler.sim": {"common", "client", "model", "engine", "scheduler"},

@@ -1,0 +1,103 @@
+"""A prompt's KV handed from a prefill engine to a decode engine, on each one's own cache.
+
+- The prefill side **offers** the whole pages of a prompt its radix cache holds, with their
+  generation stamps (``KVPool.stamps``), and locks them under a lease until the decode side
+  releases it or the lease expires (``expire``): pages are never stranded for longer.
+- The decode side **takes** only the pages its own radix cache lacks (an earlier turn, the
+  shared document): it allocates them (evicting as a prefill would, its own matched prefix
+  locked meanwhile), reads them with the transfer it is given (``kv_transfer``), and on
+  success caches them, so its cache events tell the global tree it now holds the prompt.
+  On any failure (a dead or stalled peer, a page freed while read) it frees what it
+  allocated and caches nothing: the request then prefills here, and answers the same.
+
+Only whole pages move; the prompt's last partial page is computed by the decode side, as
+vLLM's NIXL connector moves whole blocks. Engines with sliding-window layers are refused:
+their window pages are a second pool this handoff does not move yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from preble_backend.engine.cache.radix_node import TreeNode
+from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.kv_transfer.nixl_transport import TransferResult
+
+Read = Callable[[list[int], list[int], list[int]], TransferResult]  # (remote pages, stamps, local pages)
+
+
+@dataclass
+class Lease:
+    node: TreeNode
+    expires: float
+
+
+class Handoff:
+    def __init__(
+        self, blocks: BlockManager, ttl_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if blocks.cache is None:
+            raise ValueError("a KV handoff needs the radix cache (enable_prefix_caching)")
+        if blocks.pool.window is not None:
+            raise ValueError("a KV handoff cannot move sliding-window layers' KV yet")
+        self.blocks, self.cache, self.pool = blocks, blocks.cache, blocks.pool
+        self.ttl_s, self.clock = ttl_s, clock
+        self.leases: dict[str, Lease] = {}
+
+    def offer(self, lease_id: str, tokens: list[int]) -> dict:
+        """The whole pages of ``tokens`` cached here, locked under ``lease_id``."""
+        ps = self.pool.page_size
+        pages, node = self.cache.match_prefix(tokens[: len(tokens) // ps * ps])
+        self.cache.lock(node)
+        self.release(lease_id)  # a lease id offered again replaces its lease
+        self.leases[lease_id] = Lease(node, self.clock() + self.ttl_s)
+        return {"lease": lease_id, "pages": pages, "stamps": self.pool.stamps[pages].tolist(),
+                "tokens": len(pages) * ps}  # fmt: skip
+
+    def release(self, lease_id: str) -> bool:
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.cache.unlock(lease.node)
+        return lease is not None
+
+    def expire(self) -> int:
+        """Release every lease past its time; how many."""
+        now = self.clock()
+        late = [lease_id for lease_id, lease in self.leases.items() if lease.expires <= now]
+        for lease_id in late:
+            self.release(lease_id)
+        return len(late)
+
+    def take(self, tokens: list[int], offer: dict, read: Read) -> tuple[int, TransferResult | None]:
+        """Read the offered pages this cache lacks and cache them: (tokens received,
+        the transfer's result; None when nothing had to move or no room could be made)."""
+        n = int(offer["tokens"])
+        have, node = self.cache.match_prefix(tokens[:n])
+        remote, stamps = offer["pages"][len(have) :], offer["stamps"][len(have) :]
+        if not remote:
+            return 0, None
+        self.cache.lock(node)  # what it holds already must not be evicted to make room
+        try:
+            new = self._alloc(len(remote))
+        finally:
+            self.cache.unlock(node)
+        if new is None:
+            return 0, None
+        result = read(remote, stamps, new)
+        if not result.ok:
+            self.blocks.free(new)
+            return 0, result
+        kept, _ = self.cache.insert(tokens[:n], have + new)
+        kept = set(kept)
+        self.blocks.free([p for p in new if p not in kept])
+        return len(new) * self.pool.page_size, result
+
+    def _alloc(self, count: int) -> list[int] | None:
+        short = count - self.pool.num_free
+        if short > 0:
+            if short > self.cache.num_evictable_pages:
+                return None
+            self.blocks.free(self.cache.evict(short))
+        return self.pool.alloc(count) if count <= self.pool.num_free else None

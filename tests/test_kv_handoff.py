@@ -1,0 +1,106 @@
+"""A prompt's KV handed from a prefill engine to a decode engine through NIXL, two real
+engines (the embedded tiny model, fp32) in one process: the decode side's answers equal
+the aggregated ones, only what it lacks moves, and a failed handoff leaves every page
+where it was and still answers the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from preble_backend.engine.cache.handoff import Handoff
+from preble_backend.engine.config import EngineConfig
+from preble_backend.engine.engine import Engine
+from preble_backend.kv_transfer.nixl_transport import KVTransport
+
+GREEDY = {"temperature": 0, "max_tokens": 12}
+SEEDED = {"temperature": 0.8, "seed": 3, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model):
+    """(prefill engine, decode engine, a read from the prefill engine's pool into the
+    decode engine's)."""
+    p, d = (Engine(EngineConfig(model_path=tiny_model, max_num_tokens=4096)) for _ in range(2))
+    tp, td = KVTransport("prefill", p.pool), KVTransport("decode", d.pool)
+    peer = td.connect(tp.offer())
+    yield p, d, lambda remote, stamps, local: td.read(peer, remote, stamps, local)
+    td.close()
+    tp.close()
+
+
+def prompt(seed: int, n: int = 150) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 1900 + 50 for i in range(n)]
+
+
+def all_pages_back(engine: Engine) -> None:
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.pool.num_free + engine.cache.num_pages == engine.pool.num_pages
+    assert engine.cache.num_locked_pages == 0
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_the_decode_side_answers_as_the_prefill_side_would(pair, params):
+    p, d, read = pair
+    tokens = prompt(1 if params is GREEDY else 2)
+    [aggregated] = p.generate([tokens], params)  # the prefill side computes and caches it
+    ps = p.pool.page_size
+    handoff = Handoff(p.scheduler.blocks)
+    offer = handoff.offer("r", tokens)
+    assert offer["tokens"] == len(tokens) // ps * ps and len(offer["pages"]) == len(tokens) // ps
+    received, result = Handoff(d.scheduler.blocks).take(tokens, offer, read)
+    assert result.ok and received == offer["tokens"]
+    assert d.cache.cached_len(tokens) == offer["tokens"]
+    before = d.scheduler.stats.prompt_tokens_cached
+    assert d.generate([tokens], params) == [aggregated]
+    assert d.scheduler.stats.prompt_tokens_cached - before == offer["tokens"]  # only the last page computed
+    assert handoff.release("r")
+    all_pages_back(p)
+    all_pages_back(d)
+
+
+def test_only_the_pages_the_decode_side_lacks_move(pair):
+    """The decode side already answered a prompt sharing the first 64 tokens (4 pages):
+    those stay, the other 5 whole pages move."""
+    p, d, read = pair
+    tokens = prompt(3)
+    d.generate([tokens[:64] + prompt(4, 40)], GREEDY)
+    [aggregated] = p.generate([tokens], GREEDY)
+    handoff = Handoff(p.scheduler.blocks)
+    offer = handoff.offer("r", tokens)
+    received, result = Handoff(d.scheduler.blocks).take(tokens, offer, read)
+    assert result.ok and result.pages == len(offer["pages"]) - 4 and received == offer["tokens"] - 64
+    assert d.generate([tokens], GREEDY) == [aggregated]
+    assert handoff.release("r") and not handoff.release("r")
+    all_pages_back(p)
+    all_pages_back(d)
+
+
+def test_a_page_freed_after_the_offer_is_never_decoded_from(pair):
+    """The forced race: the lease ends and the prefill side evicts the prompt before the
+    decode side reads. The read is stale, the decode side keeps none of its new pages,
+    prefills the prompt itself and answers the same."""
+    p, d, read = pair
+    tokens = prompt(5)
+    [aggregated] = p.generate([tokens], GREEDY)
+    handoff = Handoff(p.scheduler.blocks, ttl_s=0.0)
+    offer = handoff.offer("r", tokens)
+    assert handoff.expire() == 1 and p.cache.num_locked_pages == 0
+    p.scheduler.blocks.free(p.cache.evict(p.cache.num_evictable_pages))
+    free = d.pool.num_free
+    received, result = Handoff(d.scheduler.blocks).take(tokens, offer, read)
+    assert received == 0 and not result.ok and result.stale == offer["pages"]
+    assert d.pool.num_free == free and d.cache.cached_len(tokens) == 0
+    assert d.generate([tokens], GREEDY) == [aggregated]
+    all_pages_back(p)
+    all_pages_back(d)
+
+
+def test_engines_with_sliding_windows_are_refused(pair):
+    p, _, _ = pair
+    blocks = p.scheduler.blocks
+    blocks.pool.window, saved = object(), blocks.pool.window
+    try:
+        with pytest.raises(ValueError, match="sliding-window"):
+            Handoff(blocks)
+    finally:
+        blocks.pool.window = saved
