@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from preble_backend.engine.cache.handoff import Handoff
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
+from preble_backend.engine.scheduling.handoff import Handoff
 from preble_backend.kv_transfer.nixl_transport import KVTransport
 
 GREEDY = {"temperature": 0, "max_tokens": 12}
