@@ -20,13 +20,14 @@ and its finish report are counted as any other request's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.e2 import E2
 from scheduler.load_cost import memory_cost
-from scheduler.policy import LEG, Decision, InstanceLoad, RoutingRequest
+from scheduler.policy import Decision, InstanceLoad, RoutingRequest
 
 ROLES = ("prefill", "decode", "both")
+LEG = "#prefill"  # a prefill leg's request id: the request's, with this after it
 
 
 def check_roles(roles: list[str] | tuple[str, ...]) -> None:
@@ -62,22 +63,22 @@ class KVLink:
 
 def prefill_leg(request: RoutingRequest) -> RoutingRequest:
     """The request as its prefill instance sees it: the same prompt, one token out."""
-    params = type(request.params)(**{**vars(request.params), "max_tokens": 1})
+    params = replace(request.params, max_tokens=1)
     return RoutingRequest(request.request_id + LEG, request.input_ids, params, chains=request.chains)
 
 
 class E2PD(E2):
     name = "e2_pd"
 
-    def __init__(self, num_instances: int, roles: list[str] | tuple[str, ...] = (),
-                 link: KVLink | None = None, **e2_options) -> None:  # fmt: skip
+    def __init__(self, num_instances: int, roles: list[str] | tuple[str, ...], link: KVLink,
+                 **e2_options) -> None:  # fmt: skip
         super().__init__(num_instances, **e2_options)
         roles = tuple(roles) or ("both",) * num_instances
         check_roles(roles)
         if len(roles) != num_instances:
             raise ValueError(f"{len(roles)} engine roles for {num_instances} engines")
         self.roles = list(roles)
-        self.link = link or KVLink(bandwidth_gbps=25.0, latency_ms=1.0, kv_bytes_per_token=131072)
+        self.link = link
 
     def _grow(self) -> None:
         super()._grow()
@@ -90,28 +91,26 @@ class E2PD(E2):
         now = self.clock()
         match = self.tree.match(request.chain(self.page_size))
         prompt_len = len(request.input_ids)
-        live, decoders, prefillers = self.live, self._with("decode"), self._with("prefill")
-        self.live = decoders
-        try:
+        decoders, prefillers = self._with("decode"), self._with("prefill")
+        with self.only(decoders):
             aggregated = self.choose(request, loads, match, now)
-        finally:
-            self.live = live
         agg_cost = self.load_cost(aggregated.instance, match, prompt_len, now)
-        p = min(sorted(prefillers), key=lambda i: self.load_cost(i, match, prompt_len, now, decode_len=1.0))
-        others = decoders - {p}
-        if not others:
+        leg = {i: self.load_cost(i, match, prompt_len, now, decode_len=1.0) for i in prefillers}
+        p = min(sorted(leg), key=leg.__getitem__)
+        rest = {i: self.decode_leg_cost(i, match, prompt_len, now) for i in decoders - {p}}
+        if not rest:
             self._record(request, aggregated.instance, match, now)
             return aggregated
-        d = min(sorted(others), key=lambda i: self.decode_leg_cost(i, match, prompt_len, now))
-        pair = self.load_cost(p, match, prompt_len, now, decode_len=1.0) + self.decode_leg_cost(
-            d, match, prompt_len, now
-        )
-        if pair >= agg_cost:
+        d = min(sorted(rest), key=rest.__getitem__)
+        if leg[p] + rest[d] >= agg_cost:
             self._record(request, aggregated.instance, match, now)
             return aggregated
         self._record(prefill_leg(request), p, match, now)
         self._record(request, d, match, now, received=True)
         return Decision(d, "disaggregate", prefill=p)
+
+    def _answers(self, request: RoutingRequest) -> bool:
+        return not request.request_id.endswith(LEG)
 
     def decode_leg_cost(self, instance: int, match, prompt_len: int, now: float) -> float:
         """The transfer of what ``instance`` lacks, then the request decoding in its batch

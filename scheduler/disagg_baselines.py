@@ -42,12 +42,8 @@ class _Roles(Policy):
 
 def _among(policy: Policy, instances: set[int], request: RoutingRequest, loads) -> int:
     """``policy``'s choice (recorded in its state) among ``instances`` only."""
-    live = policy.live
-    policy.live = instances
-    try:
+    with policy.only(instances):
         return policy.select(request, loads).instance
-    finally:
-        policy.live = live
 
 
 class DynamoPD(_Roles):

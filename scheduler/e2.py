@@ -48,7 +48,7 @@ from scheduler.autoscale import Autoscaling
 from scheduler.calibrated import Calibrated
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.load_cost import DecodeLengths, InstanceHistory, batch_load, memory_cost
-from scheduler.policy import LEG, Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
+from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
 from scheduler.tree_node import GlobalNode, Match
 
 log = logging.getLogger("preble.e2")
@@ -344,6 +344,11 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         self.tiered.append(False)
         self._grow_costs()
 
+    def _answers(self, request: RoutingRequest) -> bool:
+        """Whether the request's output is an answer, whose length the window's average
+        decoding length counts (``disagg.E2PD``: a prefill leg's one token is not)."""
+        return True
+
     def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
         now = self.clock()
         self.learn(instance, info.load)
@@ -354,7 +359,7 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         end, key = routed
         self.tree.finish(end, instance)
         self.history[instance].finish(request.request_id)
-        if not request.request_id.endswith(LEG):  # a prefill leg's one token is no answer's length
+        if self._answers(request):
             self.decode_lengths.add(now, info.num_output_tokens)
         if key is not None and info.ttft_s is not None:
             self._autoscale(self.tree.live(key), info.ttft_s, now)

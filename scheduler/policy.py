@@ -12,6 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,6 @@ class RoutingRequest:
         if chain is None:
             chain = self.chains[page_size] = chain_hashes(self.input_ids, page_size)
         return chain
-
-
-LEG = "#prefill"  # a prefill leg's request id: the request's, with this after it (scheduler/disagg.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +79,16 @@ class Policy(ABC):
         self.num_instances = num_instances  # slots: a router's engines that joined, departed ones too
         self.clock = clock  # the simulator passes its own
         self.live = set(range(num_instances))  # instances that take requests now
+
+    @contextmanager
+    def only(self, instances: set[int]):
+        """Choose among ``instances`` alone meanwhile (a prefill/decode policy asks for an
+        instance of one kind: ``scheduler/disagg.py``)."""
+        live, self.live = self.live, instances
+        try:
+            yield
+        finally:
+            self.live = live
 
     @abstractmethod
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:

@@ -75,7 +75,16 @@ class PoolLayout:
         return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
     def stamp_descriptors(self, pages: list[int]) -> np.ndarray:
-        return np.array([(self.stamps_address + 8 * p, 8, 0) for p in pages], dtype=np.uint64).reshape(-1, 3)
+        return stamp_rows(self.stamps_address, pages)
+
+
+def stamp_rows(address: int, indices) -> np.ndarray:
+    """``(address, bytes, device)`` rows of the int64 stamps at ``indices`` of an array in
+    host memory at ``address``."""
+    rows = np.zeros((len(indices), 3), dtype=np.uint64)
+    rows[:, 0] = address + 8 * np.asarray(indices, dtype=np.uint64)
+    rows[:, 1] = 8
+    return rows
 
 
 def page_runs(source: list[int], target: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

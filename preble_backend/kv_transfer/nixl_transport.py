@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preble_backend.kv_transfer.layout import PoolLayout, page_runs
+from preble_backend.kv_transfer.layout import PoolLayout, page_runs, stamp_rows
 from preble_backend.model.kv_pool import KVPool
 
 _names = itertools.count()
@@ -164,7 +164,7 @@ class KVTransport:
         for agent, name, (lo, hi) in zip(self.agents, names, shares):
             if lo == hi:
                 continue
-            args = (agent, name, memory, src[lo:hi], dst[lo:hi], deadline, errors, self.layout.memory)
+            args = (agent, name, memory, self.layout.memory, src[lo:hi], dst[lo:hi], deadline, errors)
             threads.append(threading.Thread(target=_read, args=args, daemon=True))
         for t in threads:
             t.start()
@@ -175,12 +175,10 @@ class KVTransport:
         return errors[0] if errors else ""
 
     def _read_stamps(self, name: str, remote: PoolLayout, pages: list[int], deadline: float) -> str:
-        src = remote.stamp_descriptors(pages)
-        dst = np.array([(self._scratch.ctypes.data + 8 * i, 8, 0) for i in range(len(pages))],
-                       dtype=np.uint64).reshape(-1, 3)  # fmt: skip
+        src, dst = remote.stamp_descriptors(pages), stamp_rows(self._scratch.ctypes.data, range(len(pages)))
         self._scratch[: len(pages)] = -1
         errors: list[str] = []
-        _read(self.agents[0], name, "DRAM", src, dst, deadline, errors, local_memory="DRAM")
+        _read(self.agents[0], name, "DRAM", "DRAM", src, dst, deadline, errors)
         return errors[0] if errors else ""
 
     def close(self) -> None:
@@ -206,13 +204,13 @@ def _shares(sizes: np.ndarray, lanes: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
-def _read(agent, peer: str, memory: str, src: np.ndarray, dst: np.ndarray, deadline: float,
-          errors: list[str], local_memory: str | None = None) -> None:  # fmt: skip
+def _read(agent, peer: str, remote_memory: str, local_memory: str, src: np.ndarray, dst: np.ndarray,
+          deadline: float, errors: list[str]) -> None:  # fmt: skip
     """One agent's READ of ``src`` (the peer's) into ``dst`` (ours), polled to the deadline."""
     handle = None
     try:
-        local = agent.get_xfer_descs(dst, local_memory or memory)
-        remote = agent.get_xfer_descs(src, memory)
+        local = agent.get_xfer_descs(dst, local_memory)
+        remote = agent.get_xfer_descs(src, remote_memory)
         handle = agent.initialize_xfer("READ", local, remote, peer)
         state = agent.transfer(handle)
         while state == "PROC":

@@ -41,7 +41,7 @@ from scheduler.cost_priors import TYPICAL_DECODE, with_decode_step
 from scheduler.e2 import E2
 from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, find_stress_rps, light_rate, trace
+from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, stress_rps, trace
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "shifting_docs")
 SCENARIOS = ("mixed", "off10", "smollm2_from_tiny", "tiny_from_smollm2")
@@ -128,10 +128,7 @@ def stress_rate(job: tuple) -> float:
     the first trace; a top-level function of ``(workload, scenario, requests)`` for a pool."""
     workload, name, n = job
     truth, _ = scenario(name)
-    requests = trace(workload, n, 1.0, 0)
-    return find_stress_rps(
-        requests, 1.0, SimConfig.of(INSTANCES), truth, light_rate(requests, truth[0], INSTANCES)
-    )[2]
+    return stress_rps(trace(workload, n, 1.0, 0), SimConfig.of(INSTANCES), truth)
 
 
 def bench(

@@ -41,7 +41,7 @@ from scheduler.disagg import E2PD, KVLink
 from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
 from scheduler.e2 import E2
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, find_stress_rps, light_rate, trace
+from scheduler.sim.sweep import _cached_trace, at_rate, stress_rps, trace
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "multi_tenant",
              "agentic", "shifting_docs")  # fmt: skip
@@ -103,9 +103,7 @@ def _run(job: tuple) -> dict:
 
 def stress_rate(job: tuple) -> float:
     name, workload, n = job
-    cfg, cost = SimConfig.of(CLUSTERS[name][1]), cluster_cost(name)
-    requests = trace(workload, n, 1.0, 0)
-    return find_stress_rps(requests, 1.0, cfg, cost, light_rate(requests, cost, cfg.num_instances))[2]
+    return stress_rps(trace(workload, n, 1.0, 0), SimConfig.of(CLUSTERS[name][1]), cluster_cost(name))
 
 
 def bench(

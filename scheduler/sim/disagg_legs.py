@@ -17,7 +17,7 @@ from scheduler.policy import Decision, InstanceLoad, RoutingRequest
 class Legs:
     """The disaggregated requests of one run, between P's leg and D's start."""
 
-    def __init__(self, link: KVLink, instances: list, loads: list[InstanceLoad], routing: dict,
+    def __init__(self, link: KVLink | None, instances: list, loads: list[InstanceLoad], routing: dict,
                  start: Callable, later: Callable) -> None:  # fmt: skip
         self.link = link
         self.instances, self.loads, self.routing = instances, loads, routing
@@ -27,6 +27,9 @@ class Legs:
 
     def dispatch(self, req, route: RoutingRequest, decision: Decision) -> None:
         """Send the prefill leg to P; the request waits for it (counted on D already)."""
+        if self.link is None:
+            raise ValueError(f"the policy disaggregated {req.request_id}, but the run has no KV link: "
+                             "simulate(..., link=KVLink(...))")  # fmt: skip
         leg = replace(req, request_id=req.request_id + LEG, output_len=1, output_ids=None, after=None)
         self.waiting[leg.request_id] = (req, decision.instance)
         self.routing[leg.request_id] = prefill_leg(route)

@@ -29,7 +29,7 @@ from preble_backend.engine.outputs.sampling import SamplerState
 from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch, make_local_scheduler
 from preble_backend.engine.scheduling.request import Request
 from preble_backend.model.kv_pool import KVPool
-from scheduler.disagg import LEG, KVLink
+from scheduler.disagg import KVLink
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
 from scheduler.sim.disagg_legs import Legs
 
@@ -217,7 +217,7 @@ def simulate(
     def later(delay_s: float, kind: str, payload) -> None:
         heapq.heappush(events, (now[0] + delay_s, next(seq), kind, payload))
 
-    legs = Legs(link or KVLink(25.0, 1.0, 131072), instances, loads, routing, start, later)
+    legs = Legs(link, instances, loads, routing, start, later)
 
     while events:
         now[0], _, kind, payload = heapq.heappop(events)
@@ -249,7 +249,7 @@ def simulate(
             if req.request_id in result.records:  # (a prefill leg's token is not the answer's)
                 result.records[req.request_id].first_token = now[0]
         for req in done:
-            if req.request_id.endswith(LEG):
+            if req.request_id in legs.waiting:  # a prefill leg: its KV moves on
                 loads[inst.index].in_flight -= 1
                 info = FinishInfo(inst.cache.drain_events(), inst.stats(), None, 1)
                 policy.on_finish(inst.index, routing.pop(req.request_id), info)

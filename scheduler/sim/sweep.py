@@ -110,6 +110,13 @@ def find_stress_rps(
     return start_rps, light, rps, p99
 
 
+def stress_rps(requests: list[SimRequest], cfg: SimConfig, cost: CostModel | list[CostModel]) -> float:
+    """The stress rate of a trace laid out at 1 rps: ``find_stress_rps`` from ``light_rate``
+    (of the first instance's costs, where each has its own)."""
+    first = cost[0] if isinstance(cost, list) else cost
+    return find_stress_rps(requests, 1.0, cfg, cost, light_rate(requests, first, cfg.num_instances))[2]
+
+
 @functools.lru_cache(maxsize=1)
 def _cached_trace(workload: str, n: int, seed: int) -> list[SimRequest]:
     """A worker builds a trace once for the run of jobs on it (the jobs come trace by
