@@ -44,7 +44,7 @@ def load_nixl():
     try:
         import nixl_cu12 as nixl
     except ImportError as e:  # pragma: no cover - a dependency of the project
-        raise RuntimeError("KV transfer needs NIXL: pip install nixl-cu12") from e
+        raise RuntimeError("KV transfer needs NIXL: pip install 'preble-triton[pd]'") from e
     return nixl
 
 
