@@ -16,34 +16,24 @@ aggregated. The anchors' rules (``disagg_baselines.py``) threshold or pick P and
 
 A prefill on P is its own request to the policy (``prefill_leg``), so P's load, its tree
 and its finish report are counted as any other request's.
+
+This is the router's ``e2``. Given ``roles`` and a ``link`` (the simulator, the tests), it
+pairs any instances. Live, it learns both from the engines' reports: an engine's role,
+whether it can move KV at all (a prefill or decode engine reports ``kv_bytes_per_token``),
+and the bandwidth its reads reached (``kv_transfer_gbps``; ``link_gbps`` until one is
+measured). Only engines that move KV are paired; where none does, it is E2 exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from preble_backend.common.settings import ROLES, check_roles
 from scheduler.e2 import E2
 from scheduler.load_cost import memory_cost
 from scheduler.policy import Decision, InstanceLoad, RoutingRequest
 
-ROLES = ("prefill", "decode", "both")
 LEG = "#prefill"  # a prefill leg's request id: the request's, with this after it
-
-
-def check_roles(roles: list[str] | tuple[str, ...]) -> None:
-    """Refuse, by name, a layout that cannot serve: an unknown role, roles on a single
-    engine, decoding engines with no engine that prefills for them, or none that decodes."""
-    bad = [r for r in roles if r not in ROLES]
-    if bad:
-        raise ValueError(f"engine role {bad[0]!r} is invalid: expected one of {', '.join(ROLES)}")
-    if set(roles) == {"both"}:
-        return
-    if len(roles) < 2:
-        raise ValueError("engine roles need two engines or more: one engine prefills and decodes alone")
-    if not any(r in ("decode", "both") for r in roles):
-        raise ValueError("no engine decodes: give at least one engine the role decode or both")
-    if not any(r in ("prefill", "both") for r in roles):
-        raise ValueError("decode engines without a prefill role anywhere: give an engine the role prefill")
 
 
 @dataclass(frozen=True)
@@ -68,36 +58,53 @@ def prefill_leg(request: RoutingRequest) -> RoutingRequest:
 
 
 class E2PD(E2):
-    name = "e2_pd"
-
-    def __init__(self, num_instances: int, roles: list[str] | tuple[str, ...], link: KVLink,
+    def __init__(self, num_instances: int, roles: tuple[str, ...] | list[str] = (),
+                 link: KVLink | None = None, link_gbps: float = 10.0, link_latency_ms: float = 1.0,
                  **e2_options) -> None:  # fmt: skip
         super().__init__(num_instances, **e2_options)
-        roles = tuple(roles) or ("both",) * num_instances
+        given = tuple(roles)
+        roles = given or ("both",) * num_instances
         check_roles(roles)
         if len(roles) != num_instances:
             raise ValueError(f"{len(roles)} engine roles for {num_instances} engines")
         self.roles = list(roles)
         self.link = link
+        self.link_gbps, self.link_latency_ms = link_gbps, link_latency_ms
+        self.movable = set(range(num_instances)) if given else set()  # engines that move KV
 
     def _grow(self) -> None:
         super()._grow()
         self.roles.append("both")
 
+    def learn(self, instance: int, load: dict) -> None:
+        """An engine's role, and what moving its KV costs, from its report."""
+        super().learn(instance, load)
+        if load.get("role") in ROLES:
+            self.roles[instance] = load["role"]
+        if not load.get("kv_bytes_per_token"):
+            return
+        self.movable.add(instance)
+        measured = float(load.get("kv_transfer_gbps") or 0.0)
+        gbps = measured or (self.link.bandwidth_gbps if self.link else self.link_gbps)
+        self.link = KVLink(gbps, self.link_latency_ms, int(load["kv_bytes_per_token"]))
+
     def _with(self, role: str) -> set[int]:
         return {i for i in self.live if self.roles[i] in (role, "both")}
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
+        decoders, prefillers = self._with("decode"), self._with("prefill") & self.movable
+        if not prefillers or not decoders & self.movable or self.link is None:
+            with self.only(decoders):
+                return super().select(request, loads)
         now = self.clock()
         match = self.tree.match(request.chain(self.page_size))
         prompt_len = len(request.input_ids)
-        decoders, prefillers = self._with("decode"), self._with("prefill")
         with self.only(decoders):
             aggregated = self.choose(request, loads, match, now)
         agg_cost = self.load_cost(aggregated.instance, match, prompt_len, now)
         leg = {i: self.load_cost(i, match, prompt_len, now, decode_len=1.0) for i in prefillers}
         p = min(sorted(leg), key=leg.__getitem__)
-        rest = {i: self.decode_leg_cost(i, match, prompt_len, now) for i in decoders - {p}}
+        rest = {i: self.decode_leg_cost(i, match, prompt_len, now) for i in (decoders & self.movable) - {p}}
         if not rest:
             self._record(request, aggregated.instance, match, now)
             return aggregated

@@ -19,9 +19,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, check_roles
 from scheduler.baselines import CacheAware, KVCost
-from scheduler.disagg import check_roles, prefill_leg
+from scheduler.disagg import prefill_leg
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
 

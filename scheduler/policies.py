@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # Each policy's name and where its class is, imported when one is built: listing the names
 # (the CLI's help, a configuration's check) imports no policy, nor numpy under them.
 POLICIES: dict[str, str] = {
-    "e2": "scheduler.e2:E2",
+    "e2": "scheduler.disagg:E2PD",  # E2, and prefill/decode disaggregation where engines have roles
     "round_robin": "scheduler.policy:RoundRobin",
     "least_load": "scheduler.policy:LeastLoad",
     "prefix_hash": "scheduler.baselines:PrefixHash",
@@ -34,7 +34,15 @@ def policy_class(name: str) -> type[Policy]:
 
 
 def _keywords(name: str) -> list[str]:
-    return [p for p in inspect.signature(policy_class(name)).parameters if p != "num_instances"]
+    """The constructor's keywords, and its base class's where it passes ``**options`` on."""
+    keywords: list[str] = []
+    for cls in policy_class(name).__mro__:
+        params = inspect.signature(cls.__init__).parameters.values()
+        keywords += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                     and p.name not in ("self", "num_instances", *keywords)]  # fmt: skip
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return keywords
+    return keywords
 
 
 def policy_options(name: str) -> list[str]:

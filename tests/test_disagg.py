@@ -10,7 +10,8 @@ from test_e2_batch import BATCH
 
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.cost_model import CostModel
-from scheduler.disagg import E2PD, LEG, KVLink, check_roles
+from preble_backend.common.settings import check_roles
+from scheduler.disagg import E2PD, LEG, KVLink
 from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
 from scheduler.policy import Decision, FinishInfo, InstanceLoad
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate

@@ -29,7 +29,7 @@ ALLOWED = {
     "scheduler": {"common"},
     "scheduler.sim": {"common", "client", "model", "engine", "scheduler"},
     "serving": {"common", "model"},
-    "engine_server": {"common", "model", "engine", "serving"},
+    "engine_server": {"common", "model", "engine", "serving", "kv_transfer"},
     "router": {"common", "client", "model", "scheduler", "serving"},
     "runtime": {"common", "model", "engine", "serving", "router"},
     "frontend": {"common", "client", "model", "serving"},

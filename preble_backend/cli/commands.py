@@ -74,8 +74,12 @@ def repo(args: argparse.Namespace) -> int:
     if args.host_kv_tokens:
         engine["host_kv_tokens"] = args.host_kv_tokens
         engine["host_copy_ahead"] = args.host_copy_ahead
+    roles, cpu_engines = None, args.cpu_engines
+    if args.prefill_engines or args.decode_engines:
+        roles = ["prefill"] * args.prefill_engines + ["decode"] * args.decode_engines
+        cpu_engines = len(roles)
     root = write_repository(
-        args.output, args.model_path, gpus=gpus, cpu_engines=args.cpu_engines, remote_engines=remotes,
+        args.output, args.model_path, gpus=gpus, cpu_engines=cpu_engines, remote_engines=remotes, roles=roles,
         router_overrides={"policy": args.policy, "cost_model": args.cost_model},
         router_instances=args.router_instances,
         host_cores=None if args.no_pin else len(os.sched_getaffinity(0)), **engine,

@@ -164,6 +164,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--gpus", default="", help="comma-separated GPU ids: one engine per GPU")
     p.add_argument("--cpu-engines", type=_positive(int), default=2, help="CPU engines when no --gpus")
+    p.add_argument("--prefill-engines", type=int, default=0,
+                   help="prefill/decode disaggregation: the first N engines prefill (with --decode-engines; "
+                        "without --gpus, the CPU engines are N + M)")  # fmt: skip
+    p.add_argument("--decode-engines", type=int, default=0, help="the next M engines decode")
     p.add_argument("--tensor-parallel", type=_positive(int), default=1,
                    help="ranks per engine: --gpus 0-7 with 4 makes two engines of 4 GPUs each")  # fmt: skip
     p.add_argument(

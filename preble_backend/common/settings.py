@@ -9,6 +9,7 @@ from pathlib import Path
 
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page: the engines' paging and the routers' matching unit
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton", "flashinfer")
+ROLES = ("prefill", "decode", "both")  # what an engine serves in prefill/decode disaggregation
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"  # what preble serve serves
 MAX_INPUT_BYTES = 4 << 20  # the router's largest text_input (its max_input_bytes by default)
 MAX_BODY_BYTES = 32 << 20  # the front's largest HTTP request: 8x the router's largest text_input
@@ -48,3 +49,19 @@ def parse_strings(cls, values: dict[str, str], what: str) -> dict[str, object]:
         except ValueError:
             raise ValueError(f"{key}={raw!r} is invalid: expected {_EXPECTED.get(kind, kind)}") from None
     return parsed
+
+
+def check_roles(roles: list[str] | tuple[str, ...]) -> None:
+    """Refuse, by name, a layout that cannot serve: an unknown role, roles on a single
+    engine, decoding engines with no engine that prefills for them, or none that decodes."""
+    bad = [r for r in roles if r not in ROLES]
+    if bad:
+        raise ValueError(f"engine role {bad[0]!r} is invalid: expected one of {', '.join(ROLES)}")
+    if set(roles) == {"both"}:
+        return
+    if len(roles) < 2:
+        raise ValueError("engine roles need two engines or more: one engine prefills and decodes alone")
+    if not any(r in ("decode", "both") for r in roles):
+        raise ValueError("no engine decodes: give at least one engine the role decode or both")
+    if not any(r in ("prefill", "both") for r in roles):
+        raise ValueError("decode engines without a prefill role anywhere: give an engine the role prefill")

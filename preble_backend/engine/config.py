@@ -9,7 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from preble_backend.common.cost_model import CostModel
-from preble_backend.common.settings import ATTENTION_BACKENDS, DEFAULT_PAGE_SIZE, parse_strings, setting
+from preble_backend.common.settings import (
+    ATTENTION_BACKENDS,
+    DEFAULT_PAGE_SIZE,
+    ROLES,
+    parse_strings,
+    setting,
+)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 COMPUTE = ("model", "emulated")
@@ -70,6 +76,18 @@ class EngineConfig:
     emulated_slowdown: float = setting(
         1.0, doc="emulated compute: each iteration waits this multiple of the cost model's time"
     )
+    role: str = setting(
+        "both",
+        doc="prefill/decode disaggregation: prefill (offers its prompts' KV to decode engines) | decode "
+        "(takes it) | both (serves whole requests; E2 decides per request where roles differ)",
+    )
+    kv_transfer_lanes: int = setting(
+        2, doc="prefill and decode roles: NIXL agents reading one transfer in parallel"
+    )
+    kv_lease_s: float = setting(
+        30.0,
+        doc="prefill role: offered pages stay locked until the decode side has read them, at most this long",
+    )
     stream_interval: int = setting(
         16, doc="streaming: at most this many tokens per response (Triton only; see stream_interval_ms)"
     )
@@ -114,6 +132,14 @@ class EngineConfig:
         check(self.emulated_slowdown > 0, "emulated_slowdown", "a number > 0")
         check(self.stream_interval >= 1, "stream_interval", "an integer >= 1")
         check(self.stream_interval_ms >= 0, "stream_interval_ms", "a number >= 0 (0: every token)")
+        check(self.role in ROLES, "role", f"one of {', '.join(ROLES)}")
+        check(
+            self.role == "both" or self.enable_prefix_caching,
+            "role",
+            "both: KV handoff needs the prefix cache",
+        )
+        check(1 <= self.kv_transfer_lanes <= 16, "kv_transfer_lanes", "an integer in [1, 16]")
+        check(self.kv_lease_s > 0, "kv_lease_s", "a number > 0")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 

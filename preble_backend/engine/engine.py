@@ -92,7 +92,7 @@ class Engine:
         """Queue a request; raise ``ValueError`` naming the problem if it can never run."""
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
-        self._validate(request_id, prompt_ids, params)
+        self.validate(request_id, prompt_ids, params)
         req = Request(
             request_id=request_id,
             prompt_ids=[int(t) for t in prompt_ids],
@@ -108,7 +108,7 @@ class Engine:
             self._inbox.append(req)
             self._wake.notify()
 
-    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size

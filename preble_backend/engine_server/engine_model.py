@@ -24,6 +24,7 @@ from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.engine.scheduling.request import RequestOutput
 from preble_backend.engine_server.coalescer import Coalescer
+from preble_backend.engine_server.kv_exchange import KVExchange
 from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
@@ -67,6 +68,11 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "host_pages_copied_ahead": "preble_engine_host_pages_copied_ahead_total",
     "host_pages_loaded_beside": "preble_engine_host_pages_loaded_beside_total",
     "decode_graph_steps": "preble_engine_decode_graph_steps_total",
+    "kv_offers": "preble_engine_kv_offers_total",  # prefill role: prompts offered to decode engines
+    "kv_takes": "preble_engine_kv_takes_total",  # decode role: offers read from (failed ones too)
+    "kv_transfer_failures": "preble_engine_kv_transfer_failures_total",
+    "kv_pages_received": "preble_engine_kv_pages_received_total",
+    "kv_bytes_received": "preble_engine_kv_bytes_received_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -89,6 +95,10 @@ class TritonPythonModel:
         self.engine = Engine(EngineConfig.from_strings(params))
         if self.engine.runner.device.type == "cuda":  # compile the kernels now, not in a request
             self.engine.warm_up()
+        role = self.engine.config.role  # a prefill or decode engine moves KV with NIXL
+        self.kv = (
+            None if role == "both" else KVExchange(self.engine, args["model_name"], pb_utils.Logger.log_warn)
+        )
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
@@ -132,25 +142,41 @@ class TritonPythonModel:
             return
         if call.request_id in self._active:
             raise ValueError(f"request id {call.request_id!r} is already in use")
+        take = (call.kv or {}).get("take") if self.kv is not None else None
+        if take is not None:  # refused now if it can never run, not after the transfer
+            self.engine.validate(call.request_id, call.input_ids, call.params)
         self._active[call.request_id] = sender
         try:
-            self.engine.add_request(
-                call.request_id,
-                call.input_ids,
-                call.params,
-                lambda out: self._on_output(out, call.events_since),
-            )
+            if take is None:
+                self._add(call)
+            else:  # the prompt's KV first (or not: then it prefills here), then the request
+                self.kv.take(call.input_ids, take, lambda: self._add_taken(call, sender))
         except ValueError:
             self._active.pop(call.request_id, None)
             raise
 
-    def _on_output(self, out: RequestOutput, events_since: str | None) -> None:
+    def _add(self, call) -> None:
+        offer = self.kv is not None and call.kv == {"offer": True}
+        self.engine.add_request(call.request_id, call.input_ids, call.params,
+                                lambda out: self._on_output(out, call, offer))  # fmt: skip
+
+    def _add_taken(self, call, sender) -> None:
+        """The engine's thread, once the prompt's KV was received or not."""
+        try:
+            self._add(call)
+        except ValueError as exc:  # its id reused meanwhile
+            self._active.pop(call.request_id, None)
+            send_error(sender, f"{REFUSED}{exc}", pb_utils.TritonError.INVALID_ARG)
+
+    def _on_output(self, out: RequestOutput, call, offer: bool) -> None:
         """Engine thread: hold the output for the response thread (``Coalescer``), which is
         told once per response; a final one carries the report, read here so that events
-        and the load snapshot are consistent with the cache."""
+        and the load snapshot are consistent with the cache (and a prefill leg's offer of
+        its prompt's KV, now cached)."""
         report = None
         if out.finished:
-            report = encode_report(self._stats(), self.engine.cache_events(events_since))
+            kv_offer = self.kv.offer(out.request_id, call.input_ids) if offer and out.error is None else None
+            report = encode_report(self._stats(), self.engine.cache_events(call.events_since), kv_offer)
             if out.queue_time_s is not None:
                 self.metrics.observe(QUEUE_TIME, out.queue_time_s)
         if self._held.add(out, report):
@@ -244,14 +270,17 @@ class TritonPythonModel:
         for request_id, sender in list(self._active.items()):
             if sender.is_cancelled():
                 self.engine.abort(request_id)
+        if self.kv is not None:
+            self.kv.sweep()
         self._publish_metrics()
 
     def _stats(self) -> dict:
         """The engine's load snapshot plus this stub's pid: the router watches the process."""
-        return {**self.engine.stats(), "pid": os.getpid()}
+        kv = self.kv.stats() if self.kv is not None else {}
+        return {**self.engine.stats(), "pid": os.getpid(), "role": self.engine.config.role, **kv}
 
     def _publish_metrics(self) -> None:
-        stats = self.engine.stats()
+        stats = self._stats()
         for key, (name, _) in GAUGES.items():  # the host tier's are 0 without one
             self.metrics.gauge(name, stats.get(key, 0))
         for key, name in COUNTERS.items():
@@ -260,6 +289,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.engine.shutdown()  # pending requests finish as "abort" and reach the queue
+        if self.kv is not None:
+            self.kv.close()
         self._put(LAST, None)
         self._response_thread.join()
         self.metrics.close()

@@ -28,6 +28,7 @@ import base64
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,8 +63,12 @@ class TransferResult:
 class KVTransport:
     """``lanes`` NIXL agents over one pool; ``offer`` is what a peer needs to read from it."""
 
-    def __init__(self, name: str, pool: KVPool, lanes: int = 2, passive_poll_s: float = 0.005) -> None:
+    def __init__(self, name: str, pool: KVPool, lanes: int = 2, passive_poll_s: float = 0.005,
+                 on_notice: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        """``on_notice`` is called, on the poller's thread, with each notice a peer sends
+        (``notify``): how a decode side says it is done with an offer."""
         nixl = load_nixl()
+        self.on_notice = on_notice
         self.name = f"{name}-{next(_names)}"
         self.pool = pool
         self.layout = PoolLayout.of(pool)
@@ -97,10 +102,14 @@ class KVTransport:
         while not self._stop.wait(every_s):
             if self._lock.acquire(blocking=False):
                 try:
-                    for agent in self.agents:
-                        agent.get_new_notifs()
+                    notices = [
+                        n for agent in self.agents for ns in agent.get_new_notifs().values() for n in ns
+                    ]
                 finally:
                     self._lock.release()
+                for notice in notices:
+                    if self.on_notice is not None:
+                        self.on_notice(notice.decode(errors="replace"))
 
     def offer(self) -> dict:
         """What a peer needs to read this pool: JSON-safe, sent over the engines' own
@@ -118,10 +127,24 @@ class KVTransport:
         why = self.layout.mismatch(layout)
         if why:
             raise ValueError(f"cannot move KV between {self.name} and {peer}: {why}")
+        if peer in self._peers:
+            return peer
         metadata = base64.b64decode(offer["agents"][0])
-        names = [agent.add_remote_agent(metadata) for agent in self.agents]
+        with self._lock:
+            names = [agent.add_remote_agent(metadata) for agent in self.agents]
         self._peers[peer] = (names, layout)
         return peer
+
+    def notify(self, peer: str, notice: str) -> bool:
+        """Send ``notice`` to ``peer``'s ``on_notice``; False where it cannot be sent (the
+        peer is gone: its lease then expires on its own)."""
+        names, _ = self._peers[peer]
+        with self._lock:
+            try:
+                self.agents[0].send_notif(names[0], notice.encode())
+                return True
+            except Exception:  # nixl raises its own errors for a peer that is gone
+                return False
 
     def disconnect(self, peer: str) -> None:
         names, _ = self._peers.pop(peer, ([], None))

@@ -55,6 +55,11 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
     MetricSpec("preble_router_cost_ms", "gauge",
                "the fit in use, by term: base, prefill per token, decode per request, attention per "
                "context token, decode step"),
+    MetricSpec("preble_router_prefill_legs_total", "counter",
+               "disaggregated requests' prefills on a prefill engine, by outcome: offered (its KV went to "
+               "the decode engine), failed or no_offer (the request prefilled on its decode engine)"),
+    MetricSpec("preble_router_prefill_leg_seconds", "histogram", "a prefill leg, sent to its offer",
+               LATENCY_BUCKETS),
     MetricSpec("preble_router_poisoned_total", "counter",
                "requests failed because every engine that ran them failed (then refused for poison_ttl_s)"),
 ]  # fmt: skip

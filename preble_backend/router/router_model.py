@@ -55,7 +55,8 @@ from preble_backend.router.engines.event_feed import EventFeed
 from preble_backend.router.engines.loopback import check_local_engines, server_grpc_url
 from preble_backend.router.requests.answer import Answer
 from preble_backend.router.requests.flights import Flight, Flights
-from preble_backend.router.requests.guide_check import GuideCheck
+from preble_backend.router.requests.guide_check import GuideCheck, vocab_size
+from preble_backend.router.requests.prefill_leg import PrefillLegs
 from preble_backend.router.requests.quarantine import Quarantine
 from preble_backend.router.requests.responder import Responder
 from preble_backend.router.router_metrics import FAILURES, METRICS
@@ -99,7 +100,7 @@ class TritonPythonModel(RouterState):
         self.config = config = RouterConfig.from_strings(config_parameters(model_config))
         model_dir = resolve_model_path(config.model_path, args["model_repository"])
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.guide_check = GuideCheck(str(model_dir), _vocab_size(model_dir, self.tokenizer),
+        self.guide_check = GuideCheck(str(model_dir), vocab_size(model_dir, self.tokenizer),
                                       config.guided_compile_timeout_s)  # fmt: skip
         self.discovery = Discovery(config.engines, config.engines_dns, config.engines_file,
                                    config.discovery_interval_s, pb_utils.Logger.log_warn)  # fmt: skip
@@ -110,6 +111,7 @@ class TritonPythonModel(RouterState):
         self.membership = Membership(self, self.discovery.current)
         self.admin = AdminControl(self)
         self.migration = Migration(self)
+        self.legs = PrefillLegs(self)
         local = [e.name for e in self.engines if isinstance(e, LocalEngine)]
         check_local_engines(Path(args["model_repository"]).parent, local, config.page_size)
         self.policy = make_policy(config.policy, len(self.engines), self.policy_facts())
@@ -230,11 +232,12 @@ class TritonPythonModel(RouterState):
             answer, params_json = Answer(req, self.tokenizer, len(routing.input_ids)), req.params_json
             failures = 0  # engines that failed while this request ran on them
             while not flight.closed:
-                engine = self._place(flight, routing, arrival, req.engine)
+                engine = self._place(flight, routing, arrival, req.engine, req.prefill_engine)
                 if failures and not await self.migration.answers(flight, engine):
                     continue  # it was down before the request reached it: that is no failure of its
                 try:
-                    await self._forward(flight, req, routing, engine, arrival, answer, params_json)
+                    kv = await self.legs.run(flight.prefill, routing) if flight.prefill is not None else None
+                    await self._forward(flight, req, routing, engine, arrival, answer, params_json, kv)
                     return
                 except EngineUnavailable as exc:
                     self.monitor.suspect(flight.instance, str(exc))
@@ -260,8 +263,8 @@ class TritonPythonModel(RouterState):
             self.settle(flight)
             self.tasks.discard(task)
 
-    def _place(self, flight: Flight, routing: RoutingRequest, arrival: float,
-               pin: str | None) -> EngineClient:  # fmt: skip
+    def _place(self, flight: Flight, routing: RoutingRequest, arrival: float, pin: str | None,
+               prefill_pin: str | None = None) -> EngineClient:  # fmt: skip
         """Route the request with the policy, or to the engine it is pinned to while that
         one is up, and record the placement."""
         if not self.policy.live:
@@ -276,7 +279,8 @@ class TritonPythonModel(RouterState):
         else:
             decision = self.policy.select(routing, self.loads)
         self.loads[decision.instance].in_flight += 1
-        flight.instance, flight.routing = decision.instance, routing
+        flight.instance, flight.routing, flight.prefill = decision.instance, routing, decision.prefill
+        self.legs.pin(flight, routing, prefill_pin)
         engine = self.engines[decision.instance]
         labels = {"policy": self.policy.name, "branch": decision.branch, "engine": engine.name}
         self.metrics.count("preble_router_decisions_total", 1, labels)
@@ -295,13 +299,14 @@ class TritonPythonModel(RouterState):
         return routing
 
     async def _forward(self, flight: Flight, req: GenerateRequest, routing: RoutingRequest, engine,
-                       arrival: float, answer: Answer, params_json: str) -> None:  # fmt: skip
-        """Stream the engine's answer back to the client."""
+                       arrival: float, answer: Answer, params_json: str,
+                       kv: dict | None) -> None:  # fmt: skip
+        """Stream the engine's answer back to the client (``kv``: its prompt's KV offered)."""
         instance = flight.instance
         cancelled = False
         start, first_token_at = time.monotonic(), None
         cursor = self.feeds[instance].cursor
-        stream = engine.generate(routing.request_id, routing.input_ids, params_json, cursor)
+        stream = engine.generate(routing.request_id, routing.input_ids, params_json, cursor, kv)
         async with aclosing(stream):
             async for resp in stream:
                 self.monitor.progress(instance)
@@ -383,14 +388,6 @@ class TritonPythonModel(RouterState):
         for engine in self.engines:
             await engine.aclose()
         await self.guide_check.close()
-
-
-def _vocab_size(model_dir, tokenizer) -> int:
-    """The model's vocabulary (its logits' width), else the tokenizer's."""
-    try:
-        return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError):
-        return len(tokenizer)
 
 
 def _response(outputs: dict[str, np.ndarray]):

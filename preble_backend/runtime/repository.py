@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, setting_doc
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, check_roles, setting_doc
 from preble_backend.engine.config import EngineConfig
 from preble_backend.model.pypi_models import is_named, model_directory
 from preble_backend.router.config import RouterConfig
@@ -99,6 +99,7 @@ def write_repository(
     router_overrides: dict | None = None,
     router_instances: int = 1,
     host_cores: int | None = None,
+    roles: list[str] | None = None,
     **engine_overrides,
 ) -> Path:
     """One engine per GPU in ``gpus``, or per ``tensor_parallel_size`` consecutive GPUs
@@ -107,7 +108,9 @@ def write_repository(
     (``router_overrides``: ``RouterConfig`` settings; its page size is the engines';
     ``router_instances`` router processes).
     ``host_cores``: CPU engines that compute get disjoint cores of a host with that many
-    (``cpu_cores``), as each GPU engine gets its own GPU."""
+    (``cpu_cores``), as each GPU engine gets its own GPU. ``roles``: each engine's role in
+    prefill/decode disaggregation (``prefill``, ``decode`` or ``both``; all ``both`` when
+    not given)."""
     root = Path(path)
     if not is_named(model_path):  # a name is fetched when first loaded
         model_directory(model_path, base=root)  # what the server would refuse, refused now
@@ -117,10 +120,16 @@ def write_repository(
                          f"ids, a multiple of {tp} of them (each engine spans {tp})")  # fmt: skip
     slots: list[int | None] = list(gpus[::tp]) if gpus else [None] * cpu_engines  # each engine's first GPU
     names = [f"preble_engine_{i}" for i in range(len(slots))]
+    if roles is not None:
+        if len(roles) != len(names):
+            raise ValueError(f"{len(roles)} engine roles for {len(names)} engines: give each engine one")
+        check_roles(roles if not remote_engines else [*roles, "both"])  # remotes report their own
     computes = engine_overrides.get("compute", "model") == "model"  # an emulated engine only waits
     cores = _split_cores(host_cores, cpu_engines) if host_cores and computes and not gpus else None
     for i, (name, gpu) in enumerate(zip(names, slots)):
         overrides = {**engine_overrides, **({"cpu_cores": cores[i]} if cores else {})}
+        if roles is not None and roles[i] != "both":
+            overrides["role"] = roles[i]
         _write_model(root, name, engine_config_pbtxt(name, model_path, gpu, **overrides), ENGINE_MODEL_PY)
     if with_router:
         config = RouterConfig(**{

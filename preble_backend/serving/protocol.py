@@ -10,6 +10,10 @@
   the cursor (or a snapshot of its cache). A ``control`` input instead of a prompt asks
   for ``stats``, ``health``, ``abort`` of a request id, or ``flush_cache``; their reports
   carry the load only, so polling an engine takes no events from any router.
+- Prefill/decode disaggregation rides on ``kv_transfer``: ``{"offer": true}`` makes a
+  prefill leg's final report carry ``kv_offer`` (its prompt's pages, leased); ``{"take":
+  <that offer>}`` makes a decode engine read what it lacks of them before it queues the
+  request.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ ENGINE_INPUTS = (
     TensorSpec("request_id", "TYPE_STRING", (1,), optional=True),
     TensorSpec("control", "TYPE_STRING", (1,), optional=True),
     TensorSpec("events_since", "TYPE_STRING", (1,), optional=True),
+    TensorSpec("kv_transfer", "TYPE_STRING", (1,), optional=True),  # JSON: prefill/decode disaggregation
 )
 ENGINE_OUTPUTS = (
     TensorSpec("token_ids", "TYPE_INT32", (-1,)),
@@ -163,6 +168,7 @@ class GenerateRequest:
     return_num_input_tokens: bool
     return_num_output_tokens: bool
     engine: str | None = None  # the request parameter ``preble_engine``: route there while it is up
+    prefill_engine: str | None = None  # ``preble_prefill_engine``: prefill there first (disaggregated)
 
 
 def parse_generate(
@@ -175,7 +181,8 @@ def parse_generate(
 
     Sampling parameters come from the ``sampling_parameters`` input, else from the
     request's own parameters (Triton's ``triton_*`` keys are not ours and are dropped;
-    ``preble_engine`` names the engine to route to).
+    ``preble_engine`` names the engine to route to, ``preble_prefill_engine`` one to
+    prefill on first).
     Without ``exclude_input_in_output`` a non-streaming answer repeats the prompt;
     streaming answers never do, and asking for it is an error.
     """
@@ -202,9 +209,10 @@ def parse_generate(
         raise BadRequest("request parameters are not valid JSON: nested too deeply") from None
     if not isinstance(extra, dict):
         raise BadRequest("request parameters must be a JSON object")
-    engine = extra.pop("preble_engine", None)
-    if engine is not None and not isinstance(engine, str):
-        raise BadRequest("request parameter preble_engine must be an engine's name")
+    engine, prefill_engine = extra.pop("preble_engine", None), extra.pop("preble_prefill_engine", None)
+    for key, value in (("preble_engine", engine), ("preble_prefill_engine", prefill_engine)):
+        if value is not None and not isinstance(value, str):
+            raise BadRequest(f"request parameter {key} must be an engine's name")
     sp = _single("sampling_parameters", inputs.get("sampling_parameters"))
     if sp is not None:
         params_json = _text("sampling_parameters", sp)
@@ -216,7 +224,8 @@ def parse_generate(
     flags = {name: _flag(name, inputs.get(name)) for name in ROUTER_FLAGS}
     if flags["return_cumulative_logprob"] and params.logprobs is None:  # the engine must compute them
         params_json = json.dumps({**json.loads(params_json or "{}"), "logprobs": 0})
-    return GenerateRequest(prompt, params, params_json, stream, prepend, **flags, engine=engine)
+    return GenerateRequest(prompt, params, params_json, stream, prepend, **flags, engine=engine,
+                           prefill_engine=prefill_engine)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,7 @@ class EngineCall:
     params: SamplingParams | None = None
     control: dict | None = None
     events_since: str | None = None  # the router's cursor in the engine's event log
+    kv: dict | None = None  # {"offer": true} or {"take": offer}: see the module's docstring
 
 
 def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) -> EngineCall:
@@ -256,6 +266,7 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
     )
     since = _single("events_since", inputs.get("events_since"))
     return EngineCall(
+        kv=_kv_transfer(inputs.get("kv_transfer")),
         request_id=_text("request_id", rid) if rid is not None else fallback_id,
         input_ids=[int(t) for t in ids.reshape(-1)],
         params=params,
@@ -263,15 +274,38 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
     )
 
 
-def encode_report(load: dict, batch: EventBatch | None = None) -> str:
+OFFER_KEYS = {"lease", "pages", "stamps", "tokens", "peer"}  # a prefill engine's kv_offer
+
+
+def _kv_transfer(array: np.ndarray | None) -> dict | None:
+    raw = _single("kv_transfer", array)
+    if raw is None:
+        return None
+    try:
+        kv = json.loads(_text("kv_transfer", raw))
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise BadRequest(f"input 'kv_transfer' is not valid JSON: {exc}") from None
+    take = kv.get("take") if isinstance(kv, dict) else None
+    if kv == {"offer": True} or (isinstance(take, dict) and len(kv) == 1 and OFFER_KEYS <= set(take)):
+        return kv
+    raise BadRequest('input \'kv_transfer\' must be {"offer": true} or {"take": <an engine\'s kv_offer>}')
+
+
+def encode_report(load: dict, batch: EventBatch | None = None, offer: dict | None = None) -> str:
     """An engine's load snapshot and, on a final response, the cache events after the
-    router's cursor (``engine/cache/event_log.py``), as compact JSON."""
-    data: dict = {"load": load}
+    router's cursor (``engine/cache/event_log.py``) and a prefill leg's ``kv_offer``, as
+    compact JSON."""
+    data: dict = {"load": load} if offer is None else {"load": load, "kv_offer": offer}
     if batch is not None:
         data["events"] = [[e.kind, e.start, e.hashes, *([e.tier] if e.tier != "device" else [])]
                           for e in batch.events]  # fmt: skip
         data["log"] = [batch.log_id, batch.first, batch.next, batch.snapshot]
     return json.dumps(data, separators=(",", ":"))
+
+
+def report_offer(text: str) -> dict | None:
+    """A prefill leg's offer of its prompt's KV, from its final report."""
+    return json.loads(text).get("kv_offer") if text else None
 
 
 def decode_report(text: str) -> tuple[EventBatch | None, dict]:

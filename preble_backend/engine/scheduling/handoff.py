@@ -29,6 +29,18 @@ Read = Callable[[list[int], list[int], list[int]], TransferResult]  # (remote pa
 
 
 @dataclass
+class Claim:
+    """Pages reserved for an offer's read: ``have`` is what the cache held already."""
+
+    tokens: list[int]
+    have: list[int]
+    node: TreeNode
+    remote: list[int]
+    stamps: list[int]
+    new: list[int]
+
+
+@dataclass
 class Lease:
     node: TreeNode
     expires: float
@@ -47,9 +59,10 @@ class Handoff:
         self.leases: dict[str, Lease] = {}
 
     def offer(self, lease_id: str, tokens: list[int]) -> dict:
-        """The whole pages of ``tokens`` cached here, locked under ``lease_id``."""
+        """The whole pages of ``tokens`` cached here, locked under ``lease_id``: those before
+        its last token, which a decode engine computes anyway for its first logits."""
         ps = self.pool.page_size
-        pages, node = self.cache.match_prefix(tokens[: len(tokens) // ps * ps])
+        pages, node = self.cache.match_prefix(tokens[: (len(tokens) - 1) // ps * ps])
         self.cache.lock(node)
         self.release(lease_id)  # a lease id offered again replaces its lease
         self.leases[lease_id] = Lease(node, self.clock() + self.ttl_s)
@@ -71,28 +84,43 @@ class Handoff:
         return len(late)
 
     def take(self, tokens: list[int], offer: dict, read: Read) -> tuple[int, TransferResult | None]:
-        """Read the offered pages this cache lacks and cache them: (tokens received,
-        the transfer's result; None when nothing had to move or no room could be made)."""
+        """Read the offered pages this cache lacks and cache them, in one thread: (tokens
+        received, the transfer's result; None when nothing had to move or no room could
+        be made)."""
+        claim = self.reserve(tokens, offer)
+        if claim is None:
+            return 0, None
+        result = read(claim.remote, claim.stamps, claim.new)
+        return self.commit(claim, result), result
+
+    def reserve(self, tokens: list[int], offer: dict) -> Claim | None:
+        """On the engine's thread: room for the offered pages this cache lacks, with what it
+        holds of the prompt locked until ``commit`` (the read runs between, off the
+        engine's thread, while passes go on). None when nothing must move or no room can be
+        made."""
         n = int(offer["tokens"])
         have, node = self.cache.match_prefix(tokens[:n])
         remote, stamps = offer["pages"][len(have) :], offer["stamps"][len(have) :]
         if not remote:
-            return 0, None
-        self.cache.lock(node)  # what it holds already must not be evicted to make room
-        try:
-            new = self._alloc(len(remote))
-        finally:
-            self.cache.unlock(node)
+            return None
+        self.cache.lock(node)  # what it holds already must not be evicted meanwhile
+        new = self._alloc(len(remote))
         if new is None:
-            return 0, None
-        result = read(remote, stamps, new)
+            self.cache.unlock(node)
+            return None
+        return Claim(tokens[:n], have, node, remote, stamps, new)
+
+    def commit(self, claim: Claim, result: TransferResult) -> int:
+        """On the engine's thread, after the read: cache what arrived (or free it all when
+        the read failed); the tokens received."""
+        self.cache.unlock(claim.node)
         if not result.ok:
-            self.blocks.free(new)
-            return 0, result
-        kept, _ = self.cache.insert(tokens[:n], have + new)
+            self.blocks.free(claim.new)
+            return 0
+        kept, _ = self.cache.insert(claim.tokens, claim.have + claim.new)
         kept = set(kept)
-        self.blocks.free([p for p in new if p not in kept])
-        return len(new) * self.pool.page_size, result
+        self.blocks.free([p for p in claim.new if p not in kept])
+        return len(claim.new) * self.pool.page_size
 
     def _alloc(self, count: int) -> list[int] | None:
         short = count - self.pool.num_free

@@ -55,6 +55,9 @@ class AdminControl:
         members = sorted(r.membership.members)
         state = {"policy": r.policy.name, "open": open_now, "flushed": flushed,
                  "engines": {r.engines[s].name: s in r.policy.live for s in members}}  # fmt: skip
+        roles = getattr(r.policy, "roles", None)  # prefill/decode disaggregation: as the engines said
+        if roles:
+            state["roles"] = {r.engines[s].name: roles[s] for s in members if s < len(roles)}
         fits = r.policy.cost_fits()  # E2's cost model per engine, and why (issue 63)
         if fits:
             state["cost_models"] = {r.engines[s].name: fits[s].summary() for s in members if s < len(fits)}

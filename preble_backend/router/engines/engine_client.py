@@ -113,14 +113,18 @@ class EngineClient:
         raise EngineUnavailable(f"engine {self.name} closed the stream before its final response")
 
     async def generate(
-        self, request_id: str, input_ids: list[int], params_json: str, events_since: str = ""
-    ) -> AsyncIterator[EngineResponse]:
+        self, request_id: str, input_ids: list[int], params_json: str, events_since: str = "",
+        kv: dict | None = None,
+    ) -> AsyncIterator[EngineResponse]:  # fmt: skip
+        """``kv``: a prefill leg's ``{"offer": true}``, or a decode's ``{"take": offer}``."""
         inputs = {
             "input_ids": np.asarray(input_ids, dtype=np.int32),
             "sampling_parameters": np.array([params_json.encode()], dtype=np.object_),
             "request_id": np.array([request_id.encode()], dtype=np.object_),
             "events_since": np.array([events_since.encode()], dtype=np.object_),
         }
+        if kv is not None:
+            inputs["kv_transfer"] = np.array([json.dumps(kv).encode()], dtype=np.object_)
         abort = _control_inputs("abort", request_id=request_id)
         async with aclosing(self._stream(inputs, abort)) as stream:
             async for outputs in stream:

@@ -24,6 +24,7 @@ class Flight:
         self.flights, self.number, self.sender = flights, number, sender
         self.instance: int | None = None  # the engine it was sent to, once routed
         self.routing = None  # the policy's RoutingRequest, once routed
+        self.prefill: int | None = None  # the engine that prefills it first, when disaggregated
         self.engine_finished = False  # the engine's final response arrived
         self.settled = False  # the router's load and policy bookkeeping is done
         self.closed = False  # its final response is queued

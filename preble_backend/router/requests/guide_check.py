@@ -92,3 +92,11 @@ class GuideCheck:
             if worker.returncode is None:
                 worker.kill()
             await worker.wait()
+
+
+def vocab_size(model_dir, tokenizer) -> int:
+    """The model's vocabulary (its logits' width), else the tokenizer's."""
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError):
+        return len(tokenizer)
