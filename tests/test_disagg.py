@@ -174,3 +174,43 @@ def test_the_simulator_runs_disaggregated_requests_and_moves_only_what_decode_la
     m = metrics(result, slo=(10.0, 1.0))
     assert m["num_requests"] == 3 and m["goodput"] == 1.0 and m["p99_tpot_s"] >= m["avg_tpot_s"] > 0
     assert metrics(result, slo=(0.0, 1.0))["goodput"] == 0.0
+
+
+def test_live_the_router_s_e2_learns_roles_and_pairs_only_engines_that_move_kv():
+    """``make_policy("e2")`` is E2PD without given roles: E2 exactly until engines report
+    roles; then aggregated work goes only where it can decode, and a pair forms only
+    between engines that reported they move KV, at the bandwidth they measured."""
+    from scheduler.e2 import E2
+    from scheduler.policies import make_policy
+
+    facts = {"page_size": 1, "capacity_tokens": 10_000, "cost_model": BATCH}
+    live, plain = make_policy("e2", 3, facts), E2(3, **facts)
+    assert live.name == "e2"
+    prompts = [[7, 8, 9, i % 3, i] for i in range(12)]
+    loads = [InstanceLoad() for _ in range(3)]
+    assert [live.select(req(p), loads) for p in prompts] == [plain.select(req(p), loads) for p in prompts]
+
+    policy = make_policy("e2", 3, facts)
+    snapshot = {"kv_pages_total": 10_000, "page_size": 1}
+    policy.learn(0, {**snapshot, "role": "prefill"})  # no kv_bytes_per_token: it cannot move KV
+    policy.learn(1, {**snapshot, "role": "decode", "kv_bytes_per_token": 1000, "kv_transfer_gbps": 2.5})
+    assert policy.roles == ["prefill", "decode", "both"] and policy.movable == {1}
+    assert policy.link == KVLink(2.5, 1.0, 1000)
+    decisions = [policy.select(req([9, 9, i]), loads) for i in range(6)]
+    assert {d.instance for d in decisions} <= {1, 2} and all(d.prefill is None for d in decisions)
+    policy.learn(0, {**snapshot, "role": "prefill", "kv_bytes_per_token": 1000})
+    assert policy.movable == {0, 1} and policy.link.bandwidth_gbps == 2.5  # measured, kept
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [({"role": "decoder"}, "role='decoder' is invalid"),
+     ({"role": "prefill", "tensor_parallel_size": 2}, "each rank's slice"),
+     ({"role": "decode", "host_kv_tokens": 64}, "host tier"),
+     ({"role": "decode", "enable_prefix_caching": False}, "without the prefix cache")],
+)  # fmt: skip
+def test_an_engine_role_the_handoff_cannot_serve_is_refused_at_load(overrides, message):
+    from preble_backend.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model_path="tiny", **overrides)

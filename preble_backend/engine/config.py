@@ -133,11 +133,14 @@ class EngineConfig:
         check(self.stream_interval >= 1, "stream_interval", "an integer >= 1")
         check(self.stream_interval_ms >= 0, "stream_interval_ms", "a number >= 0 (0: every token)")
         check(self.role in ROLES, "role", f"one of {', '.join(ROLES)}")
-        check(
-            self.role == "both" or self.enable_prefix_caching,
-            "role",
-            "both: KV handoff needs the prefix cache",
-        )
+        if self.role != "both" and not self.enable_prefix_caching:
+            raise ValueError(f"role={self.role!r} is invalid without the prefix cache: a KV handoff moves "
+                             "cached pages (enable_prefix_caching: true)")  # fmt: skip
+        tiered = self.host_kv_tokens or self.host_kv_ratio
+        if self.role != "both" and (self.tensor_parallel_size > 1 or tiered):
+            raise ValueError(f"role={self.role!r} is invalid with tensor_parallel_size > 1 or a host tier: "
+                             "the KV handoff does not yet move each rank's slice or the host tier's "
+                             "pages")  # fmt: skip
         check(1 <= self.kv_transfer_lanes <= 16, "kv_transfer_lanes", "an integer in [1, 16]")
         check(self.kv_lease_s > 0, "kv_lease_s", "a number > 0")
         if self.compute == "emulated":
