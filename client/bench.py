@@ -216,6 +216,7 @@ def summarize(outcomes: list[Outcome]) -> dict:
         "avg_ttft_s": float(ttft.mean()),
         "p99_ttft_s": float(np.percentile(ttft, 99)),
         "avg_tpot_s": float(np.mean(tpot)) if tpot else 0.0,
+        "p99_tpot_s": float(np.percentile(tpot, 99)) if tpot else 0.0,  # the interference a prefill causes
         "throughput_rps": len(done) / span if span > 0 else 0.0,
         "cache_hit_ratio": sum(o.cached_tokens for o in done) / max(1, sum(o.input_tokens for o in done)),
         "prompt_tokens": sum(o.input_tokens for o in done),
@@ -342,7 +343,9 @@ def summary_line(rec: dict) -> str:
         f"  {rec['policy']:12s} rps {rec['rps']} avg {rec['avg_latency_s']:.3f}s "
         + (f"({ratio:.2f}x ref) " if (ratio := rec.get("avg_latency_s_over_reference")) is not None else "")
         + "p99 "
-        f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s hit {rec['cache_hit_ratio']:.2f} "
+        f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s "
+        + (f"tpot p99 {tpot * 1e3:.1f}ms " if (tpot := rec.get("p99_tpot_s")) is not None else "")
+        + f"hit {rec['cache_hit_ratio']:.2f} "
         f"{rec['completed']}/{rec['num_requests']} "
         + (f"host cpu {rec['host_cpu_busy']:.0%} " if rec.get("host_cpu_busy") is not None else "")
         + (

@@ -26,12 +26,15 @@ measured). Only engines that move KV are paired; where none does, it is E2 exact
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 from preble_backend.common.settings import ROLES, check_roles
 from scheduler.e2 import E2
 from scheduler.load_cost import memory_cost
 from scheduler.policy import Decision, InstanceLoad, RoutingRequest
+
+log = logging.getLogger("preble.e2")
 
 LEG = "#prefill"  # a prefill leg's request id: the request's, with this after it
 
@@ -71,6 +74,7 @@ class E2PD(E2):
         self.link = link
         self.link_gbps, self.link_latency_ms = link_gbps, link_latency_ms
         self.movable = set(range(num_instances)) if given else set()  # engines that move KV
+        self.mismatched: set[int] = set()  # engines whose KV shape differs from the link's
 
     def _grow(self) -> None:
         super()._grow()
@@ -81,18 +85,29 @@ class E2PD(E2):
         super().learn(instance, load)
         if load.get("role") in ROLES:
             self.roles[instance] = load["role"]
-        if not load.get("kv_bytes_per_token"):
+        per_token = int(load.get("kv_bytes_per_token") or 0)
+        if not per_token:
+            return
+        if self.link is not None and per_token != self.link.kv_bytes_per_token:
+            if instance not in self.mismatched:  # its pools cannot take the others' pages
+                self.mismatched.add(instance)
+                log.error("instance %d's KV takes %d bytes per token, the others' %d: it is not paired "
+                          "for prefill/decode disaggregation", instance, per_token,
+                          self.link.kv_bytes_per_token)  # fmt: skip
             return
         self.movable.add(instance)
         measured = float(load.get("kv_transfer_gbps") or 0.0)
         gbps = measured or (self.link.bandwidth_gbps if self.link else self.link_gbps)
-        self.link = KVLink(gbps, self.link_latency_ms, int(load["kv_bytes_per_token"]))
+        self.link = KVLink(gbps, self.link_latency_ms, per_token)
 
     def _with(self, role: str) -> set[int]:
         return {i for i in self.live if self.roles[i] in (role, "both")}
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
-        decoders, prefillers = self._with("decode"), self._with("prefill") & self.movable
+        """Aggregated or a pair, the cheaper; while no engine that decodes is up, a prefill
+        engine serves whole requests (it can: a role only steers E2)."""
+        decoders = self._with("decode") or set(self.live)
+        prefillers = self._with("prefill") & self.movable
         if not prefillers or not decoders & self.movable or self.link is None:
             with self.only(decoders):
                 return super().select(request, loads)

@@ -214,3 +214,18 @@ def test_an_engine_role_the_handoff_cannot_serve_is_refused_at_load(overrides, m
 
     with pytest.raises(ValueError, match=message):
         EngineConfig(model_path="tiny", **overrides)
+
+
+def test_live_an_engine_of_another_kv_shape_is_never_paired_and_a_prefill_engine_serves_alone(caplog):
+    from scheduler.policies import make_policy
+
+    policy = make_policy("e2", 3, {"page_size": 1, "capacity_tokens": 10_000, "cost_model": BATCH})
+    snapshot = {"kv_pages_total": 10_000, "page_size": 1}
+    policy.learn(0, {**snapshot, "role": "prefill", "kv_bytes_per_token": 1000})
+    policy.learn(1, {**snapshot, "role": "decode", "kv_bytes_per_token": 1000})
+    policy.learn(2, {**snapshot, "role": "decode", "kv_bytes_per_token": 2000})  # another dtype or model
+    assert policy.movable == {0, 1} and "instance 2's KV takes 2000 bytes per token" in caplog.text
+    loads = [InstanceLoad() for _ in range(3)]
+    policy.instance_down(1)
+    policy.instance_down(2)
+    assert policy.select(req([4, 5, 6]), loads) == Decision(0, "explore")  # no decode engine is up

@@ -8,6 +8,7 @@ a local prefill with the same answer, and every page comes back."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -151,6 +152,23 @@ def test_a_malformed_kv_transfer_is_refused_by_name(server):
         run_engine(server, D, ids(5, 40), GREEDY, kv={"take": {"pages": [1]}})
 
 
+def test_a_client_that_cancels_mid_handoff_leaves_every_page_back(server):
+    """Cancelled while its leg or its transfer runs: the decode engine aborts it at its
+    first response, and the prefill side's lease goes with the decode side's notice."""
+    client = client_for(server)
+    for i, deadline in enumerate((0.05, 0.3)):
+        url = f"http://127.0.0.1:{server.ports.http}/v2/models/preble/generate"
+        params = {**GREEDY, "max_tokens": 200, "preble_prefill_engine": P}
+        body = json.dumps({"text_input": f"cancelled {i}: " + "a long document. " * 60, "parameters": params})
+        try:
+            http("POST", url, body.encode(), timeout=deadline)
+        except OSError:  # the client gave up: its connection closes
+            pass
+    wait_for(lambda: kv_stats(server, P)["kv_leases"] == 0, 5 * LEASE_S, "every lease is released")
+    for engine in (P, D):
+        assert_engine_pages_free(client, engine)
+
+
 def test_a_dead_prefill_engine_costs_a_local_prefill_and_nothing_else(server):
     """Last: the prefill engine's stub is killed after it offered. The decode side's read
     fails at once, and it prefills; then the router routes around the dead engine, and a
@@ -171,3 +189,31 @@ def test_a_dead_prefill_engine_costs_a_local_prefill_and_nothing_else(server):
         and got["text_output"] == ask(server, text, GREEDY, preble_engine=D)["text_output"]
     )
     assert_engine_pages_free(client_for(server), D)
+
+
+def test_a_dead_decode_engine_s_request_migrates_and_the_prefill_engine_finishes_it(tmp_path, tiny_model):
+    """Its own server: the decode engine's stub killed mid-answer. The request goes on from
+    its prompt and the tokens already sent on the only engine left, the prefill engine
+    (with no engine that decodes up, a role only steers E2), with the undisturbed text."""
+    repo = write_test_repository(tmp_path / "repo", roles=["prefill", "decode"],
+                                 router_overrides={"health_interval_s": 0.2})  # fmt: skip
+    srv = launch(repo, tmp_path / "server.log")
+    try:
+        client = client_for(srv)
+        params = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        prompt = "A document the decode engine will not finish. " * 10
+        reference = ask(srv, prompt, params, preble_engine=P)["text_output"]
+        result: dict = {}
+        thread = threading.Thread(
+            target=lambda: result.update(r=client.stream_grpc(prompt, params, timeout=90))
+        )
+        thread.start()
+        deadline = time.monotonic() + 30
+        while client.engine_control(D, "stats")["load"]["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        kill_stub_between_sends(client.engine_control(D, "health")["load"]["pid"])
+        thread.join(90)
+        assert prompt + result["r"].text == reference and result["r"].final["instance"] == P
+        assert_engine_pages_free(client, P)
+    finally:
+        srv.stop()

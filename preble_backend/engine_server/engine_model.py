@@ -144,7 +144,11 @@ class TritonPythonModel:
             raise ValueError(f"request id {call.request_id!r} is already in use")
         take = (call.kv or {}).get("take") if self.kv is not None else None
         if take is not None:  # refused now if it can never run, not after the transfer
-            self.engine.validate(call.request_id, call.input_ids, call.params)
+            try:
+                self.engine.validate(call.request_id, call.input_ids, call.params)
+            except ValueError:
+                self.kv.decline(take)  # the prefill side's lease goes now, not when it expires
+                raise
         self._active[call.request_id] = sender
         try:
             if take is None:

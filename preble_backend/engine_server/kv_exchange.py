@@ -110,6 +110,11 @@ class KVExchange:
 
         self.engine.run_in_loop(reserve)
 
+    def decline(self, offer: dict) -> None:
+        """The request will not run here: release its lease on the prefill side (off the
+        caller's thread: connecting to a peer for the first time takes a moment)."""
+        self.reads.submit(self._release, offer)
+
     def _release(self, offer: dict) -> None:
         """Tell the prefill side its lease may go (it expires there anyway if this fails)."""
         try:

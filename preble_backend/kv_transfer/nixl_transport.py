@@ -28,6 +28,7 @@ import base64
 import itertools
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,6 @@ import numpy as np
 from preble_backend.kv_transfer.layout import PoolLayout, page_runs, stamp_rows
 from preble_backend.model.kv_pool import KVPool
 
-_names = itertools.count()
 _SETTLE_ROUNDS = 25  # progress calls before an agent is destroyed (~50 ms)
 
 
@@ -69,7 +69,7 @@ class KVTransport:
         (``notify``): how a decode side says it is done with an offer."""
         nixl = load_nixl()
         self.on_notice = on_notice
-        self.name = f"{name}-{next(_names)}"
+        self.name = f"{name}-{uuid.uuid4().hex[:12]}"  # a restarted engine is a new peer, never the dead one
         self.pool = pool
         self.layout = PoolLayout.of(pool)
         config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
