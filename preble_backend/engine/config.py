@@ -84,6 +84,9 @@ class EngineConfig:
     kv_transfer_lanes: int = setting(
         2, doc="prefill and decode roles: NIXL agents reading one transfer in parallel"
     )
+    kv_transfer_timeout_s: float = setting(
+        5.0, doc="decode role: a KV read that takes longer has failed, and the request prefills here"
+    )
     kv_lease_s: float = setting(
         30.0,
         doc="prefill role: offered pages stay locked until the decode side has read them, at most this long",
@@ -143,6 +146,7 @@ class EngineConfig:
                              "pages")  # fmt: skip
         check(1 <= self.kv_transfer_lanes <= 16, "kv_transfer_lanes", "an integer in [1, 16]")
         check(self.kv_lease_s > 0, "kv_lease_s", "a number > 0")
+        check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s", "a number > 0")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 

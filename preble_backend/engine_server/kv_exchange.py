@@ -24,8 +24,6 @@ from preble_backend.engine.engine import Engine
 from preble_backend.engine.scheduling.handoff import Handoff
 from preble_backend.kv_transfer.nixl_transport import KVTransport, TransferResult
 
-READ_TIMEOUT_S = 5.0  # a transfer that takes longer has failed: the request prefills here
-
 
 class KVExchange:
     def __init__(self, engine: Engine, name: str, log: Callable[[str], None]) -> None:
@@ -86,7 +84,8 @@ class KVExchange:
         def read(claim) -> None:
             try:
                 peer = self.transport.connect(offer["peer"])
-                result = self.transport.read(peer, claim.remote, claim.stamps, claim.new, READ_TIMEOUT_S)
+                timeout_s = self.engine.config.kv_transfer_timeout_s
+                result = self.transport.read(peer, claim.remote, claim.stamps, claim.new, timeout_s)
             except Exception as exc:
                 result = TransferResult(False, 0, 0, 0.0, 0, [], f"{type(exc).__name__}: {exc}")
             self._release(offer)
