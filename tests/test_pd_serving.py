@@ -104,6 +104,7 @@ def test_a_handoff_answers_the_aggregated_text_and_moves_the_whole_prompt_pages(
     got = ask(server, prompt, params, preble_prefill_engine=P)
     assert got["instance"] == D and got["text_output"] == reference["text_output"]
     moved = kv_stats(server, D)["kv_pages_received"] - received
+    assert kv_stats(server, D)["kv_transfer_s"] > 0
     assert moved > 0 and moved * PAGE == got["num_cached_tokens"]  # what it decoded from arrived
     wait_for(lambda: legs(server) == offered + 1, 5, "the router counts the prefill leg")
     wait_for(lambda: kv_stats(server, P)["kv_leases"] == 0, 5, "the decode side's notice releases the lease")

@@ -73,6 +73,7 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "kv_transfer_failures": "preble_engine_kv_transfer_failures_total",
     "kv_pages_received": "preble_engine_kv_pages_received_total",
     "kv_bytes_received": "preble_engine_kv_bytes_received_total",
+    "kv_transfer_s": "preble_engine_kv_transfer_seconds_total",  # reads that succeeded
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -45,7 +45,8 @@ class KVExchange:
             moved = dict(self.counts)
             seconds = self.transfer_s
         gbps = moved["kv_bytes_received"] / seconds / 1e9 if seconds else 0.0
-        return {**moved, "kv_transfer_gbps": round(gbps, 3), "kv_leases": len(self.handoff.leases),
+        return {**moved, "kv_transfer_s": seconds, "kv_transfer_gbps": round(gbps, 3),
+                "kv_leases": len(self.handoff.leases),
                 "kv_bytes_per_token": 2 * lay.num_layers * lay.page_bytes // lay.page_size}  # fmt: skip
 
     def offer(self, lease_id: str, tokens: list[int]) -> dict:
