@@ -76,6 +76,11 @@ class EngineConfig:
     emulated_slowdown: float = setting(
         1.0, doc="emulated compute: each iteration waits this multiple of the cost model's time"
     )
+    fair_share: bool = setting(
+        False,
+        doc="tenants' requests admitted by the service each received (VTC), each tenant's in the "
+        "paper's priority order (issue 65; off: the paper's queue alone)",
+    )
     role: str = setting(
         "both",
         doc="prefill/decode disaggregation: prefill (offers its prompts' KV to decode engines) | decode "

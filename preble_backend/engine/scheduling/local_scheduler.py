@@ -15,11 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from preble_backend.common.fair_share import TenantShares
 from preble_backend.engine.cache.host_tier import HostTier
 from preble_backend.engine.cache.radix_cache import RadixCache
 from preble_backend.engine.cache.sliding_windows import SlidingWindows
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.engine.scheduling.fair_queue import FairWaitQueue
 from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
 from preble_backend.engine.scheduling.request import Request, Status
 from preble_backend.model.kv_pool import KVPool
@@ -80,9 +82,12 @@ class LocalScheduler:
         chunk_size: int,
         max_running_requests: int,
         copy_ahead: bool = False,
+        shares: TenantShares | None = None,
+        source: str = "local",
     ) -> None:
         self.blocks = blocks
         self.waiting = waiting
+        self.shares, self.source = shares, source  # fair shares: what each tenant was served here
         self.running: list[Request] = []  # in admission order
         self.chunk_size = chunk_size
         self.max_running = max_running_requests
@@ -155,6 +160,11 @@ class LocalScheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
                 req.admitted = time.monotonic()
+                if self.shares is not None:  # its prompt's cost is committed now: charged now
+                    computed = len(req.prompt_ids) - req.num_cached_tokens
+                    self.shares.charge(
+                        req.tenant, self.source, computed=computed, cached=req.num_cached_tokens
+                    )
             self.stats.prompt_tokens_cached += min(cached, len(req.prompt_ids))
             req.status = Status.RUNNING
             self.running.append(req)
@@ -182,6 +192,9 @@ class LocalScheduler:
         for req, n in zip(batch.requests, batch.num_new_tokens):
             p = len(req.prompt_ids)
             self.stats.prompt_tokens_computed += min(req.num_computed + n, p) - min(req.num_computed, p)
+            if self.shares is not None:  # output tokens, as their KV is computed
+                output = max(0, req.num_computed + n - p) - max(0, req.num_computed - p)
+                self.shares.charge(req.tenant, self.source, output=output)
             req.num_computed += n
             if n > 1:
                 self.blocks.share_computed(req)
@@ -212,10 +225,8 @@ def make_local_scheduler(
     host = HostTier(pool, host_pool) if host_pool is not None else None
     windows = SlidingWindows(pool, pool.window_tokens) if pool.window is not None else None
     cache = RadixCache(config.page_size, host, windows) if config.enable_prefix_caching else None
-    return LocalScheduler(
-        BlockManager(pool, cache, windows),
-        PriorityWaitQueue(config.priority_groups, config.priority_quota),
-        config.chunk_size,
-        config.max_running_requests,
-        config.host_copy_ahead,
-    )
+    shares = TenantShares() if config.fair_share else None
+    waiting = (FairWaitQueue(shares, config.priority_groups, config.priority_quota) if shares is not None
+               else PriorityWaitQueue(config.priority_groups, config.priority_quota))  # fmt: skip
+    return LocalScheduler(BlockManager(pool, cache, windows), waiting, config.chunk_size,
+                          config.max_running_requests, config.host_copy_ahead, shares)  # fmt: skip

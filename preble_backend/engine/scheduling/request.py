@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from preble_backend.common.fair_share import DEFAULT_TENANT
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.cache.radix_node import TreeNode
 from preble_backend.engine.outputs.sampling import SamplerState, TokenLogprobs
@@ -58,6 +59,7 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the request asks
     matcher: object | None = None  # structured outputs: the grammar's state (engine/outputs/guided.py)
+    tenant: str = DEFAULT_TENANT  # whose share it is served from (engine/scheduling/fair_queue.py)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

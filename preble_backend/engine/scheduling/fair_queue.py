@@ -1,0 +1,70 @@
+"""The wait queue with fair shares between tenants (issue 65): the paper's priority wait
+queue (§4.3) per tenant, the tenants taken by the service they received
+(``common/fair_share.py``).
+
+How the two combine: the tenant with the least service per unit of weight admits next,
+and which of its requests it admits is the paper's order (its prefix-sharing groups and
+their quotas). After each admission the tenants are ordered again, since the admitted
+prompt's computed tokens were charged to its tenant at once; output tokens are charged as
+they are computed. So within a tenant's share, prefix sharing still decides; between
+tenants, the share does. With one tenant this is the paper's queue exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from preble_backend.common.fair_share import TenantShares
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
+from preble_backend.engine.scheduling.request import Request
+
+
+class FairWaitQueue:
+    def __init__(self, shares: TenantShares, num_groups: int = 10, quota_unit: int = 10) -> None:
+        self.shares = shares
+        self.num_groups, self.quota_unit = num_groups, quota_unit
+        self.queues: dict[str, PriorityWaitQueue] = {}
+        self._tenant_of: dict[int, str] = {}
+        self._groups = PriorityWaitQueue(num_groups, quota_unit)  # only its group_for
+
+    def group_for(self, cached_tokens: int, prompt_tokens: int) -> int:
+        return self._groups.group_for(cached_tokens, prompt_tokens)
+
+    def _backlogged(self) -> list[str]:
+        return [tenant for tenant, queue in self.queues.items() if len(queue)]
+
+    def push(self, request: Request, group: int, front: bool = False) -> None:
+        tenant = request.tenant
+        queue = self.queues.get(tenant)
+        if queue is None or not len(queue):  # it becomes backlogged: no banked credit
+            self.shares.lift(tenant, self._backlogged())
+            queue = self.queues.setdefault(tenant, PriorityWaitQueue(self.num_groups, self.quota_unit))
+        queue.push(request, group, front)
+        self._tenant_of[id(request)] = tenant
+
+    def candidates(self) -> Iterator[Request]:
+        """The next request of the least served tenant, again after every one taken."""
+        offered: set[int] = set()
+        while True:
+            for tenant in self.shares.order(self._backlogged()):
+                nxt = next((r for r in self.queues[tenant].candidates() if id(r) not in offered), None)
+                if nxt is not None:
+                    offered.add(id(nxt))
+                    yield nxt
+                    break
+            else:
+                return
+
+    def take(self, request: Request) -> None:
+        self.queues[self._tenant_of.pop(id(request))].take(request)
+
+    def remove(self, request: Request) -> bool:
+        tenant = self._tenant_of.pop(id(request), None)
+        return tenant is not None and self.queues[tenant].remove(request)
+
+    def __len__(self) -> int:
+        return len(self._tenant_of)
+
+    def __iter__(self) -> Iterator[Request]:
+        for queue in self.queues.values():
+            yield from queue

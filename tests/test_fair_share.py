@@ -1,0 +1,113 @@
+"""Fair shares between tenants (issue 65): the service counter every copy agrees on, VTC's
+lift, and the engine's wait queue that admits by it. Every expected order is worked out by
+hand from the charges."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from conftest import make_request, tiny_pool
+
+from preble_backend.common.fair_share import ServiceWeights, TenantShares, jain_index
+from preble_backend.engine.cache.radix_cache import RadixCache
+from preble_backend.engine.scheduling.block_manager import BlockManager
+from preble_backend.engine.scheduling.fair_queue import FairWaitQueue
+from preble_backend.engine.scheduling.local_scheduler import LocalScheduler
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
+
+
+def test_service_is_what_was_computed_cache_hits_free_and_output_doubled():
+    shares = TenantShares()
+    shares.charge("a", "e0", computed=100, cached=900, output=10)
+    assert shares.service("a") == 100 + 0 * 900 + 2 * 10
+    discounted = TenantShares(service_weights=ServiceWeights(cached_weight=0.1))
+    discounted.charge("a", "e0", computed=100, cached=900)
+    assert discounted.service("a") == pytest.approx(190)
+
+
+def test_copies_converge_whatever_the_order_of_reports_and_across_a_partition():
+    """Two routers' copies, each fed the reports of the engines it heard from: a
+    partition leaves them apart, and each merge (in any order, repeated) joins them."""
+    engine0, engine1 = TenantShares(), TenantShares()
+    engine0.charge("a", "e0", computed=50)
+    engine1.charge("a", "e1", computed=30)
+    engine1.charge("b", "e1", output=5)
+    left, right = TenantShares(), TenantShares()
+    left.merge(engine0.snapshot())  # the partition: each side hears its own engine
+    right.merge(engine1.snapshot())
+    assert (left.service("a"), right.service("a")) == (50, 30)
+    engine0.charge("a", "e0", computed=20)  # served meanwhile, on the left
+    left.merge(engine0.snapshot())
+    for reports in itertools.permutations([left.snapshot(), right.snapshot(), engine0.snapshot()]):
+        healed = TenantShares()
+        for counts in (*reports, reports[0]):  # a repeat changes nothing
+            healed.merge(counts)
+        assert (healed.service("a"), healed.service("b")) == (70 + 30, 10)
+
+
+def test_weights_scale_the_share_and_a_returning_tenant_is_lifted_to_the_backlogged():
+    shares = TenantShares(weights={"gold": 2.0})
+    shares.charge("gold", "e0", computed=300)
+    shares.charge("free", "e0", computed=200)
+    assert shares.order(["gold", "free"]) == ["gold", "free"]  # 300/2 = 150 < 200
+    shares.lift("idle", waiting=["gold", "free"])  # it banked nothing while away
+    assert shares.normalized("idle") == 150 and shares.order(["idle", "free", "gold"]) == [
+        "idle",
+        "gold",
+        "free",
+    ]
+    shares.lift("free", waiting=["gold"])  # its own past service is higher: it stands
+    assert shares.normalized("free") == 200
+
+
+def test_jain_index():
+    assert jain_index([1, 1, 1, 1]) == 1.0
+    assert jain_index([1, 0, 0, 0]) == 0.25
+    assert jain_index([3, 1]) == pytest.approx(16 / 20)
+
+
+def test_one_tenant_is_admitted_in_the_papers_order_exactly():
+    fair, plain = FairWaitQueue(TenantShares(), 4, 1), PriorityWaitQueue(4, 1)
+    requests = [make_request([i + 1] * 4, i) for i in range(6)]
+    for queue in (fair, plain):
+        for i, req in enumerate(requests):
+            queue.push(req, group=i % 4)
+    for _ in range(6):
+        expected, got = next(plain.candidates()), next(fair.candidates())
+        assert got is expected
+        plain.take(expected)
+        fair.take(got)
+    assert len(fair) == 0
+
+
+def fair_scheduler(shares: TenantShares) -> LocalScheduler:
+    pool = tiny_pool(64)
+    return LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
+                          chunk_size=8, max_running_requests=1, shares=shares, source="e0")  # fmt: skip
+
+
+def test_a_flooding_tenant_does_not_hold_back_a_light_one():
+    """One request runs at a time. The heavy tenant queues five 8-token prompts first; the
+    light one's single prompt arrives last, yet is admitted second: after the first heavy
+    request (8 computed tokens charged) the light tenant is lifted to 8, a tie that goes to
+    the tenant served less in fact; then the heavy ones."""
+    shares = TenantShares()
+    sched = fair_scheduler(shares)
+    heavy = [make_request([10 + i] * 8, f"h{i}") for i in range(5)]
+    for req in heavy:
+        req.tenant = "heavy"
+        sched.add(req)
+    first = sched.schedule()
+    assert first.requests == [heavy[0]] and shares.service("heavy") == 8
+    light = make_request([99] * 8, "l0")
+    light.tenant = "light"
+    sched.add(light)
+    assert shares.normalized("light") == 8  # lifted to the heavy tenant's 8, not left at 0
+    sched.advance(first)
+    sched.finish(heavy[0])
+    assert sched.schedule().requests == [light]
+    assert shares.service("light") == 8 and shares.normalized("light") == 8
+    sched.advance(sched.schedule())  # light's prefill done: its first output token's KV next
+    sched.finish(light)
+    assert sched.schedule().requests == [heavy[1]]
