@@ -111,3 +111,33 @@ def test_a_flooding_tenant_does_not_hold_back_a_light_one():
     sched.advance(sched.schedule())  # light's prefill done: its first output token's KV next
     sched.finish(light)
     assert sched.schedule().requests == [heavy[1]]
+
+
+def test_in_the_simulator_a_light_tenant_overtakes_a_flooding_one_only_with_fair_share():
+    """One instance whose KV holds two requests at a time; twelve heavy requests queue at
+    t=0, one light request at t=0.1. First-come first-served gives the light one its first
+    token last; with fair share it comes before those of every heavy request not already
+    admitted, and the cluster serves the same requests in the same total time."""
+    from preble_backend.common.cost_model import CostModel
+    from scheduler.policies import make_policy
+    from scheduler.sim.simulator import SimConfig, SimRequest, simulate
+    from scheduler.sim.sweep import cluster_facts
+
+    cost = CostModel.load("mistral7b_a6000")
+    requests = [SimRequest(f"h{i}", 0.0, [10 + i] * 2000, 50, tenant="heavy") for i in range(12)]
+    requests.append(SimRequest("light", 0.1, [99] * 2000, 50, tenant="light"))
+    finish = {}
+    for fair in (False, True):
+        cfg = SimConfig.of(1, capacity_tokens=2 * 2064, fair_share=fair)
+
+        def e2(clock, cfg=cfg):
+            return make_policy("e2", 1, cluster_facts(cfg, cost, clock))
+
+        result = simulate(requests, e2, cfg, cost)
+        order = sorted(result.records, key=lambda rid: result.records[rid].first_token)
+        finish[fair] = max(r.finish for r in result.records.values())
+        if fair:  # its first token comes before every heavy one's but those already running
+            assert order.index("light") <= 2, order
+        else:
+            assert order[-1] == "light", order
+    assert finish[True] == pytest.approx(finish[False], rel=0.02)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from preble_backend.common.cost_model import CostModel
+from preble_backend.common.fair_share import DEFAULT_TENANT, TenantShares
 from preble_backend.common.pass_costs import PassCosts
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.config import EngineConfig
@@ -69,6 +70,7 @@ class SimRequest:
     output_ids: list[int] | None = None  # what it generates (else pseudo-random ids)
     after: str | None = None  # the request it follows: it arrives think_s after that one finishes
     think_s: float = 0.0
+    tenant: str = DEFAULT_TENANT  # whose share it is served from (fair_share)
 
 
 @dataclass
@@ -85,7 +87,8 @@ class RequestRecord:
 
 
 class SimInstance:
-    def __init__(self, index: int, cfg: SimConfig, cost: CostModel, reporting: bool = False) -> None:
+    def __init__(self, index: int, cfg: SimConfig, cost: CostModel, reporting: bool = False,
+                 shares: TenantShares | None = None) -> None:  # fmt: skip
         self.index = index
         self.cost = cost  # its true costs
         # its passes, as an engine reports them, kept only for a policy that learns from them
@@ -94,7 +97,7 @@ class SimInstance:
         self.pool = _pool(num_pages, cfg.page_size)
         host_pages = cfg.engine.host_pages(num_pages)
         host = _pool(host_pages, cfg.page_size) if host_pages else None
-        self.scheduler = make_local_scheduler(self.pool, cfg.engine, host)
+        self.scheduler = make_local_scheduler(self.pool, cfg.engine, host, shares, source=f"e{index}")
         self.cache = self.scheduler.blocks.cache
         self.busy = False
         self.batch: ScheduledBatch | None = None
@@ -102,7 +105,9 @@ class SimInstance:
 
     def add(self, req: SimRequest) -> Request:
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0)
-        engine_req = Request(req.request_id, list(req.input_ids), params, SamplerState(params))
+        engine_req = Request(
+            req.request_id, list(req.input_ids), params, SamplerState(params), tenant=req.tenant
+        )
         if req.output_ids is not None:
             self.outputs[req.request_id] = req.output_ids
         self.scheduler.add(engine_req)
@@ -182,17 +187,20 @@ def simulate(
     cfg: SimConfig,
     cost: CostModel | list[CostModel],
     link: KVLink | None = None,
+    shares: TenantShares | None = None,
 ) -> SimResult:
     """Run ``requests`` (with arrival times) through a cluster routed by the policy that
     ``policy_factory(clock)`` builds; ``cost``: every instance's true costs, or each one's
     (a mixed cluster). The policy hears each instance's pass costs when a request finishes
     there (``Policy.calibrate``), as a router hears them from its probes. ``link``: what
-    moving KV costs, for a policy that disaggregates (``disagg_legs.py``)."""
+    moving KV costs, for a policy that disaggregates (``disagg_legs.py``). ``shares``: with
+    ``fair_share`` engines, the one counter every instance admits by (the cluster's, as if
+    exchanged at once); None: each instance its own."""
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
     costs = cost if isinstance(cost, list) else [cost] * cfg.num_instances
     learns = policy.calibrating
-    instances = [SimInstance(i, cfg, costs[i], learns) for i in range(cfg.num_instances)]
+    instances = [SimInstance(i, cfg, costs[i], learns, shares) for i in range(cfg.num_instances)]
     _refuse_oversized(requests, instances[0].pool.capacity_tokens)
     loads = [InstanceLoad() for _ in instances]
     for inst in instances:  # the router's first health probe of each engine, before it routes there

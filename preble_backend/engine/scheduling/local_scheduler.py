@@ -217,16 +217,19 @@ class LocalScheduler:
 
 
 def make_local_scheduler(
-    pool: KVPool, config: EngineConfig, host_pool: KVPool | None = None
-) -> LocalScheduler:
+    pool: KVPool, config: EngineConfig, host_pool: KVPool | None = None,
+    shares: TenantShares | None = None, source: str = "local",
+) -> LocalScheduler:  # fmt: skip
     """The local scheduler an engine with ``config`` runs over ``pool`` (and ``host_pool``,
     its host tier, if it has one). The engine and the simulator both build it here, so a
-    simulated instance schedules as a real one does."""
+    simulated instance schedules as a real one does. With ``fair_share``, tenants are
+    admitted by ``shares`` (a counter of its own when None), this engine counted as
+    ``source``."""
     host = HostTier(pool, host_pool) if host_pool is not None else None
     windows = SlidingWindows(pool, pool.window_tokens) if pool.window is not None else None
     cache = RadixCache(config.page_size, host, windows) if config.enable_prefix_caching else None
-    shares = TenantShares() if config.fair_share else None
+    shares = (shares or TenantShares()) if config.fair_share else None
     waiting = (FairWaitQueue(shares, config.priority_groups, config.priority_quota) if shares is not None
                else PriorityWaitQueue(config.priority_groups, config.priority_quota))  # fmt: skip
     return LocalScheduler(BlockManager(pool, cache, windows), waiting, config.chunk_size,
-                          config.max_running_requests, config.host_copy_ahead, shares)  # fmt: skip
+                          config.max_running_requests, config.host_copy_ahead, shares, source)  # fmt: skip

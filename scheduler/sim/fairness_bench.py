@@ -1,0 +1,138 @@
+"""Fair shares between tenants in the simulator (issue 65): a heavy tenant at ten times
+the rate of each light one, one light tenant whose prompts are mostly cached, on E2.
+
+Variants (every one routes with E2; they differ in each engine's wait queue):
+
+- ``fcfs``: the paper's priority queue alone (no tenants);
+- ``vtc``: ``fair_share`` engines admitting by one counter for the cluster (as if every
+  engine's counts reached every other at once), cache hits not charged;
+- ``vtc_local``: the same, each engine counting only what it served itself (no exchange:
+  the router-local baselines' situation);
+- ``vtc_basic``: one counter, every input token charged, cached or not (AIBrix's basic
+  VTC: input 1, output 2).
+
+Two loads: ``light`` tenants below their share (each light tenant's p99 latency against
+its p99 alone on the same cluster: the target is 1.2×), and ``backlogged`` (every tenant
+sends more than a fifth of the cluster: Jain's index over the service each received while
+all were backlogged; the target is 0.95). Throughput is against ``fcfs``.
+
+``python -m scheduler.sim.fairness_bench --seeds 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from preble_backend.common.cost_model import CostModel
+from preble_backend.common.fair_share import ServiceWeights, TenantShares, jain_index
+from scheduler.policies import make_policy
+from scheduler.sim.simulator import SimConfig, SimRequest, simulate
+from scheduler.sim.sweep import cluster_facts
+
+VARIANTS = ("fcfs", "vtc", "vtc_local", "vtc_basic")
+LIGHT = ("light1", "light2", "light3", "cached")
+RATE_SHARE = {"heavy": 10, **dict.fromkeys(LIGHT, 1)}  # arrivals per unit of rate
+
+
+def tenant_mix(n: int, rps: float, seed: int = 0, vocab: int = 32000) -> list[SimRequest]:
+    """Poisson arrivals at ``rps`` in all, split 10:1:1:1:1; ~1,500-token private prompts
+    and ~200-token answers, except ``cached``: ~100-token questions over one 3,000-token
+    document (mostly cached)."""
+    rng = np.random.default_rng(seed)
+    tenants = list(RATE_SHARE)
+    p = np.array([RATE_SHARE[t] for t in tenants], dtype=float)
+    doc = rng.integers(10, vocab, 3000).tolist()
+    out, t = [], 0.0
+    for i in range(n):
+        t += rng.exponential(1.0 / rps)
+        tenant = tenants[rng.choice(len(tenants), p=p / p.sum())]
+        if tenant == "cached":
+            ids = doc + rng.integers(10, vocab, int(rng.integers(60, 140))).tolist()
+        else:
+            ids = rng.integers(10, vocab, int(rng.integers(1000, 2000))).tolist()
+        out.append(SimRequest(f"{tenant}-{i}", t, ids, int(rng.integers(100, 300)), tenant=tenant))
+    return out
+
+
+def run(requests: list[SimRequest], variant: str, instances: int, cost: CostModel) -> dict:
+    cfg = SimConfig.of(instances, fair_share=variant != "fcfs")
+    shares = None
+    if variant in ("vtc", "vtc_basic"):
+        shares = TenantShares(
+            service_weights=ServiceWeights(cached_weight=1.0 if variant == "vtc_basic" else 0.0)
+        )
+    result = simulate(requests, lambda clock: make_policy("e2", instances, cluster_facts(cfg, cost, clock)),
+                      cfg, cost, shares=shares)  # fmt: skip
+    tenant_of = {r.request_id: r.tenant for r in requests}
+    outputs = {r.request_id: r.output_len for r in requests}
+    last_arrival = max(r.arrival for r in requests)
+    per: dict[str, dict] = {}
+    for rid, rec in result.records.items():
+        row = per.setdefault(tenant_of[rid], {"latency": [], "service": 0.0})
+        if rec.finish is None:
+            continue
+        row["latency"].append(rec.finish - rec.arrival)
+        if rec.finish <= last_arrival:  # served while arrivals went on
+            row["service"] += (rec.prompt_len - rec.cached_tokens) + 2 * outputs[rid]
+    done = [r for r in result.records.values() if r.finish is not None]
+    span = max(r.finish for r in done) - min(r.arrival for r in done)
+    return {
+        "variant": variant,
+        "throughput_rps": len(done) / span,
+        "p99_latency_s": {t: float(np.percentile(v["latency"], 99)) for t, v in per.items() if v["latency"]},
+        "service": {t: v["service"] for t, v in per.items()},
+    }
+
+
+def bench(seeds: int, n: int, instances: int, rates: dict[str, float], cost: CostModel) -> list[dict]:
+    cells = []
+    for load, rps in rates.items():
+        for seed in range(seeds):
+            requests = tenant_mix(n, rps, seed)
+            alone = {}
+            for t in LIGHT:
+                alone[t] = run([r for r in requests if r.tenant == t], "fcfs", instances, cost)[
+                    "p99_latency_s"
+                ][t]
+            runs = {v: run(requests, v, instances, cost) for v in VARIANTS}
+            base = runs["fcfs"]["throughput_rps"]
+            for rec in runs.values():
+                rec.update(load=load, seed=seed, rps=rps, throughput_vs_fcfs=rec["throughput_rps"] / base,
+                           light_p99_vs_alone=max(rec["p99_latency_s"][t] / alone[t] for t in LIGHT),
+                           jain=jain_index(rec["service"].values()))  # fmt: skip
+                cells.append(rec)
+    return cells
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--light-rps", type=float, default=6.0, help="all tenants' rate, light load")
+    ap.add_argument(
+        "--backlogged-rps", type=float, default=40.0, help="all tenants' rate, everyone backlogged"
+    )
+    ap.add_argument("--cost-model", default="mistral7b_a6000")
+    ap.add_argument("--output", default="")
+    args = ap.parse_args()
+    rates = {"light": args.light_rps, "backlogged": args.backlogged_rps}
+    cells = bench(args.seeds, args.requests, args.instances, rates, CostModel.load(args.cost_model))
+    for load in ("light", "backlogged"):
+        for v in VARIANTS:
+            rows = [c for c in cells if c["load"] == load and c["variant"] == v]
+            pick = {
+                k: [round(c[k], 3) for c in rows]
+                for k in ("light_p99_vs_alone", "jain", "throughput_vs_fcfs")
+            }
+            print(f"{load:10s} {v:10s} " + "  ".join(f"{k} {vals}" for k, vals in pick.items()))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(cells, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
