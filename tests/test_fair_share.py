@@ -141,3 +141,39 @@ def test_in_the_simulator_a_light_tenant_overtakes_a_flooding_one_only_with_fair
         else:
             assert order[-1] == "light", order
     assert finish[True] == pytest.approx(finish[False], rel=0.02)
+
+
+def admission_order(queue, requests) -> list[str]:
+    for req in requests:
+        queue.push(req, group=0)
+    order = []
+    while len(queue):
+        req = next(queue.candidates())
+        queue.take(req)
+        order.append(req.request_id)
+    return order
+
+
+def tenants_requests(b_tokens: int) -> list:
+    requests = [make_request([1] * 8, f"a{i}") for i in range(1, 4)] + [make_request([2] * b_tokens, "b1")]
+    for req in requests:
+        req.tenant = req.request_id[0]
+    return requests
+
+
+def test_the_anchors_rules_round_robin_turns_and_deficit_round_robin_by_prompt_tokens():
+    """Tenant a queues three 8-token prompts, then b one prompt. Turns: a, b, a, a. Deficit
+    round-robin with a 10-token quantum and b's prompt of 30 tokens: a's first fits after
+    one quantum; b needs three, so a's second goes before b's (worked in the module's rule:
+    deficits a 10→2→12→4, b 10→20→30)."""
+    from scheduler.sim.fair_baselines import DeficitQueue, RoundRobinQueue
+
+    assert admission_order(RoundRobinQueue(TenantShares(), 1, 10), tenants_requests(30)) == [
+        "a1",
+        "b1",
+        "a2",
+        "a3",
+    ]
+    drr = DeficitQueue(TenantShares(), 1, 10, quantum=10)
+    assert admission_order(drr, tenants_requests(30)) == ["a1", "a2", "b1", "a3"]
+    assert drr.deficit["b"] == 0.0  # its queue emptied: what was left is lost

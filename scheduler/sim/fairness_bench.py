@@ -9,7 +9,9 @@ Variants (every one routes with E2; they differ in each engine's wait queue):
 - ``vtc_local``: the same, each engine counting only what it served itself (no exchange:
   the router-local baselines' situation);
 - ``vtc_basic``: one counter, every input token charged, cached or not (AIBrix's basic
-  VTC: input 1, output 2).
+  VTC: input 1, output 2);
+- ``rr`` and ``drr``: llm-d's per-tenant turns and Dynamo's deficit round-robin, each on
+  its own instance (``fair_baselines.py``).
 
 Two loads, ``light`` and ``backlogged`` (all tenants' rates). Reported: each light
 tenant's p99 latency against its p99 alone on the same cluster (the target is 1.2×);
@@ -29,10 +31,11 @@ import numpy as np
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.fair_share import ServiceWeights, TenantShares, jain_index
 from scheduler.policies import make_policy
+from scheduler.sim.fair_baselines import DeficitQueue, RoundRobinQueue
 from scheduler.sim.simulator import SimConfig, SimRequest, simulate
 from scheduler.sim.sweep import cluster_facts
 
-VARIANTS = ("fcfs", "vtc", "vtc_local", "vtc_basic")
+VARIANTS = ("fcfs", "vtc", "vtc_local", "vtc_basic", "rr", "drr")
 LIGHT = ("light1", "light2", "light3", "cached")
 RATE_SHARE = {"heavy": 10, **dict.fromkeys(LIGHT, 1)}  # arrivals per unit of rate
 
@@ -80,7 +83,8 @@ def run(requests: list[SimRequest], variant: str, instances: int, cost: CostMode
     def e2(clock):
         return make_policy("e2", instances, cluster_facts(cfg, cost, clock))
 
-    result = simulate(requests, e2, cfg, cost, shares=shares)
+    queue = {"rr": RoundRobinQueue, "drr": DeficitQueue}.get(variant)
+    result = simulate(requests, e2, cfg, cost, shares=shares, wait_queue=queue)
     tenant_of = {r.request_id: r.tenant for r in requests}
     outputs = {r.request_id: r.output_len for r in requests}
     last_arrival = max(r.arrival for r in requests)

@@ -88,7 +88,7 @@ class RequestRecord:
 
 class SimInstance:
     def __init__(self, index: int, cfg: SimConfig, cost: CostModel, reporting: bool = False,
-                 shares: TenantShares | None = None) -> None:  # fmt: skip
+                 shares: TenantShares | None = None, wait_queue=None) -> None:  # fmt: skip
         self.index = index
         self.cost = cost  # its true costs
         # its passes, as an engine reports them, kept only for a policy that learns from them
@@ -98,6 +98,8 @@ class SimInstance:
         host_pages = cfg.engine.host_pages(num_pages)
         host = _pool(host_pages, cfg.page_size) if host_pages else None
         self.scheduler = make_local_scheduler(self.pool, cfg.engine, host, shares, source=f"e{index}")
+        if wait_queue is not None:  # another rule for which tenant admits next
+            self.scheduler.waiting = wait_queue(self.scheduler.shares)
         self.cache = self.scheduler.blocks.cache
         self.busy = False
         self.batch: ScheduledBatch | None = None
@@ -188,6 +190,7 @@ def simulate(
     cost: CostModel | list[CostModel],
     link: KVLink | None = None,
     shares: TenantShares | None = None,
+    wait_queue=None,
 ) -> SimResult:
     """Run ``requests`` (with arrival times) through a cluster routed by the policy that
     ``policy_factory(clock)`` builds; ``cost``: every instance's true costs, or each one's
@@ -195,12 +198,13 @@ def simulate(
     there (``Policy.calibrate``), as a router hears them from its probes. ``link``: what
     moving KV costs, for a policy that disaggregates (``disagg_legs.py``). ``shares``: with
     ``fair_share`` engines, the one counter every instance admits by (the cluster's, as if
-    exchanged at once); None: each instance its own."""
+    exchanged at once); None: each instance its own. ``wait_queue``: builds each
+    instance's wait queue from its counter (the anchors' rules, ``fair_baselines.py``)."""
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
     costs = cost if isinstance(cost, list) else [cost] * cfg.num_instances
     learns = policy.calibrating
-    instances = [SimInstance(i, cfg, costs[i], learns, shares) for i in range(cfg.num_instances)]
+    instances = [SimInstance(i, cfg, costs[i], learns, shares, wait_queue) for i in range(cfg.num_instances)]
     _refuse_oversized(requests, instances[0].pool.capacity_tokens)
     loads = [InstanceLoad() for _ in instances]
     for inst in instances:  # the router's first health probe of each engine, before it routes there

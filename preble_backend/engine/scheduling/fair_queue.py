@@ -47,13 +47,18 @@ class FairWaitQueue:
         offered: set[int] = set()
         while True:
             for tenant in self.shares.order(self._backlogged()):
-                nxt = next((r for r in self.queues[tenant].candidates() if id(r) not in offered), None)
+                nxt = self._next(tenant, offered)
                 if nxt is not None:
                     offered.add(id(nxt))
                     yield nxt
                     break
             else:
                 return
+
+    def _next(self, tenant: str, offered: set[int]) -> Request | None:
+        """``tenant``'s next request in the paper's order not offered yet."""
+        queue = self.queues.get(tenant)
+        return next((r for r in queue.candidates() if id(r) not in offered), None) if queue else None
 
     def take(self, request: Request) -> None:
         self.queues[self._tenant_of.pop(id(request))].take(request)
