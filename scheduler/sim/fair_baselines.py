@@ -31,21 +31,10 @@ class RoundRobinQueue(FairWaitQueue):
             self.turns.append(request.tenant)
         super().push(request, group, front)
 
-    def _rotation(self) -> list[str]:
+    def turn_order(self) -> list[str]:
+        """Every tenant that ever queued, from the one after the last to admit."""
         n = len(self.turns)
         return [self.turns[(self.next_turn + i) % n] for i in range(n)]
-
-    def candidates(self) -> Iterator[Request]:
-        offered: set[int] = set()
-        while True:
-            for tenant in self._rotation():
-                nxt = self._next(tenant, offered)
-                if nxt is not None:
-                    offered.add(id(nxt))
-                    yield nxt
-                    break
-            else:
-                return
 
     def take(self, request: Request) -> None:
         self.next_turn = (self.turns.index(request.tenant) + 1) % len(self.turns)
@@ -65,7 +54,7 @@ class DeficitQueue(RoundRobinQueue):
         offered: set[int] = set()
         while True:
             pending = False
-            for tenant in self._rotation():
+            for tenant in self.turn_order():
                 nxt = self._next(tenant, offered)
                 if nxt is None:
                     continue

@@ -46,7 +46,7 @@ class FairWaitQueue:
         """The next request of the least served tenant, again after every one taken."""
         offered: set[int] = set()
         while True:
-            for tenant in self.shares.order(self._backlogged()):
+            for tenant in self.turn_order():
                 nxt = self._next(tenant, offered)
                 if nxt is not None:
                     offered.add(id(nxt))
@@ -54,6 +54,10 @@ class FairWaitQueue:
                     break
             else:
                 return
+
+    def turn_order(self) -> list[str]:
+        """Which tenant admits next: the least served per unit of weight."""
+        return self.shares.order(self._backlogged())
 
     def _next(self, tenant: str, offered: set[int]) -> Request | None:
         """``tenant``'s next request in the paper's order not offered yet."""
