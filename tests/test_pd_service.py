@@ -12,6 +12,7 @@ import signal
 
 import pytest
 from server_utils import http, metric_value, serve_stack, wait_for, write_test_repository
+from test_service import LOOPBACK, listening_addresses
 
 pytest.importorskip("nixl_cu12", reason="KV transfer needs NIXL: pip install 'preble-triton[pd]'")
 pytestmark = pytest.mark.server
@@ -53,6 +54,8 @@ def test_a_prefill_and_a_decode_engine_serve_and_a_restarted_prefill_engine_is_p
                 wait_for(lambda: metric("preble_router_engine_up", f'engine="{P}"') == 0, 30, "P down")
                 wait_for(lambda: metric("preble_router_engine_up", f'engine="{P}"') == 1, 120, "P restarted")
         assert metric("preble_engine_kv_transfer_failures_total", f'engine="{D}"') == 0
+        addresses = listening_addresses(stack.process.pid)  # UCX's among them: loopback only
+        assert addresses and set(addresses) <= LOOPBACK, addresses
     finally:
         out, err = stack.stop()
     assert stack.process.returncode == 0, err

@@ -89,6 +89,11 @@ class EngineConfig:
     kv_transfer_lanes: int = setting(
         2, doc="prefill and decode roles: NIXL agents reading one transfer in parallel"
     )
+    kv_transfer_devices: str = setting(
+        "lo",
+        doc="prefill and decode roles: the network devices KV moves over (UCX_NET_DEVICES); lo keeps its "
+        "listeners on loopback (engines on one host); name NICs (e.g. mlx5_0:1) for engines on several",
+    )
     kv_transfer_timeout_s: float = setting(
         5.0, doc="decode role: a KV read that takes longer has failed, and the request prefills here"
     )
@@ -152,6 +157,7 @@ class EngineConfig:
         check(1 <= self.kv_transfer_lanes <= 16, "kv_transfer_lanes", "an integer in [1, 16]")
         check(self.kv_lease_s > 0, "kv_lease_s", "a number > 0")
         check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s", "a number > 0")
+        check(bool(self.kv_transfer_devices.strip()), "kv_transfer_devices", "lo, or network devices")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
 

@@ -30,7 +30,8 @@ class KVExchange:
         cfg = engine.config
         self.engine, self.log = engine, log
         self.handoff = Handoff(engine.scheduler.blocks, ttl_s=cfg.kv_lease_s)
-        self.transport = KVTransport(name, engine.pool, cfg.kv_transfer_lanes, on_notice=self._notice)
+        self.transport = KVTransport(name, engine.pool, cfg.kv_transfer_lanes, on_notice=self._notice,
+                                     net_devices=cfg.kv_transfer_devices)  # fmt: skip
         self.reads = ThreadPoolExecutor(1, thread_name_prefix="preble-kv-read")
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("kv_offers", "kv_takes", "kv_transfer_failures", "kv_pages_received",

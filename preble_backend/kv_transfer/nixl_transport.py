@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -64,9 +65,13 @@ class KVTransport:
     """``lanes`` NIXL agents over one pool; ``offer`` is what a peer needs to read from it."""
 
     def __init__(self, name: str, pool: KVPool, lanes: int = 2, passive_poll_s: float = 0.005,
-                 on_notice: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 on_notice: Callable[[str], None] | None = None,
+                 net_devices: str = "lo") -> None:  # fmt: skip
         """``on_notice`` is called, on the poller's thread, with each notice a peer sends
-        (``notify``): how a decode side says it is done with an offer."""
+        (``notify``): how a decode side says it is done with an offer. ``net_devices``: what
+        UCX may listen and connect on; by default loopback only (UCX otherwise listens on
+        every interface the host has, which nobody asked for)."""
+        os.environ["UCX_NET_DEVICES"] = net_devices  # read when the agents' UCX contexts start
         nixl = load_nixl()
         self.on_notice = on_notice
         self.name = f"{name}-{uuid.uuid4().hex[:12]}"  # a restarted engine is a new peer, never the dead one
