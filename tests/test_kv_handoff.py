@@ -10,10 +10,21 @@ import pytest
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.engine.scheduling.handoff import Handoff
-from preble_backend.kv_transfer.nixl_transport import KVTransport
+from preble_backend.kv_transfer.nixl_transport import KVTransport, TransferResult
 
 GREEDY = {"temperature": 0, "max_tokens": 12}
 SEEDED = {"temperature": 0.8, "seed": 3, "max_tokens": 12}
+
+
+def take(handoff: Handoff, tokens: list[int], offer: dict, read) -> tuple[int, TransferResult | None]:
+    """The decode side's reserve, read and commit in one thread (the engine server runs the
+    read on a thread of its own): (tokens received, the read's result; None when nothing
+    had to move or no room could be made)."""
+    claim = handoff.reserve(tokens, offer)
+    if claim is None:
+        return 0, None
+    result = read(claim.remote, claim.stamps, claim.new)
+    return handoff.commit(claim, result), result
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +58,7 @@ def test_the_decode_side_answers_as_the_prefill_side_would(pair, params):
     handoff = Handoff(p.scheduler.blocks)
     offer = handoff.offer("r", tokens)
     assert offer["tokens"] == len(tokens) // ps * ps and len(offer["pages"]) == len(tokens) // ps
-    received, result = Handoff(d.scheduler.blocks).take(tokens, offer, read)
+    received, result = take(Handoff(d.scheduler.blocks), tokens, offer, read)
     assert result.ok and received == offer["tokens"]
     assert d.cache.cached_len(tokens) == offer["tokens"]
     before = d.scheduler.stats.prompt_tokens_cached
@@ -67,7 +78,7 @@ def test_only_the_pages_the_decode_side_lacks_move(pair):
     [aggregated] = p.generate([tokens], GREEDY)
     handoff = Handoff(p.scheduler.blocks)
     offer = handoff.offer("r", tokens)
-    received, result = Handoff(d.scheduler.blocks).take(tokens, offer, read)
+    received, result = take(Handoff(d.scheduler.blocks), tokens, offer, read)
     assert result.ok and result.pages == len(offer["pages"]) - 4 and received == offer["tokens"] - 64
     assert d.generate([tokens], GREEDY) == [aggregated]
     assert handoff.release("r") and not handoff.release("r")
@@ -87,7 +98,7 @@ def test_a_page_freed_after_the_offer_is_never_decoded_from(pair):
     assert handoff.expire() == 1 and p.cache.num_locked_pages == 0
     p.scheduler.blocks.free(p.cache.evict(p.cache.num_evictable_pages))
     free = d.pool.num_free
-    received, result = Handoff(d.scheduler.blocks).take(tokens, offer, read)
+    received, result = take(Handoff(d.scheduler.blocks), tokens, offer, read)
     assert received == 0 and not result.ok and result.stale == offer["pages"]
     assert d.pool.num_free == free and d.cache.cached_len(tokens) == 0
     assert d.generate([tokens], GREEDY) == [aggregated]

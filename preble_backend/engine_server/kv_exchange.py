@@ -35,8 +35,7 @@ class KVExchange:
         self.reads = ThreadPoolExecutor(1, thread_name_prefix="preble-kv-read")
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("kv_offers", "kv_takes", "kv_transfer_failures", "kv_pages_received",
-                                     "kv_bytes_received"), 0)  # fmt: skip
-        self.transfer_s = 0.0
+                                     "kv_bytes_received", "kv_transfer_s"), 0)  # fmt: skip
 
     def stats(self) -> dict:
         """What the router learns of this engine's KV moves: its role, the bytes a token's KV
@@ -44,10 +43,9 @@ class KVExchange:
         lay = self.transport.layout
         with self._lock:
             moved = dict(self.counts)
-            seconds = self.transfer_s
+        seconds = moved["kv_transfer_s"]
         gbps = moved["kv_bytes_received"] / seconds / 1e9 if seconds else 0.0
-        return {**moved, "kv_transfer_s": seconds, "kv_transfer_gbps": round(gbps, 3),
-                "kv_leases": len(self.handoff.leases),
+        return {**moved, "kv_transfer_gbps": round(gbps, 3), "kv_leases": len(self.handoff.leases),
                 "kv_bytes_per_token": 2 * lay.num_layers * lay.page_bytes // lay.page_size}  # fmt: skip
 
     def offer(self, lease_id: str, tokens: list[int]) -> dict:
@@ -78,7 +76,7 @@ class KVExchange:
                 self.log(f"KV offer refused ({exc}); prefilling here")
                 claim = None
             if claim is None:
-                self._release(offer)
+                self.decline(offer)  # off the engine's thread: a read may hold the transport
                 then()
                 return
             self.reads.submit(read, claim)
@@ -100,7 +98,7 @@ class KVExchange:
                 if result.ok:
                     self.counts["kv_pages_received"] += result.pages
                     self.counts["kv_bytes_received"] += result.bytes
-                    self.transfer_s += result.seconds
+                    self.counts["kv_transfer_s"] += result.seconds
                 else:
                     self.counts["kv_transfer_failures"] += 1
             if not result.ok:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from preble_backend.common.fair_share import TenantShares
-from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
+from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue, priority_group
 from preble_backend.engine.scheduling.request import Request
 
 
@@ -25,10 +25,9 @@ class FairWaitQueue:
         self.num_groups, self.quota_unit = num_groups, quota_unit
         self.queues: dict[str, PriorityWaitQueue] = {}
         self._tenant_of: dict[int, str] = {}
-        self._groups = PriorityWaitQueue(num_groups, quota_unit)  # only its group_for
 
     def group_for(self, cached_tokens: int, prompt_tokens: int) -> int:
-        return self._groups.group_for(cached_tokens, prompt_tokens)
+        return priority_group(cached_tokens, prompt_tokens, self.num_groups)
 
     def _backlogged(self) -> list[str]:
         return [tenant for tenant, queue in self.queues.items() if len(queue)]

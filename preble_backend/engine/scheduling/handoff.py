@@ -25,8 +25,6 @@ from preble_backend.engine.cache.radix_node import TreeNode
 from preble_backend.engine.scheduling.block_manager import BlockManager
 from preble_backend.kv_transfer.nixl_transport import TransferResult
 
-Read = Callable[[list[int], list[int], list[int]], TransferResult]  # (remote pages, stamps, local pages)
-
 
 @dataclass
 class Claim:
@@ -82,16 +80,6 @@ class Handoff:
         for lease_id in late:
             self.release(lease_id)
         return len(late)
-
-    def take(self, tokens: list[int], offer: dict, read: Read) -> tuple[int, TransferResult | None]:
-        """Read the offered pages this cache lacks and cache them, in one thread: (tokens
-        received, the transfer's result; None when nothing had to move or no room could
-        be made)."""
-        claim = self.reserve(tokens, offer)
-        if claim is None:
-            return 0, None
-        result = read(claim.remote, claim.stamps, claim.new)
-        return self.commit(claim, result), result
 
     def reserve(self, tokens: list[int], offer: dict) -> Claim | None:
         """On the engine's thread: room for the offered pages this cache lacks, with what it

@@ -17,6 +17,12 @@ from collections.abc import Iterator
 from preble_backend.engine.scheduling.request import Request
 
 
+def priority_group(cached_tokens: int, prompt_tokens: int, num_groups: int) -> int:
+    """``ceil(hit_ratio * P) - 1``, at least 0."""
+    ratio = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+    return max(0, math.ceil(ratio * num_groups) - 1)
+
+
 class PriorityWaitQueue:
     def __init__(self, num_groups: int = 10, quota_unit: int = 10) -> None:
         if num_groups < 1 or quota_unit < 1:
@@ -31,8 +37,7 @@ class PriorityWaitQueue:
         return (group + 1) * self.quota_unit
 
     def group_for(self, cached_tokens: int, prompt_tokens: int) -> int:
-        ratio = cached_tokens / prompt_tokens if prompt_tokens else 0.0
-        return max(0, math.ceil(ratio * self.num_groups) - 1)
+        return priority_group(cached_tokens, prompt_tokens, self.num_groups)
 
     def push(self, request: Request, group: int, front: bool = False) -> None:
         """Queue a request; ``front`` puts a preempted request ahead of its group."""
