@@ -255,13 +255,16 @@ def infer_inputs(values: dict[str, object]) -> list:
     return inputs
 
 
-def infer_request(model: str, inputs: dict[str, np.ndarray]):
-    """A ``ModelInferRequest`` with raw tensor contents, asking for an empty final response."""
+def infer_request(model: str, inputs: dict[str, np.ndarray], parameters: dict[str, str] | None = None):
+    """A ``ModelInferRequest`` with raw tensor contents and string ``parameters``, asking for
+    an empty final response."""
     from tritonclient.grpc import service_pb2
     from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
 
     request = service_pb2.ModelInferRequest(model_name=model)
     request.parameters["triton_enable_empty_final_response"].bool_param = True
+    for name, value in (parameters or {}).items():
+        request.parameters[name].string_param = value
     for name, value in inputs.items():
         tensor = request.inputs.add(name=name, datatype=np_to_triton_dtype(value.dtype))
         tensor.shape.extend(value.shape)

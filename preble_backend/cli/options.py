@@ -130,6 +130,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         "--api-key", default=None,
         help="every request but health must send 'Authorization: Bearer KEY' (also: PREBLE_API_KEY)",
     )  # fmt: skip
+    p.add_argument(
+        "--keys-file", default=None,
+        help="client keys, one per line naming its tenant and weight (docs/SERVING.md, fair shares); "
+        "instead of --api-key",
+    )  # fmt: skip
     p.add_argument("--http-port", type=_port(1), default=8000, help="HTTP/REST (KServe v2, generate)")
     p.add_argument("--grpc-port", type=_port(1), default=8001, help="gRPC (KServe v2, streaming)")
     p.add_argument("--metrics-port", type=_port(1), default=8002, help="Prometheus /metrics")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from preble_backend.cli.cost_line import announce, engine_facts
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV, ENGINE_KEY_ENV
+from preble_backend.common.tenants import KeysFileError, TenantKeys
 from preble_backend.common.version import __version__
 from preble_backend.model.model_card import ModelCard, model_card
 from preble_backend.model.pypi_models import resolve as resolve_model
@@ -52,6 +53,13 @@ def serve(args: argparse.Namespace) -> int:
     repository = Path(args.model_repository)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     admin_key = os.environ.get(ADMIN_KEY_ENV) or new_key()
+    try:
+        tenant_keys = _tenant_keys(args.keys_file, api_key, admin_key)
+    except LaunchError as exc:
+        print(f"preble serve: {exc}", file=sys.stderr)
+        return 1
+    if tenant_keys is not None:  # tritonserver's client key is the front's own: no client holds it
+        api_key = new_key()
     public = Access(
         host=args.host,
         api_key=api_key,
@@ -108,12 +116,12 @@ def serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes, drain_s=args.drain_timeout, model_name=model.name,
             dtype=model.dtype, metrics_port=args.metrics_port,
             engine_metrics={u.model: f"{LOOPBACK}:{u.ports.metrics}" for u in supervisor.units
-                            if u.role == "engine"},
+                            if u.role == "engine"}, keys_file=args.keys_file,
         )  # fmt: skip
         front.wait_answering()
         print(f"  model    {model.line()}")
         announce_cost_model(repository, model)
-        _announce(args, public, front)
+        _announce(args, public, front, tenant_keys is not None)
         engines = [unit for unit in supervisor.units if unit.role == "engine"]
         for unit in engines:  # their preble_engine_* series; loopback only, no key needed
             print(f"  {unit.model} metrics http://{LOOPBACK}:{unit.ports.metrics}/metrics")
@@ -161,7 +169,24 @@ def write_scrape_targets(grpc_port: int, engines: list[Supervised]) -> Path:
     return path
 
 
-def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> None:
+def _tenant_keys(path: str | None, api_key: str | None, admin_key: str) -> TenantKeys | None:
+    """The keys file, checked before anything starts (a bad line is refused, by number)."""
+    if not path:
+        return None
+    if api_key:
+        raise LaunchError("give --keys-file or an API key (--api-key, PREBLE_API_KEY), not both: "
+                          "the keys file's keys are the API keys, each naming its tenant")  # fmt: skip
+    try:
+        keys = TenantKeys.load(path)
+    except KeysFileError as exc:
+        raise LaunchError(str(exc)) from None
+    for name, key in ((ADMIN_KEY_ENV, admin_key), (ENGINE_KEY_ENV, os.environ.get(ENGINE_KEY_ENV))):
+        if keys.holds(key):
+            raise LaunchError(f"keys file {path} holds {name}: no client may hold that key")
+    return keys
+
+
+def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront, tenants: bool = False) -> None:
     host = access.client_host
     endpoints = {
         "http": f"http://{host}:{args.http_port}",
@@ -173,6 +198,8 @@ def _announce(args: argparse.Namespace, access: Access, front: OpenAIFront) -> N
     for kind, url in endpoints.items():
         print(f"  {kind:8s} {url}")
     auth = " -H 'Authorization: Bearer $PREBLE_API_KEY'" if access.api_key else ""
+    if tenants:
+        auth = " -H 'Authorization: Bearer <a key of the keys file>'"
     print(
         f"  generate: curl {endpoints['http']}/v2/models/preble/generate -H 'Content-Type: application/json'"
         f'{auth} -d \'{{"text_input": "Hello", "sampling_parameters": "{{\\"max_tokens\\": 16}}"}}\''

@@ -23,6 +23,8 @@ the tenants already waiting (``lift``): fairness among the backlogged, not over 
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -47,6 +49,9 @@ class TenantShares:
     service_weights: ServiceWeights = field(default_factory=ServiceWeights)
     counts: dict[str, dict[str, float]] = field(default_factory=dict)  # tenant -> source -> service
     floors: dict[str, float] = field(default_factory=dict)  # tenant -> normalized service lifted to
+    # Counts change on one thread (an engine's loop, a router's monitor) and are copied out
+    # on others: the changes and the copies hold this lock, reads on the changing thread need not.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, 1.0)
@@ -55,8 +60,9 @@ class TenantShares:
         """``source`` served ``tenant`` this much more."""
         amount = self.service_weights.cost(computed, cached, output)
         if amount:
-            by_source = self.counts.setdefault(tenant, {})
-            by_source[source] = by_source.get(source, 0.0) + amount
+            with self._lock:
+                by_source = self.counts.setdefault(tenant, {})
+                by_source[source] = by_source.get(source, 0.0) + amount
 
     def service(self, tenant: str) -> float:
         return sum(self.counts.get(tenant, {}).values())
@@ -80,15 +86,26 @@ class TenantShares:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """What a source reports, or a copy sends another: JSON-safe."""
-        return {tenant: dict(by_source) for tenant, by_source in self.counts.items()}
+        with self._lock:
+            return {tenant: dict(by_source) for tenant, by_source in self.counts.items()}
 
     def merge(self, counts: dict[str, dict[str, float]]) -> None:
-        """Take another copy's counts: per (tenant, source), the larger."""
-        for tenant, by_source in counts.items():
-            mine = self.counts.setdefault(tenant, {})
-            for source, value in by_source.items():
-                if value > mine.get(source, 0.0):
-                    mine[source] = float(value)
+        """Take another copy's counts: per (tenant, source), the larger. What is not a
+        count (a peer's report is input) is skipped, never merged."""
+        if not isinstance(counts, dict):
+            return
+        with self._lock:
+            for tenant, by_source in counts.items():
+                if not isinstance(tenant, str) or not isinstance(by_source, dict):
+                    continue
+                mine = self.counts.setdefault(tenant, {})
+                for source, value in by_source.items():
+                    if isinstance(source, str) and _is_count(value) and value > mine.get(source, 0.0):
+                        mine[source] = float(value)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def jain_index(values: Iterable[float]) -> float:

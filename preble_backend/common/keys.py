@@ -5,6 +5,7 @@ Bearer <key>``. Shared by the servers that check keys and the clients that send 
 
 from __future__ import annotations
 
+import hmac
 import os
 
 HEADER = "authorization"
@@ -28,3 +29,8 @@ def grpc_bearer(key: str | None) -> tuple[tuple[str, str], ...]:
 def engine_key() -> str | None:
     """The key this process sends its engines (``PREBLE_ENGINE_KEY``), if any."""
     return os.environ.get(ENGINE_KEY_ENV) or None
+
+
+def same_key(key: str | None, expected: str | None) -> bool:
+    """Whether ``key`` is ``expected``, compared in constant time."""
+    return key is not None and expected is not None and hmac.compare_digest(key.encode(), expected.encode())

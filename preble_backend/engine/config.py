@@ -77,9 +77,9 @@ class EngineConfig:
         1.0, doc="emulated compute: each iteration waits this multiple of the cost model's time"
     )
     fair_share: bool = setting(
-        False,
+        True,
         doc="tenants' requests admitted by the service each received (VTC), each tenant's in the "
-        "paper's priority order (issue 65; off: the paper's queue alone)",
+        "paper's priority order (one tenant: the paper's queue exactly; off: the paper's queue alone)",
     )
     role: str = setting(
         "both",

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from preble_backend.common.cache_event import EventBatch
+from preble_backend.common.fair_share import DEFAULT_TENANT
 from preble_backend.common.procfs import pin_process
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.engine.cache.event_log import EventLog
@@ -88,19 +89,16 @@ class Engine:
         prompt_ids: list[int],
         params: SamplingParams | dict | None = None,
         callback: Callable[[RequestOutput], None] | None = None,
+        tenant: tuple[str, float | None] = (DEFAULT_TENANT, None),
     ) -> None:
-        """Queue a request; raise ``ValueError`` naming the problem if it can never run."""
+        """Queue a request (served from ``tenant``'s share, of that weight: None keeps the
+        one it had); raise ``ValueError`` naming the problem if it can never run."""
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
         self.validate(request_id, prompt_ids, params)
-        req = Request(
-            request_id=request_id,
-            prompt_ids=[int(t) for t in prompt_ids],
-            params=params,
-            sampler=SamplerState.create(params, self.runner.device),
-            callback=callback,
-            matcher=self._matcher(params),
-        )
+        req = Request(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], params=params,
+                      sampler=SamplerState.create(params, self.runner.device), callback=callback,
+                      matcher=self._matcher(params), tenant=tenant[0], tenant_weight=tenant[1])  # fmt: skip
         with self._wake:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -25,6 +25,7 @@ from preble_backend.engine.engine import Engine
 from preble_backend.engine.scheduling.request import RequestOutput
 from preble_backend.engine_server.coalescer import Coalescer
 from preble_backend.engine_server.kv_exchange import KVExchange
+from preble_backend.engine_server.tenant_ledger import SERVICE, WAITING, TenantLedger
 from preble_backend.serving.backend_utils import (
     config_parameters,
     exit_with_server,
@@ -81,6 +82,13 @@ METRICS = [
     *(MetricSpec(name, "gauge", text) for name, text in GAUGES.values()),
     *(MetricSpec(name, "counter", key.replace("_", " ")) for key, name in COUNTERS.items()),
     MetricSpec(QUEUE_TIME, "histogram", "arrival to admission out of the wait queue", QUEUE_BUCKETS),
+    MetricSpec(
+        SERVICE,
+        "counter",
+        "the service this engine gave each tenant: prompt tokens computed, cached "
+        "tokens and output tokens, weighted as fair_share weighs them (common/fair_share.py)",
+    ),
+    MetricSpec(WAITING, "gauge", "each tenant's requests in this engine's wait queue"),
 ]
 
 
@@ -101,6 +109,7 @@ class TritonPythonModel:
             None if role == "both" else KVExchange(self.engine, args["model_name"], pb_utils.Logger.log_warn)
         )
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
+        self.tenants = TenantLedger(self.engine, args["model_name"])
         self._counted = dict.fromkeys(COUNTERS, 0)
         self._active: dict[str, object] = {}  # request id -> response sender
         cfg = self.engine.config
@@ -137,7 +146,8 @@ class TritonPythonModel:
         return None
 
     def _submit(self, request, sender) -> None:
-        call = parse_engine_call(read_inputs(request, INPUTS), request.request_id() or uuid.uuid4().hex)
+        call = parse_engine_call(read_inputs(request, INPUTS), request.request_id() or uuid.uuid4().hex,
+                                 request.parameters())  # fmt: skip
         if call.control is not None:
             self._control(call.control, sender)
             return
@@ -163,7 +173,8 @@ class TritonPythonModel:
     def _add(self, call) -> None:
         offer = self.kv is not None and call.kv == {"offer": True}
         self.engine.add_request(call.request_id, call.input_ids, call.params,
-                                lambda out: self._on_output(out, call, offer))  # fmt: skip
+                                lambda out: self._on_output(out, call, offer),
+                                (call.tenant, call.tenant_weight))  # fmt: skip
 
     def _add_taken(self, call, sender) -> None:
         """The engine's thread, once the prompt's KV was received or not."""
@@ -193,10 +204,11 @@ class TritonPythonModel:
         answered at once. No control answer carries cache events: those reach each router
         through its own cursor in the engine's event log.
         The others run in the engine loop, between iterations: ``execute`` never waits."""
-        if op["op"] == "health":
+        if op["op"] == "health":  # a router's copy of the tenants' service comes with it
+            self.tenants.take(op.get("shares"))
             answer: Future = Future()
-            answer.set_result(encode_report({**self._stats(), **self.engine.loop_health(),
-                                             **self.engine.cost_report()}))  # fmt: skip
+            load = {**self._stats(), **self.engine.loop_health(), **self.engine.cost_report()}
+            answer.set_result(encode_report({**load, **self.tenants.report()}))
             self._put(CONTROL, (sender, answer))
             return
         if op["op"] == "abort":
@@ -291,6 +303,7 @@ class TritonPythonModel:
         for key, name in COUNTERS.items():
             self.metrics.count(name, stats.get(key, 0) - self._counted[key])
             self._counted[key] = stats.get(key, 0)
+        self.tenants.publish(self.metrics)
 
     def finalize(self) -> None:
         self.engine.shutdown()  # pending requests finish as "abort" and reach the queue

@@ -75,6 +75,7 @@ class RouterCall:
     n: int = 1  # choices, each its own router request after the first's prefill
     tools: Tools | None = None
     ignored: list[str] = field(default_factory=list)  # fields this server does not know (logged)
+    tenant: dict[str, str] = field(default_factory=dict)  # the tenant's request parameters (tenant_gate.py)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 

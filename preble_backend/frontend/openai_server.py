@@ -6,7 +6,9 @@ on a persistent channel, so the router's routing, streaming and cancellation hol
 they do for Triton's own clients; a client that disconnects cancels its stream, and the
 router aborts the request in its engine. With an API key (``PREBLE_API_KEY`` in the
 environment) every request but a health probe must carry ``Authorization: Bearer
-<key>``, and the front sends the key on to the router.
+<key>``, and the front sends the key on to the router. With a keys file (``--keys-file``)
+each client key names a tenant (``tenant_gate.py``): the front checks the key, names the
+request's tenant, and sends the front's own key on.
 
     python -m preble_backend.frontend.openai_server --router 127.0.0.1:8001 --model-path tiny
 
@@ -28,8 +30,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV, HEADER
+from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
 from preble_backend.common.settings import MAX_BODY_BYTES
+from preble_backend.common.tenants import KeysFileError, TenantKeys
 from preble_backend.frontend import responses
 from preble_backend.frontend.drain import Drain
 from preble_backend.frontend.metrics_federation import federate
@@ -49,6 +52,7 @@ from preble_backend.frontend.openai_protocol import (
     usage_chunk,
 )
 from preble_backend.frontend.router_stream import Router, collect, merged, open_choices
+from preble_backend.frontend.tenant_gate import TenantGate, add_http_gate
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
 from preble_backend.frontend.triton_grpc import Gate, GrpcFront, start_grpc_front
 from preble_backend.frontend.triton_http import EngineView, add_triton_routes, bounded_body
@@ -90,10 +94,12 @@ class TritonSide:
 
 
 def make_app(router: Router, served: Served, render, triton: TritonSide | None = None, key: str | None = None,
-             card: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES):  # fmt: skip
+             card: dict | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+             tenants: TenantGate | None = None):  # fmt: skip
     """``card``: what ``/v1/models`` says of the model (vLLM's ``root``, ``max_model_len``,
     and its parameters and dtype); a request body over ``max_body_bytes`` is 413 on every
-    route."""
+    route. ``tenants``: who each request is served for (a keys file's keys replace ``key``)."""
+    tenants = tenants or TenantGate()
     import aiohttp
 
     session: list[aiohttp.ClientSession] = []
@@ -111,15 +117,9 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
     engines = triton.engines if triton else None
     if triton is not None:
         add_triton_routes(app, triton.http, engines, router.model, triton.max_body_bytes, lambda: session[0],
-                          router.drain)  # fmt: skip
+                          router.drain, key if tenants.keys is not None else None)  # fmt: skip
 
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if key is None or request.url.path in OPEN_PATHS or request.headers.get(HEADER) == f"Bearer {key}":
-            return await call_next(request)
-        message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
-        body = OpenAIError(401, message).body() if request.url.path.startswith("/v1/") else {"error": message}
-        return JSONResponse(body, status_code=401)
+    add_http_gate(app, key, tenants, OPEN_PATHS)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
@@ -175,7 +175,8 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
             raise OpenAIError(400, "the request body must be a JSON object")
         return body
 
-    async def answer(call: RouterCall):
+    async def answer(call: RouterCall, request: Request):
+        call.tenant = request.state.tenant.parameters()
         _warn_ignored(call)
         streams = await open_choices(router, call)
         if call.stream:
@@ -184,11 +185,11 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer(parse_completion(await body_of(request), served))
+        return await answer(parse_completion(await body_of(request), served), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await answer(parse_chat(await body_of(request), served, render))
+        return await answer(parse_chat(await body_of(request), served, render), request)
 
     @app.post("/v1/responses")
     async def create_response(request: Request):
@@ -196,6 +197,7 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
         chat = responses.chat_body(body)
         call = parse_chat(chat, served, render)
         call.ignored = sorted(set(body) - set(responses.KNOWN))
+        call.tenant = request.state.tenant.parameters()
         _warn_ignored(call)
         [pieces] = await open_choices(router, call)
         if call.stream:
@@ -311,9 +313,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--engine-metrics", default="", help="name=host:port,...: each engine's metrics")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES, help="larger requests: 413")
+    parser.add_argument("--keys-file", default="", help="client keys naming tenants (common/tenants.py); "
+                        "the front then sends tritonserver its own key, PREBLE_API_KEY")  # fmt: skip
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="SIGTERM: time open requests get")
     args = parser.parse_args(argv)
     key = os.environ.get(API_KEY_ENV) or None
+    try:
+        tenants = TenantGate(TenantKeys.load(args.keys_file) if args.keys_file else None)
+    except KeysFileError as exc:
+        parser.exit(2, f"preble front: {exc}\n")
     triton = None
     if args.triton_http:
         triton = TritonSide(f"http://{args.triton_http}", f"http://{args.triton_metrics}/metrics",
@@ -327,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
             "active_parameters": info.active_parameters, "architecture": info.architecture,
             "kv_bytes_per_token": info.kv_bytes_per_token, "dtype": info.dtype,
             "served_by": info.served_by}  # fmt: skip
-    app = drain.wrap(make_app(router, served, chat_renderer(path), triton, key, card, args.max_body_bytes))
+    app = drain.wrap(make_app(router, served, chat_renderer(path), triton, key, card, args.max_body_bytes,
+                              tenants))  # fmt: skip
     ports = [p for p in (args.port, args.http_port) if p]
     configs = [uvicorn.Config(app, host=args.host, port=p, log_level="warning", timeout_graceful_shutdown=5)
                for p in ports]  # fmt: skip
@@ -342,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         server.capture_signals = contextlib.nullcontext
     grpc_front = None
     if args.grpc_port and triton is not None:
-        gate = Gate(key, os.environ.get(ADMIN_KEY_ENV) or None)
+        gate = Gate(key, os.environ.get(ADMIN_KEY_ENV) or None, tenants)
         grpc_front = GrpcFront(args.router, gate, triton.engines, args.router_model, drain)
 
     async def serve_all() -> None:

@@ -63,7 +63,7 @@ class Router:
             "return_logprobs": call.logprobs is not None,
         })  # fmt: skip
 
-        parameters = {"triton_enable_empty_final_response": True}
+        parameters = {"triton_enable_empty_final_response": True, **call.tenant}
         if engine:
             parameters["preble_engine"] = engine
 

@@ -5,8 +5,8 @@ Why: tritonserver's gRPC server answers a missing or wrong key with ``UNAVAILABL
 bad key retries forever; it reports ready with every engine dead; and it is one more
 parser of client bytes in the process that holds every stream. Here the router's
 tritonserver listens for gRPC on loopback at a port only the front knows, and the front
-relays each call's messages as bytes (it never parses an inference request) after
-deciding who may make it:
+relays each call's messages as bytes after deciding who may make it (an inference
+request is parsed only to write its tenant's parameters over its own: ``tenant_gate.py``):
 
 - a health probe (``ServerLive``, ``ServerReady``, ``ModelReady``) is open, and readiness
   is honest as on HTTP (``EngineView``);
@@ -21,21 +21,24 @@ deciding who may make it:
   draining, new calls get ``UNAVAILABLE`` and open ones end with the drain's message.
 
 Keys come as Triton's ``triton-grpc-protocol-authorization: Bearer <key>`` or as the plain
-``authorization`` gRPC clients send; tritonserver gets the former, and still checks it.
+``authorization`` gRPC clients send; tritonserver gets the former, and still checks it
+(with a keys file, it gets the front's own key). A tenant over its cap of requests in
+flight is ``RESOURCE_EXHAUSTED``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import contextmanager
 
 import grpc
 from grpc import aio
 
-from preble_backend.common.keys import GRPC_HEADER, HEADER
+from preble_backend.common.keys import GRPC_HEADER, HEADER, same_key
+from preble_backend.common.tenants import TENANT_HEADER, Tenant, TenantRefused
 from preble_backend.frontend.drain import MESSAGE, Drain
+from preble_backend.frontend.tenant_gate import TenantGate
 from preble_backend.frontend.triton_http import LOST, NO_MODEL_CONTROL, EngineView
 from preble_backend.serving.protocol import invalid, retryable
 
@@ -57,12 +60,27 @@ FORWARDED = {"triton_grpc_error"}  # Triton's switch for ending a stream on its 
 UNLIMITED = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 
-class Gate:
-    """Which key opens what: the API key the client APIs (open without one), the admin key
-    the admin APIs. Compared in constant time."""
+INFERENCE = {"ModelInfer", "ModelStreamInfer"}
+REFUSED = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+           403: grpc.StatusCode.PERMISSION_DENIED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}  # fmt: skip
 
-    def __init__(self, api_key: str | None, admin_key: str | None) -> None:
+
+class Gate:
+    """Which key opens what: the API key the client APIs (open without one), or with a
+    keys file any of its keys; the admin key the admin APIs. Compared in constant time."""
+
+    def __init__(self, api_key: str | None, admin_key: str | None, tenants: TenantGate | None = None) -> None:
         self.api_key, self.admin_key = api_key, admin_key
+        self.tenants = tenants or TenantGate()
+
+    def client_key(self, key: str | None) -> bool:
+        if self.tenants.keys is not None:
+            return self.tenants.knows(key)
+        return self.api_key is None or same_key(key, self.api_key)
+
+    def upstream_key(self, key: str | None) -> str | None:
+        """The key tritonserver gets: the front's own where a keys file names tenants."""
+        return self.api_key if self.tenants.keys is not None and self.client_key(key) else key
 
     def refusal(self, name: str, key: str | None) -> tuple[grpc.StatusCode, str] | None:
         """Why the call ``name`` with ``key`` is refused, or None."""
@@ -70,9 +88,9 @@ class Gate:
             return None
         if name in MODEL_CONTROL:
             return grpc.StatusCode.PERMISSION_DENIED, NO_MODEL_CONTROL
-        is_api, is_admin = _same(key, self.api_key), _same(key, self.admin_key)
+        is_api, is_admin = self.client_key(key), same_key(key, self.admin_key)
         if name in CLIENT:
-            if self.api_key is None or is_api:
+            if is_api:
                 return None
             if is_admin:
                 return grpc.StatusCode.PERMISSION_DENIED, f"{name} needs the API key, not the admin key"
@@ -86,10 +104,6 @@ class Gate:
                 return grpc.StatusCode.PERMISSION_DENIED, f"{name} is an admin API: it needs the admin key"
             return grpc.StatusCode.UNAUTHENTICATED, f"{name} is an admin API: it needs the admin key"
         return grpc.StatusCode.UNIMPLEMENTED, f"unknown method {name}"
-
-
-def _same(key: str | None, expected: str | None) -> bool:
-    return key is not None and expected is not None and hmac.compare_digest(key.encode(), expected.encode())
 
 
 def _key(metadata) -> str | None:
@@ -127,7 +141,21 @@ class GrpcFront(grpc.GenericRpcHandler):
         if (refusal := self.gate.refusal(name, key)) is not None:
             await context.abort(*refusal)
         sent = tuple((k, v) for k, v in metadata if k in FORWARDED)
-        return sent + ((GRPC_HEADER, f"Bearer {key}"),) if key else sent
+        upstream = self.gate.upstream_key(key)
+        return sent + ((GRPC_HEADER, f"Bearer {upstream}"),) if upstream else sent
+
+    async def _admit_tenant(self, name: str, context) -> Tenant | None:
+        """An inference call's tenant, now with one more request in flight (None: not an
+        inference call); refused, the call is aborted (raises)."""
+        if name not in INFERENCE:
+            return None
+        metadata = context.invocation_metadata() or ()
+        try:
+            tenant = self.gate.tenants.tenant(_key(metadata), dict(metadata).get(TENANT_HEADER))
+            self.gate.tenants.admit(tenant)
+        except TenantRefused as exc:
+            await context.abort(REFUSED[exc.status], str(exc))
+        return tenant
 
     @contextmanager
     def _open(self, call):
@@ -143,28 +171,43 @@ class GrpcFront(grpc.GenericRpcHandler):
     def _unary(self, name: str, method: str):
         async def relay(request: bytes, context) -> bytes:
             metadata = await self._admit(name, context)
-            call = self.channel.unary_unary(method)(
-                request, metadata=metadata, timeout=context.time_remaining()
-            )
-            with self._open(call):
-                try:
-                    answer = await call
-                except aio.AioRpcError as exc:
-                    await context.abort(*_status(exc))
-                except asyncio.CancelledError:
-                    if not self.drain.cut_this_task():
-                        raise
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
-            if name in ("ServerReady", "ModelReady") and await self._not_serving(name, request):
-                return _not_ready(name)
-            return answer
+            tenant = await self._admit_tenant(name, context)
+            try:
+                return await self._relay_unary(name, method, request, metadata, tenant, context)
+            finally:
+                if tenant is not None:
+                    self.gate.tenants.release(tenant)
 
         return relay
+
+    async def _relay_unary(self, name: str, method: str, request: bytes, metadata, tenant: Tenant | None,
+                           context) -> bytes:  # fmt: skip
+        if tenant is not None:
+            request = with_tenant(request, tenant)
+        call = self.channel.unary_unary(method)(request, metadata=metadata, timeout=context.time_remaining())
+        with self._open(call):
+            try:
+                answer = await call
+            except aio.AioRpcError as exc:
+                await context.abort(*_status(exc))
+            except asyncio.CancelledError:
+                if not self.drain.cut_this_task():
+                    raise
+                await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
+        if name in ("ServerReady", "ModelReady") and await self._not_serving(name, request):
+            return _not_ready(name)
+        return answer
 
     def _stream(self, method: str):
         async def relay(requests: AsyncIterator[bytes], context) -> AsyncIterator[bytes]:
             metadata = await self._admit("ModelStreamInfer", context)
-            call = self.channel.stream_stream(method)(requests, metadata=metadata,
+            tenant = await self._admit_tenant("ModelStreamInfer", context)
+
+            async def rewritten():
+                async for request in requests:
+                    yield with_tenant(request, tenant)
+
+            call = self.channel.stream_stream(method)(rewritten(), metadata=metadata,
                                                       timeout=context.time_remaining())  # fmt: skip
             started = False
             with self._open(call):
@@ -187,6 +230,7 @@ class GrpcFront(grpc.GenericRpcHandler):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
                 finally:
                     call.cancel()  # a client that left: tritonserver's stream is cancelled, and the request
+                    self.gate.tenants.release(tenant)
 
         return relay
 
@@ -201,6 +245,16 @@ class GrpcFront(grpc.GenericRpcHandler):
             return False
         up, _why = await self.engines.serving(self.session)
         return not up
+
+
+def with_tenant(request: bytes, tenant: Tenant) -> bytes:
+    """An inference request with ``tenant``'s parameters written over its own."""
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest.FromString(request)
+    for name, value in tenant.parameters().items():
+        message.parameters[name].string_param = value
+    return message.SerializeToString()
 
 
 def _not_ready(name: str) -> bytes:

@@ -27,6 +27,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from preble_backend.common.keys import bearer
 from preble_backend.common.version import __version__
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.serving.protocol import FORBIDDEN, retryable
@@ -41,6 +42,7 @@ CLOSE = {"Connection": "close"}
 GENERATE = re.compile(r"^models/(?P<model>[^/]+)(?:/versions/[^/]+)?/(?P<kind>generate|generate_stream)$")
 ROUTER_FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_cumulative_logprob",
                 "return_logprobs", "return_num_input_tokens", "return_num_output_tokens")  # fmt: skip
+INFERENCE = re.compile(r"^models/[^/]+(?:/versions/[^/]+)?/(?:infer|generate|generate_stream)$")
 MODEL_CONTROL = re.compile(r"^repository/models/[^/]+/(load|unload)$")
 NO_MODEL_CONTROL = ("loading and unloading models is disabled: the servers run with model control 'none' "
                     "(the router's admin control request switches its policy; docs/SECURITY.md)")  # fmt: skip
@@ -74,10 +76,20 @@ class EngineView:
         return value
 
 
-def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_model: str,
-                      max_body_bytes: int, session_of, drain: Drain) -> None:  # fmt: skip
+def add_triton_routes(
+    app: FastAPI,
+    upstream: str,
+    engines: EngineView,
+    router_model: str,
+    max_body_bytes: int,
+    session_of,
+    drain: Drain,
+    upstream_key: str | None = None,
+) -> None:
     """Mount ``/v2/...`` on ``app``, forwarded to tritonserver's HTTP at ``upstream``
-    (``http://127.0.0.1:port``); ``session_of()``: the app's ``aiohttp`` session."""
+    (``http://127.0.0.1:port``); ``session_of()``: the app's ``aiohttp`` session. With
+    ``upstream_key`` (a keys file names tenants), tritonserver gets that key, not the
+    client's, and every inference request its tenant's parameters (``request.state.tenant``)."""
 
     async def ready_answer(path: str) -> Response | None:
         """The honest answer to a readiness probe of the server or the router model."""
@@ -116,7 +128,9 @@ def add_triton_routes(app: FastAPI, upstream: str, engines: EngineView, router_m
         body = await bounded_body(request, max_body_bytes)
         if isinstance(body, Response):
             return body
-        canonical = await _canonical(request, body)
+        tenant = getattr(request.state, "tenant", None)
+        parameters = tenant.parameters() if tenant is not None and INFERENCE.match(path) else None
+        canonical = await _canonical(request, body, parameters, upstream_key)
         if isinstance(canonical, Response):
             return canonical
         body, headers, parsed = canonical
@@ -198,13 +212,18 @@ async def bounded_body(request: Request, limit: int) -> bytes | Response:
     return _too_large(size, limit, close=True) if size > limit else b"".join(chunks)
 
 
-async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, str], object] | Response:
+async def _canonical(
+    request: Request, body: bytes, parameters: dict | None = None, upstream_key: str | None = None
+) -> tuple[bytes, dict[str, str], object] | Response:
     """The request as tritonserver gets it: parsed here and written anew, with only the
     headers it needs. Nothing a client sends reaches tritonserver's HTTP parser as sent
     (its form-encoded and deep-JSON paths crashed it: docs/SECURITY.md). A JSON body is
     re-serialized; a binary-tensor body keeps its tensor bytes behind a re-serialized
-    JSON header whose length is ours. Also returns the parsed JSON (None: no body)."""
+    JSON header whose length is ours. ``parameters`` are written over the request's own;
+    ``upstream_key`` replaces the client's. Also returns the parsed JSON (None: no body)."""
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
+    if upstream_key is not None:
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"} | bearer(upstream_key)
     if not body:
         return body, headers, None
     declared = request.headers.get(BINARY)
@@ -217,6 +236,10 @@ async def _canonical(request: Request, body: bytes) -> tuple[bytes, dict[str, st
         header, tensors = body[: int(declared)], body[int(declared) :]
     try:
         parsed = await asyncio.get_running_loop().run_in_executor(None, json.loads, header)
+        if parameters and isinstance(parsed, dict):
+            if not isinstance(parsed.get("parameters", {}), dict):
+                return _bad("'parameters' must be a JSON object")
+            parsed["parameters"] = {**parsed.get("parameters", {}), **parameters}
         encoded = json.dumps(parsed, separators=(",", ":"), allow_nan=False).encode()
     except RecursionError:
         return _bad("the request body is not valid JSON: nested too deeply")

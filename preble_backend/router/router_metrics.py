@@ -55,6 +55,11 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
     MetricSpec("preble_router_cost_ms", "gauge",
                "the fit in use, by term: base, prefill per token, decode per request, attention per "
                "context token, decode step"),
+    MetricSpec("preble_router_tenant_in_flight", "gauge",
+               "each tenant's requests this router has admitted and not yet answered"),
+    MetricSpec("preble_tenant_fairness_index", "gauge",
+               "Jain's index over the service per unit of weight the backlogged tenants received in the "
+               "last minute, as this router's copy of the cluster's counts says (1: shares as weighted)"),
     MetricSpec("preble_router_prefill_legs_total", "counter",
                "disaggregated requests' prefills on a prefill engine, by outcome: offered (its KV went to "
                "the decode engine), failed or no_offer (the request prefilled on its decode engine)"),

@@ -40,6 +40,7 @@ from preble_backend.router.cluster.admin_control import AdminControl, admin_requ
 from preble_backend.router.cluster.membership import Membership
 from preble_backend.router.cluster.migration import Migration
 from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.cluster.tenant_shares import ClusterShares
 from preble_backend.router.config import RouterConfig
 from preble_backend.router.engines.discovery import Discovery
 from preble_backend.router.engines.engine_client import (
@@ -137,10 +138,11 @@ class TritonPythonModel(RouterState):
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="preble-loop", daemon=True)
         self.loop_thread.start()
+        self.tenant_shares = ClusterShares()  # the tenants' service, as the engines report it
         self.monitor = EngineMonitor(
             self.engines, self._on_loop(self._engine_down), self._on_loop(self._engine_up),
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
-            on_load=self._probe_answered,
+            on_load=self._probe_answered, probe_fields=self.tenant_shares.probe_fields,
         )  # fmt: skip
         self.draining = False
         self.discovery.start(self._on_loop(self.membership.change))
@@ -221,6 +223,7 @@ class TritonPythonModel(RouterState):
             return
         task = asyncio.current_task()
         self.tasks.add(task)
+        self.tenant_shares.opened(req.tenant_name)
         try:
             if not await flight.wait_for_slot():
                 return
@@ -236,7 +239,8 @@ class TritonPythonModel(RouterState):
                 if failures and not await self.migration.answers(flight, engine):
                     continue  # it was down before the request reached it: that is no failure of its
                 try:
-                    kv = await self.legs.run(flight.prefill, routing) if flight.prefill is not None else None
+                    leg = flight.prefill
+                    kv = await self.legs.run(leg, routing, req.tenant) if leg is not None else None
                     await self._forward(flight, req, routing, engine, arrival, answer, params_json, kv)
                     return
                 except EngineUnavailable as exc:
@@ -262,6 +266,7 @@ class TritonPythonModel(RouterState):
         finally:
             self.settle(flight)
             self.tasks.discard(task)
+            self.tenant_shares.closed(req.tenant_name)
 
     def _place(self, flight: Flight, routing: RoutingRequest, arrival: float, pin: str | None,
                prefill_pin: str | None = None) -> EngineClient:  # fmt: skip
@@ -306,7 +311,7 @@ class TritonPythonModel(RouterState):
         cancelled = False
         start, first_token_at = time.monotonic(), None
         cursor = self.feeds[instance].cursor
-        stream = engine.generate(routing.request_id, routing.input_ids, params_json, cursor, kv)
+        stream = engine.generate(routing.request_id, routing.input_ids, params_json, cursor, kv, req.tenant)
         async with aclosing(stream):
             async for resp in stream:
                 self.monitor.progress(instance)

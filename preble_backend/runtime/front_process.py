@@ -80,6 +80,7 @@ def start_openai_front(
     server: TritonServer | None = None, http_port: int = 0, access: Access | None = None,
     max_body_bytes: int = MAX_BODY_BYTES, drain_s: float = 30.0, model_name: str = "", dtype: str = "auto",
     metrics_port: int = 0, engine_metrics: dict[str, str] | None = None, grpc_port: int = 0,
+    keys_file: str | None = None,
 ) -> OpenAIFront:  # fmt: skip
     """Launch the front (not yet waiting for it): the OpenAI API on ``port``, and with a
     ``server`` Triton's HTTP API on ``http_port``, forwarded to that server's own HTTP
@@ -103,6 +104,8 @@ def start_openai_front(
         if metrics_port:  # the public metrics port: the router's server's series and every engine's
             engines = ",".join(f"{name}={where}" for name, where in (engine_metrics or {}).items())
             cmd += ["--metrics-port", str(metrics_port), "--engine-metrics", engines]
+    if keys_file:  # client keys name tenants; the API key is then the front's own, for tritonserver
+        cmd += ["--keys-file", str(Path(keys_file).resolve())]
     env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, ADMIN_KEY_ENV)}
     if access.api_key:
         env[API_KEY_ENV] = access.api_key

@@ -19,13 +19,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
+from preble_backend.common.fair_share import DEFAULT_TENANT
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.common.settings import MAX_INPUT_BYTES
+from preble_backend.common.tenants import TENANT_PARAMETER, WEIGHT_PARAMETER, check_tenant_name, check_weight
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,11 @@ class GenerateRequest:
     return_num_output_tokens: bool
     engine: str | None = None  # the request parameter ``preble_engine``: route there while it is up
     prefill_engine: str | None = None  # ``preble_prefill_engine``: prefill there first (disaggregated)
+    tenant: dict[str, str] = field(default_factory=dict)  # ``preble_tenant`` and its weight (tenants.py)
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant.get(TENANT_PARAMETER, DEFAULT_TENANT)
 
 
 def parse_generate(
@@ -209,6 +216,7 @@ def parse_generate(
         raise BadRequest("request parameters are not valid JSON: nested too deeply") from None
     if not isinstance(extra, dict):
         raise BadRequest("request parameters must be a JSON object")
+    tenant = take_tenant(extra)
     engine, prefill_engine = extra.pop("preble_engine", None), extra.pop("preble_prefill_engine", None)
     for key, value in (("preble_engine", engine), ("preble_prefill_engine", prefill_engine)):
         if value is not None and not isinstance(value, str):
@@ -225,7 +233,24 @@ def parse_generate(
     if flags["return_cumulative_logprob"] and params.logprobs is None:  # the engine must compute them
         params_json = json.dumps({**json.loads(params_json or "{}"), "logprobs": 0})
     return GenerateRequest(prompt, params, params_json, stream, prepend, **flags, engine=engine,
-                           prefill_engine=prefill_engine)  # fmt: skip
+                           prefill_engine=prefill_engine, tenant=tenant)  # fmt: skip
+
+
+def take_tenant(parameters: dict) -> dict[str, str]:
+    """The request parameters ``preble_tenant`` and ``preble_tenant_weight``, taken out of
+    ``parameters`` and checked (none: the default tenant's, as ``{}``)."""
+    name, weight = parameters.pop(TENANT_PARAMETER, None), parameters.pop(WEIGHT_PARAMETER, None)
+    if name is None:
+        if weight is not None:
+            raise BadRequest(f"request parameter {WEIGHT_PARAMETER} needs {TENANT_PARAMETER}")
+        return {}
+    try:
+        tenant = {TENANT_PARAMETER: check_tenant_name(name, f"request parameter {TENANT_PARAMETER}")}
+        if weight is not None:
+            tenant[WEIGHT_PARAMETER] = f"{check_weight(weight, f'request parameter {WEIGHT_PARAMETER}'):g}"
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return tenant
 
 
 @dataclass(frozen=True)
@@ -238,9 +263,13 @@ class EngineCall:
     control: dict | None = None
     events_since: str | None = None  # the router's cursor in the engine's event log
     kv: dict | None = None  # {"offer": true} or {"take": offer}: see the module's docstring
+    tenant: str = DEFAULT_TENANT  # whose share it is served from, and that tenant's weight
+    tenant_weight: float = 1.0
 
 
-def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) -> EngineCall:
+def parse_engine_call(
+    inputs: dict[str, np.ndarray | None], fallback_id: str, request_parameters: str | None = None
+) -> EngineCall:
     control = _single("control", inputs.get("control"))
     if control is not None:
         try:
@@ -265,7 +294,13 @@ def parse_engine_call(inputs: dict[str, np.ndarray | None], fallback_id: str) ->
         _text("sampling_parameters", params_raw) if params_raw is not None else None
     )
     since = _single("events_since", inputs.get("events_since"))
+    try:
+        tenant = take_tenant(json.loads(request_parameters or "{}"))
+    except (json.JSONDecodeError, RecursionError, AttributeError):
+        raise BadRequest("request parameters must be a JSON object") from None
     return EngineCall(
+        tenant=tenant.get(TENANT_PARAMETER, DEFAULT_TENANT),
+        tenant_weight=float(tenant.get(WEIGHT_PARAMETER, 1.0)),
         kv=_kv_transfer(inputs.get("kv_transfer")),
         request_id=_text("request_id", rid) if rid is not None else fallback_id,
         input_ids=[int(t) for t in ids.reshape(-1)],

@@ -34,6 +34,8 @@ class FairWaitQueue:
 
     def push(self, request: Request, group: int, front: bool = False) -> None:
         tenant = request.tenant
+        if request.tenant_weight is not None:
+            self.shares.weights[tenant] = request.tenant_weight
         queue = self.queues.get(tenant)
         if queue is None or not len(queue):  # it becomes backlogged: no banked credit
             self.shares.lift(tenant, self._backlogged())

@@ -60,6 +60,7 @@ class Request:
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the request asks
     matcher: object | None = None  # structured outputs: the grammar's state (engine/outputs/guided.py)
     tenant: str = DEFAULT_TENANT  # whose share it is served from (engine/scheduling/fair_queue.py)
+    tenant_weight: float | None = None  # that tenant's weight, as its request said (None: as it was)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:

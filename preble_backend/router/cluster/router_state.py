@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import triton_python_backend_utils as pb_utils
 
 from preble_backend.common.cache_event import CacheEvent, EventBatch
+from preble_backend.router.cluster.tenant_shares import ClusterShares
 from preble_backend.router.config import RouterConfig
 from preble_backend.router.engines.engine_client import EngineClient
 from preble_backend.router.engines.engine_monitor import EngineMonitor
@@ -52,6 +53,7 @@ class RouterState:
     loop: asyncio.AbstractEventLoop
     server_url: Callable[[], str]
     tokenize_pool: ThreadPoolExecutor  # also the pool for blocking calls to engines
+    tenant_shares: ClusterShares
 
     def policy_facts(self) -> dict:
         """What every policy is offered about the engines (``scheduler.policies``)."""
@@ -127,6 +129,7 @@ class RouterState:
         pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
         self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
         self.policy.instance_down(instance)
+        self.tenant_shares.forget(instance)
         self.gauge_cached(instance)
         self.feeds[instance].reset()
         if not self.config.migration_limit:  # else each task moves its request elsewhere
@@ -162,6 +165,8 @@ class RouterState:
         """A health probe's answer: what the engine is (its KV, its host tier), for
         whichever policy routes now."""
         self.policy.learn(instance, load)
+        self.tenant_shares.learn(instance, load)
+        self.tenant_shares.publish(self.metrics)
 
     def _engine_up(self, instance: int) -> None:
         name = self.engines[instance].name

@@ -93,8 +93,9 @@ class EngineClient:
     # ---- streams, on the router's event loop ----------------------------------------------
 
     async def _stream(
-        self, inputs: dict[str, np.ndarray], abort: dict[str, np.ndarray] | None = None
-    ) -> AsyncIterator[dict[str, np.ndarray]]:
+        self, inputs: dict[str, np.ndarray], abort: dict[str, np.ndarray] | None = None,
+        parameters: dict[str, str] | None = None,
+    ) -> AsyncIterator[dict[str, np.ndarray]]:  # fmt: skip
         """Send one request on the engine's stream; yield each response's outputs; raise
         EngineError on error. ``abort``: what to send if the reader stops early."""
         if self._aio is None:
@@ -103,7 +104,7 @@ class EngineClient:
             self._stream_call = EngineStream(self._aio[1], self.model, self.wait_for_ready, self.metadata)
         with self._errors():
             try:
-                async with aclosing(self._stream_call.request(inputs, abort)) as responses:
+                async with aclosing(self._stream_call.request(inputs, abort, parameters)) as responses:
                     async for outputs, final in responses:
                         yield outputs
                         if final:
@@ -114,9 +115,10 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, input_ids: list[int], params_json: str, events_since: str = "",
-        kv: dict | None = None,
+        kv: dict | None = None, tenant: dict[str, str] | None = None,
     ) -> AsyncIterator[EngineResponse]:  # fmt: skip
-        """``kv``: a prefill leg's ``{"offer": true}``, or a decode's ``{"take": offer}``."""
+        """``kv``: a prefill leg's ``{"offer": true}``, or a decode's ``{"take": offer}``;
+        ``tenant``: the request parameters naming whose share it is served from."""
         inputs = {
             "input_ids": np.asarray(input_ids, dtype=np.int32),
             "sampling_parameters": np.array([params_json.encode()], dtype=np.object_),
@@ -126,7 +128,7 @@ class EngineClient:
         if kv is not None:
             inputs["kv_transfer"] = np.array([json.dumps(kv).encode()], dtype=np.object_)
         abort = _control_inputs("abort", request_id=request_id)
-        async with aclosing(self._stream(inputs, abort)) as stream:
+        async with aclosing(self._stream(inputs, abort, tenant)) as stream:
             async for outputs in stream:
                 resp = _response(outputs)
                 if resp is not None:
@@ -156,10 +158,11 @@ class EngineClient:
             raise EngineError(f"engine {self.name} sent no report for control op {op!r}")
         return report
 
-    def health(self) -> dict:
+    def health(self, **fields) -> dict:
         """The engine loop's answer to a ``health`` probe (its load snapshot and pid); it
-        drains no cache events, which belong to the reports on final responses."""
-        return json.loads(self.control("health"))["load"]
+        drains no cache events, which belong to the reports on final responses. ``fields``
+        go with the probe (``shares``: the router's copy of the tenants' service)."""
+        return json.loads(self.control("health", **fields))["load"]
 
     def cancel_all(self) -> int:
         """Cancel every call in flight to this engine, streams and control calls; return

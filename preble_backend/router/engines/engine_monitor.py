@@ -41,9 +41,11 @@ class EngineMonitor:
         timeout_s: float = 10.0,
         warn: Callable[[str], None] = print,
         on_load: Callable[[int, dict], None] = lambda instance, load: None,
+        probe_fields: Callable[[], dict] = dict,
     ) -> None:
         self.engines, self.on_down, self.on_up, self._warn = list(engines), on_down, on_up, warn
         self.on_load = on_load  # each answered probe's load snapshot
+        self.probe_fields = probe_fields  # what each probe carries (the router's copy of tenants' service)
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.up = [True] * len(engines)
         self.watched = set(range(len(engines)))
@@ -141,7 +143,7 @@ class EngineMonitor:
 
     def _probe(self, instance: int) -> None:
         try:
-            load = self.engines[instance].health()
+            load = self.engines[instance].health(**self.probe_fields())
         except EngineError as exc:
             with self._lock:
                 first = instance in self._unanswered

@@ -73,15 +73,16 @@ class EngineStream:
                 responses.put_nowait(_ENDED)
 
     async def request(
-        self, inputs: dict[str, np.ndarray], abort: dict[str, np.ndarray] | None = None
-    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+        self, inputs: dict[str, np.ndarray], abort: dict[str, np.ndarray] | None = None,
+        parameters: dict[str, str] | None = None,
+    ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:  # fmt: skip
         """Send one request; yield each response's (outputs, final). ``abort``: the
         control inputs to send if the caller stops reading before the final response."""
         if self.closed:
             raise self._closed_reason
         request_id = f"r{next(self._ids)}"
         responses = self._open[request_id] = asyncio.Queue()
-        request = infer_request(self.model, inputs)
+        request = infer_request(self.model, inputs, parameters)
         request.id = request_id
         self._outbox.put_nowait(request)
         finished = False  # by its final response, an error response, or the stream's end

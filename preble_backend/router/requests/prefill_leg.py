@@ -51,7 +51,7 @@ class PrefillLegs:
             r.policy.place(prefill_leg(routing), p)
             flight.prefill = p
 
-    async def run(self, instance: int, routing: RoutingRequest) -> dict | None:
+    async def run(self, instance: int, routing: RoutingRequest, tenant: dict | None = None) -> dict | None:
         """Prefill ``routing``'s prompt on ``instance``: what the decode engine is sent
         (``kv_transfer: {"take": offer}``), or None if it failed."""
         r = self.router
@@ -61,7 +61,7 @@ class PrefillLegs:
         start = time.monotonic()
         try:
             stream = engine.generate(leg.request_id, leg.input_ids, LEG_PARAMS, r.feeds[instance].cursor,
-                                     kv={"offer": True})  # fmt: skip
+                                     kv={"offer": True}, tenant=tenant)  # fmt: skip
             async with aclosing(stream):
                 async for resp in stream:
                     r.monitor.progress(instance)

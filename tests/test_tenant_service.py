@@ -1,0 +1,114 @@
+"""Tenants on the real stack (issue 65): ``preble serve --keys-file``. Every API names the
+request's tenant from its key, a tenant's key cannot name another tenant (by header or by
+request parameter), a gateway's key can, a tenant over its cap gets 429, and the engines
+count each tenant's service in ``preble_tenant_service_tokens_total``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from server_utils import (
+    GENERATE,
+    generate_body,
+    http,
+    metric_value,
+    serve_stack,
+    wait_for,
+    write_test_repository,
+)
+
+from client.triton_client import PrebleClient, PrebleError
+
+pytestmark = pytest.mark.server
+KEY_A, KEY_B, KEY_C, KEY_GW = ("sk-team-a-0123456789", "sk-team-b-0123456789", "sk-team-c-0123456789",
+                               "sk-gateway-0123456789")  # fmt: skip
+KEYS = f"""{KEY_A} team-a 1
+{KEY_B} team-b 1 max_in_flight=1
+{KEY_C} team-c 2
+{KEY_GW} *
+"""
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}", "content-type": "application/json"}
+
+
+def test_keys_name_every_requests_tenant_and_the_engines_count_each_tenants_service(tmp_path, tiny_model):
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    stack = serve_stack(repo, "--keys-file", str(keys))
+    try:
+        generate = stack.url(GENERATE)
+        assert http("POST", generate, generate_body())[0] == 401
+        assert http("POST", generate, generate_body(), bearer("sk-not-a-key-000000"))[0] == 401
+        assert http("POST", generate, generate_body(), bearer(KEY_A))[0] == 200
+        status, _, answer = http(
+            "POST", generate, generate_body(), {**bearer(KEY_A), "preble-tenant": "team-c"}
+        )
+        assert status == 403 and b"only a gateway's key names tenants" in answer, answer
+        # a request parameter naming another tenant is written over with the key's own
+        body = json.dumps({"text_input": "Hi", "parameters": {"max_tokens": 3, "preble_tenant": "team-z"}})
+        assert http("POST", generate, body.encode(), bearer(KEY_A))[0] == 200
+        assert (
+            http("POST", generate, generate_body(), {**bearer(KEY_GW), "preble-tenant": "walk-in"})[0] == 200
+        )
+        completions = stack.url("/v1/completions", stack.openai_port)
+        ask = json.dumps({"model": "preble", "prompt": "Hello", "max_tokens": 3}).encode()
+        assert http("POST", completions, ask, bearer(KEY_C))[0] == 200
+        grpc = f"127.0.0.1:{stack.ports.grpc}"
+        assert PrebleClient(grpc_url=grpc, api_key=KEY_B).stream_grpc("Hello", {"max_tokens": 3}).text
+        with pytest.raises(PrebleError, match="needs a valid API key"):
+            PrebleClient(grpc_url=grpc, api_key="sk-not-a-key-000000").stream_grpc("Hello", {"max_tokens": 2})
+
+        # team-b's cap is one request in flight: a second, while its first streams, is 429
+        stream = stack.url("/v2/models/preble/generate_stream")
+        params = json.dumps({"max_tokens": 3000, "ignore_eos": True})
+        long = json.dumps({"text_input": "Hello", "stream": True, "sampling_parameters": params}).encode()
+        first = urllib.request.urlopen(urllib.request.Request(stream, long, bearer(KEY_B)), timeout=60)
+        try:
+            assert first.readline().startswith(b"data: ")
+            status, headers, answer = http("POST", generate, generate_body(), bearer(KEY_B))
+            assert status == 429 and headers.get("retry-after") == "1" and b"max_in_flight=1" in answer, (
+                answer
+            )
+            assert http("POST", generate, generate_body(), bearer(KEY_A))[0] == 200  # others go on
+        finally:
+            first.close()
+        wait_for(lambda: http("POST", generate, generate_body(), bearer(KEY_B))[0] == 200, 60,
+                 "team-b's slot coming back once its stream ended")  # fmt: skip
+
+        metrics = f"http://127.0.0.1:{stack.ports.metrics}"
+        served = {}
+
+        def all_counted() -> bool:
+            for tenant in ("team-a", "team-b", "team-c", "walk-in"):
+                served[tenant] = metric_value(
+                    metrics, "preble_tenant_service_tokens_total", f'tenant="{tenant}"'
+                )
+            return all(served.values())
+
+        wait_for(all_counted, 30, "every tenant's service counted by the engine")
+        assert metric_value(metrics, "preble_tenant_service_tokens_total", 'tenant="team-z"') is None
+        assert metric_value(metrics, "preble_tenant_service_tokens_total", 'tenant="default"') is None
+        assert metric_value(metrics, "preble_tenant_fairness_index") is not None
+        assert metric_value(metrics, "preble_router_tenant_in_flight", 'tenant="team-a"') == 0
+    finally:
+        out, err = stack.stop()
+    assert stack.process.returncode == 0, err
+
+
+def test_a_bad_keys_file_is_refused_at_start_naming_its_line(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} team-a 1\n\n{KEY_B} team-b 0\n")
+    serve = [sys.executable, "-m", "preble_backend.cli", "serve", "--model-repository", str(tmp_path)]
+    done = subprocess.run([*serve, "--keys-file", str(keys)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and f"keys file {keys}, line 3: the weight" in done.stderr, done.stderr
+    keys.write_text(f"{KEY_A} team-a\n")
+    both = [*serve, "--keys-file", str(keys), "--api-key", "s3cret-s3cret"]
+    done = subprocess.run(both, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "not both" in done.stderr, done.stderr
