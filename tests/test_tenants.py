@@ -4,6 +4,7 @@ and one counter for the cluster carried by health probes between routers and eng
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -16,6 +17,7 @@ from preble_backend.engine.engine import Engine
 from preble_backend.engine_server.tenant_ledger import TenantLedger
 from preble_backend.frontend.tenant_gate import TenantGate
 from preble_backend.router.cluster.tenant_shares import ClusterShares
+from preble_backend.router.requests.flights import Flights
 from preble_backend.serving.protocol import BadRequest, parse_engine_call, parse_generate
 
 KEY_A, KEY_B, KEY_C = "sk-team-a-0123456789", "sk-team-b-0123456789", "sk-team-c-0123456789"
@@ -224,3 +226,36 @@ def test_a_peers_report_that_is_not_a_count_is_never_merged():
     shares.merge({"a": {"e0": 5, "e1": "9", "e2": True, "e3": float("nan"), 4: 1}, "b": [1], 3: {}})
     shares.merge("not a dict")
     assert shares.snapshot() == {"a": {"e0": 5.0}}
+
+
+def test_a_freed_forwarding_slot_goes_to_the_least_served_tenant_waiting_fifo_within_one():
+    async def run() -> list[str]:
+        shares = TenantShares(weights={"team-c": 2.0})
+        shares.charge("team-a", "e0", computed=1000)  # 1000 per unit of weight
+        shares.charge("team-c", "e0", computed=1000)  # 500 per unit of weight
+        flights = Flights(max_inflight=1, max_queue=10, shares=shares)
+        holder = flights.admit(object(), "team-a")
+        assert await holder.wait_for_slot()
+        served: list[str] = []
+
+        async def ask(tenant: str, label: str) -> None:
+            flight = flights.admit(object(), tenant)
+            try:
+                assert await flight.wait_for_slot()
+                served.append(label)
+            finally:
+                flight.close()  # as the router settles every flight, cancelled or not
+
+        labels = [("team-a", "a1"), ("team-a", "a2"), ("team-c", "c1"), ("team-b", "b1")]
+        tasks = [asyncio.create_task(ask(tenant, label)) for tenant, label in labels]
+        gone = asyncio.create_task(ask("team-b", "cancelled"))
+        await asyncio.sleep(0)
+        gone.cancel()  # a waiter that left gives up its turn, holding no slot
+        await asyncio.sleep(0)
+        holder.close()
+        await asyncio.gather(*tasks)
+        assert flights.counts() == (0, 0) and flights._free == 1  # every slot back
+        return served
+
+    # team-b, new, is lifted to the least waiting (team-c's 500) and wins the tie, having had nothing
+    assert asyncio.run(run()) == ["b1", "c1", "a1", "a2"]

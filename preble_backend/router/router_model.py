@@ -120,7 +120,8 @@ class TritonPythonModel(RouterState):
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]
         self.feeds = [EventFeed() for _ in self.engines]  # this router's cursor in each event log
-        self.flights = Flights(config.max_inflight, config.max_queue)
+        self.tenant_shares = ClusterShares()  # the tenants' service, as the engines report it
+        self.flights = Flights(config.max_inflight, config.max_queue, self.tenant_shares.shares)
         self.quarantine = Quarantine(config.poison_ttl_s)
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
@@ -138,7 +139,6 @@ class TritonPythonModel(RouterState):
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="preble-loop", daemon=True)
         self.loop_thread.start()
-        self.tenant_shares = ClusterShares()  # the tenants' service, as the engines report it
         self.monitor = EngineMonitor(
             self.engines, self._on_loop(self._engine_down), self._on_loop(self._engine_up),
             config.health_interval_s, config.health_timeout_s, pb_utils.Logger.log_warn,
@@ -216,14 +216,14 @@ class TritonPythonModel(RouterState):
             self.responder.refuse(sender, refusal, pb_utils.TritonError.INVALID_ARG)
             self._count_failure(pb_utils.TritonError.INVALID_ARG)
             return
-        flight = self.flights.admit(sender)
+        flight = self.flights.admit(sender, req.tenant_name)
         if flight is None:
             self.metrics.count("preble_router_rejected_total", 1)
             self.responder.refuse(sender, self._capacity_message(), pb_utils.TritonError.UNAVAILABLE)
             return
         task = asyncio.current_task()
         self.tasks.add(task)
-        self.tenant_shares.opened(req.tenant_name)
+        self.tenant_shares.opened(req.tenant_name, req.tenant_weight)
         try:
             if not await flight.wait_for_slot():
                 return

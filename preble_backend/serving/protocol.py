@@ -177,6 +177,10 @@ class GenerateRequest:
     def tenant_name(self) -> str:
         return self.tenant.get(TENANT_PARAMETER, DEFAULT_TENANT)
 
+    @property
+    def tenant_weight(self) -> float | None:
+        return float(self.tenant[WEIGHT_PARAMETER]) if WEIGHT_PARAMETER in self.tenant else None
+
 
 def parse_generate(
     inputs: dict[str, np.ndarray | None],

@@ -68,8 +68,11 @@ class ClusterShares:
         served = {t: now.get(t, 0.0) - then.get(t, 0.0) for t in self.backlogged()}
         return jain_index(amount / self.shares.weight(t) for t, amount in served.items())
 
-    def opened(self, tenant: str) -> None:
+    def opened(self, tenant: str, weight: float | None = None) -> None:
+        """A request of ``tenant`` admitted (of that weight, as the front named it)."""
         self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
+        if weight is not None:
+            self.shares.weights[tenant] = weight
 
     def closed(self, tenant: str) -> None:
         self.in_flight[tenant] -= 1
