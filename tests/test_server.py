@@ -273,7 +273,7 @@ def test_metrics_report_engines_and_routing(server, client):
     assert sum(v for _, v in decisions) >= 2
     assert all('policy="e2"' in labels for labels, _ in decisions)
     assert any('branch="explore"' in labels for labels, _ in decisions)
-    # Per request, labelled by policy and engine: the latencies vLLM exposes and token counts.
+    # Per request, labelled by policy, engine and tenant: the latencies vLLM exposes and token counts.
     per_request = (
         "e2e_request_latency_seconds",
         "time_to_first_token_seconds",
@@ -285,6 +285,7 @@ def test_metrics_report_engines_and_routing(server, client):
         counts = _series(text, f"preble_router_{name}_count")
         assert sum(v for _, v in counts) >= 2
         assert all('policy="e2"' in labels and "engine=" in labels for labels, _ in counts)
+        assert all('tenant="default"' in labels for labels, _ in counts)  # no keys file: one tenant
     prompt = sum(v for _, v in _series(text, "preble_router_prompt_tokens_total"))
     cached = sum(v for _, v in _series(text, "preble_router_cached_prompt_tokens_total"))
     assert prompt >= 2 * len(PROMPT.split()) and 0 < cached < prompt  # the second request hit the cache

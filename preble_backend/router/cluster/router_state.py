@@ -61,8 +61,9 @@ class RouterState:
 
     def _observe(self, engine: str, arrival: float, first_token_at: float | None, answer: Answer,
                  cached: int) -> None:  # fmt: skip
-        """A finished request's latencies and token counts, as the client saw them."""
-        now, labels = time.monotonic(), {"policy": self.policy.name, "engine": engine}
+        """A finished request's latencies and token counts, as the client saw them, by tenant too."""
+        now, labels = time.monotonic(), {"policy": self.policy.name, "engine": engine,
+                                         "tenant": answer.req.tenant_name}  # fmt: skip
         observe = self.metrics.observe
         observe("preble_router_e2e_request_latency_seconds", now - arrival, labels)
         if first_token_at is not None:
