@@ -61,6 +61,7 @@ from types import SimpleNamespace
 from preble_backend.router.cluster.admin_control import AdminControl
 from preble_backend.router.engines.event_feed import EventFeed
 from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.cluster.tenant_shares import ClusterShares
 from scheduler.policies import make_policy
 from scheduler.policy import InstanceLoad
 
@@ -70,9 +71,12 @@ facts = {"capacity_tokens": 1000, "page_size": 1}
 router = SimpleNamespace(
     engines=[None, None], feeds=[EventFeed(), EventFeed()], gauge_cached=lambda slot: None,
     loads=[InstanceLoad(), InstanceLoad()], policy_facts=lambda: facts, policy=make_policy("e2", 2, facts),
+    tenant_shares=ClusterShares(), metrics=SimpleNamespace(gauge=lambda *args: None),
 )
-RouterState._engine_load(router, 0, tiered)  # a probe's answer reaches the policy routing now
-assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 1000]
+tenants = {"service": {"team-a": {"e0@1": 70.0}}, "waiting": {"team-a": 2}, "weights": {}}
+RouterState._engine_load(router, 0, {**tiered, "tenants": tenants})  # a probe's answer reaches the policy
+assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 1000]  # routing now
+assert router.tenant_shares.shares.service("team-a") == 70 and router.tenant_shares.backlogged() == {"team-a"}
 router.loads[0].reported, router.loads[1].reported = tiered, plain  # the engines' last reports
 AdminControl(router).fresh_policy("e2")
 assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 80]
@@ -96,6 +100,7 @@ from types import SimpleNamespace
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.pass_costs import PassCosts
 from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.cluster.tenant_shares import ClusterShares
 from scheduler.policies import make_policy
 
 gauges = {}
