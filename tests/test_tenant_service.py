@@ -96,7 +96,8 @@ def test_keys_name_every_requests_tenant_and_the_engines_count_each_tenants_serv
         assert metric_value(metrics, "preble_tenant_service_tokens_total", 'tenant="team-z"') is None
         assert metric_value(metrics, "preble_tenant_service_tokens_total", 'tenant="default"') is None
         assert metric_value(metrics, "preble_tenant_fairness_index") is not None
-        assert metric_value(metrics, "preble_router_tenant_in_flight", 'tenant="team-a"') == 0
+        wait_for(lambda: metric_value(metrics, "preble_router_tenant_in_flight", 'tenant="team-a"') == 0, 10,
+                 "team-a's requests all answered in the router's gauge")  # fmt: skip
     finally:
         out, err = stack.stop()
     assert stack.process.returncode == 0, err

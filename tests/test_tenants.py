@@ -214,10 +214,12 @@ def test_the_fairness_index_is_jains_over_the_backlogged_tenants_service_in_the_
     copy.charge("team-a", "e0", computed=300)
     report(90.0, {"team-a": 3, "team-c": 3})  # the window now starts at 30 s
     assert router.fairness_index() == pytest.approx(jain_index([300, 0]))
-    recorder = Recorder()
-    router.opened("team-a")
-    router.publish(recorder)
+    router.metrics = recorder = Recorder()
+    router.opened("team-a", 1.0)
     assert recorder.values[("preble_router_tenant_in_flight", '{"tenant": "team-a"}')] == 1
+    router.closed("team-a")
+    assert recorder.values[("preble_router_tenant_in_flight", '{"tenant": "team-a"}')] == 0
+    router.publish(recorder)
     assert recorder.values[("preble_tenant_fairness_index", "null")] == pytest.approx(0.5)
 
 

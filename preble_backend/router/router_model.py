@@ -120,11 +120,11 @@ class TritonPythonModel(RouterState):
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]
         self.feeds = [EventFeed() for _ in self.engines]  # this router's cursor in each event log
-        self.tenant_shares = ClusterShares()  # the tenants' service, as the engines report it
-        self.flights = Flights(config.max_inflight, config.max_queue, self.tenant_shares.shares)
         self.quarantine = Quarantine(config.poison_ttl_s)
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
+        self.tenant_shares = ClusterShares(metrics=self.metrics)  # the tenants' service, as engines report it
+        self.flights = Flights(config.max_inflight, config.max_queue, self.tenant_shares.shares)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"engine": engine.name})
         self.metrics.gauge("preble_router_engines", len(self.membership.members))

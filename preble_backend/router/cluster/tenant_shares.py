@@ -23,7 +23,8 @@ FAIRNESS = "preble_tenant_fairness_index"
 
 
 class ClusterShares:
-    def __init__(self, window_s: float = 60.0) -> None:
+    def __init__(self, window_s: float = 60.0, metrics=None) -> None:
+        self.metrics = metrics  # the in-flight gauges move as requests come and go
         self.shares = TenantShares()
         self.window_s = window_s
         self.waiting: dict[int, dict[str, int]] = {}  # engine -> tenant -> requests waiting there
@@ -73,11 +74,13 @@ class ClusterShares:
         self.in_flight[tenant] = self.in_flight.get(tenant, 0) + 1
         if weight is not None:
             self.shares.weights[tenant] = weight
+        if self.metrics is not None:
+            self.metrics.gauge(IN_FLIGHT, self.in_flight[tenant], {"tenant": tenant})
 
     def closed(self, tenant: str) -> None:
         self.in_flight[tenant] -= 1
+        if self.metrics is not None:
+            self.metrics.gauge(IN_FLIGHT, self.in_flight[tenant], {"tenant": tenant})
 
     def publish(self, metrics) -> None:
-        for tenant, count in self.in_flight.items():
-            metrics.gauge(IN_FLIGHT, count, {"tenant": tenant})
         metrics.gauge(FAIRNESS, self.fairness_index())
