@@ -9,7 +9,7 @@ Per configuration (``fair_share`` on, then off, in the same run):
   it (prompt + 2 x output tokens of the requests that finished in the window), against its
   weight's share;
 - **light TTFT**: one light client alone, then the same client while a heavy tenant floods
-  through both routers; its TTFT (p50, p99) in each.
+  through both routers; its TTFT (p50, p99) in each. Both tenants are new to the counters.
 
 Engines are emulated (``compute: emulated``: the real scheduler, cache and queues, each
 pass a wait of the cost model's time), so the engines, not this host's two cores, are
@@ -39,7 +39,9 @@ from preble_backend.runtime.launcher import free_ports
 from preble_backend.runtime.repository import write_repository
 from preble_backend.runtime.supervisor import Supervisor, split_repository
 
-TENANTS = {"team-a": 1.0, "team-b": 1.0, "team-c": 2.0}  # name -> weight
+TENANTS = {"team-a": 1.0, "team-b": 1.0, "team-c": 2.0}  # name -> weight: the shares phase's
+ISOLATION = {"light": 1.0, "heavy": 1.0}  # the light-TTFT phase's, new to the counters: VTC counts
+# service for good, so a tenant served beyond its share in the shares phase would wait here
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
 
 
@@ -79,9 +81,10 @@ def start_cluster(run_dir: Path, fair_share: bool, max_running: int) -> Cluster:
         engine.log_path = run_dir / f"{engine.model}.log"
     supervisor = Supervisor(engines, Access(host=LOOPBACK, api_key=engine_key), {})
     supervisor.start()
-    keys = {tenant: f"sk-{tenant}-{new_key()}" for tenant in TENANTS}
+    weights = {**TENANTS, **ISOLATION}
+    keys = {tenant: f"sk-{tenant}-{new_key()}" for tenant in weights}
     keys_file = run_dir / "keys"
-    keys_file.write_text("".join(f"{keys[t]} {t} {w:g}\n" for t, w in TENANTS.items()))
+    keys_file.write_text("".join(f"{keys[t]} {t} {w:g}\n" for t, w in weights.items()))
     routers = []
     for i in range(2):
         http, grpc, metrics = free_ports(3)
@@ -207,10 +210,10 @@ def light_ttft_phase(cluster: Cluster, seconds: float, flood_clients: int) -> di
         clients = Clients()
         if flooding:
             for i in range(flood_clients):
-                clients.add(cluster.routers[i % 2], cluster.keys["team-c"], "team-c", 300, 32)
+                clients.add(cluster.routers[i % 2], cluster.keys["heavy"], "heavy", 300, 32)
             time.sleep(10)
         light = Clients()
-        light.add(cluster.routers[0], cluster.keys["team-a"], "team-a", 300, 32)
+        light.add(cluster.routers[0], cluster.keys["light"], "light", 300, 32)
         time.sleep(seconds)
         light.stop()
         clients.stop()
