@@ -177,3 +177,68 @@ def test_the_anchors_rules_round_robin_turns_and_deficit_round_robin_by_prompt_t
     drr = DeficitQueue(TenantShares(), 1, 10, quantum=10)
     assert admission_order(drr, tenants_requests(30)) == ["a1", "a2", "b1", "a3"]
     assert drr.deficit["b"] == 0.0  # its queue emptied: what was left is lost
+
+
+def test_with_every_slot_taken_a_tenant_under_its_share_of_slots_takes_one_from_the_tenant_over_its():
+    """Four slots. The heavy tenant fills them (six queued); the light tenant's first request
+    takes a slot from the heavy tenant's latest admitted (its share with one other tenant of
+    equal weight is two), its second one the next pass (one displacement per pass), its
+    third none (two is its share). Every page comes back."""
+    shares = TenantShares()
+    pool = tiny_pool(64)
+    sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
+                           chunk_size=64, max_running_requests=4, shares=shares, source="e0")  # fmt: skip
+    heavy = [make_request([10 + i] * 8, f"h{i}") for i in range(6)]
+    light = [make_request([50 + i] * 8, f"l{i}") for i in range(3)]
+    for req in heavy:
+        req.tenant = "heavy"
+        sched.add(req)
+    for req in light:
+        req.tenant = "light"
+    sched.advance(sched.schedule())
+    assert sched.running == heavy[:4]
+    sched.add(light[0])
+    sched.add(light[1])
+    sched.add(light[2])
+    sched.advance(sched.schedule())
+    assert sched.running == [*heavy[:3], light[0]] and sched.stats.num_preemptions == 1
+    sched.advance(sched.schedule())
+    assert sched.running == [*heavy[:2], light[0], light[1]] and sched.stats.num_preemptions == 2
+    sched.advance(sched.schedule())
+    assert sched.running == [*heavy[:2], light[0], light[1]] and sched.stats.num_preemptions == 2
+    for req in [*heavy, *light]:
+        sched.finish(req)
+    sched.blocks.free(sched.blocks.cache.reset())
+    assert pool.num_free == pool.num_pages
+
+
+def test_a_request_displaced_for_a_lighter_tenant_gives_the_same_tokens(tiny_model):
+    """Greedy answers of the heavy tenant, with a light tenant taking a slot mid-decode
+    (the displaced request resumes from its cached pages), equal those it gives alone."""
+    from preble_backend.engine.config import EngineConfig
+    from preble_backend.engine.engine import Engine
+
+    params = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    prompts = [[7 + i, 300 + i, 41, 42, 43 + i, 9] * 3 for i in range(3)]
+
+    def run(with_light: bool) -> tuple[dict[str, list[int]], int]:
+        engine = Engine(EngineConfig(model_path=tiny_model, max_num_tokens=2048, max_running_requests=2))
+        out: dict[str, list[int]] = {}
+
+        def collect(o) -> None:
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"h{i}", prompt, params, collect, tenant=("heavy", None))
+        for _ in range(4):
+            engine.step()
+        if with_light:
+            engine.add_request("l0", [5, 6, 7, 8] * 4, params, collect, tenant=("light", None))
+        while engine.has_work():
+            engine.step()
+        return out, engine.stats()["num_preemptions"]
+
+    alone, none = run(False)
+    shared, preempted = run(True)
+    assert none == 0 and preempted >= 1
+    assert {k: v for k, v in shared.items() if k != "l0"} == alone and len(shared["l0"]) == 24

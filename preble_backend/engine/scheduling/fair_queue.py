@@ -12,11 +12,33 @@ tenants, the share does. With one tenant this is the paper's queue exactly.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 from preble_backend.common.fair_share import TenantShares
 from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue, priority_group
 from preble_backend.engine.scheduling.request import Request
+
+
+def fair_victim(shares: TenantShares, req: Request, running: list[Request], slots: int) -> Request | None:
+    """With every one of the ``slots`` running slots taken, the request that gives ``req``
+    its slot, or None. When all are taken, the slots are shared by weight among the tenants
+    running and ``req``'s: ``req`` gets one while its tenant holds fewer than its share, from
+    the tenant furthest over its own (its latest admitted request: the least progress lost).
+    A tenant never displaces itself, and no one is displaced to put another over its share,
+    so slots settle instead of changing hands back and forth. The request is preempted as
+    memory pressure preempts: its computed pages stay in the cache, so it resumes with
+    little to recompute."""
+    held = Counter(r.tenant for r in running)
+    weights = {t: shares.weight(t) for t in {*held, req.tenant}}
+    total = sum(weights.values())
+    if held[req.tenant] + 1 > slots * weights[req.tenant] / total:
+        return None
+    over = [t for t in held if t != req.tenant and held[t] > slots * weights[t] / total]
+    if not over:
+        return None
+    most = max(over, key=lambda t: held[t] / weights[t])
+    return next(r for r in reversed(running) if r.tenant == most)
 
 
 class FairWaitQueue:

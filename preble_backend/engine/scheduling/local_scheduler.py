@@ -21,7 +21,7 @@ from preble_backend.engine.cache.radix_cache import RadixCache
 from preble_backend.engine.cache.sliding_windows import SlidingWindows
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.scheduling.block_manager import BlockManager
-from preble_backend.engine.scheduling.fair_queue import FairWaitQueue
+from preble_backend.engine.scheduling.fair_queue import FairWaitQueue, fair_victim
 from preble_backend.engine.scheduling.priority_queue import PriorityWaitQueue
 from preble_backend.engine.scheduling.request import Request, Status
 from preble_backend.model.kv_pool import KVPool
@@ -138,9 +138,19 @@ class LocalScheduler:
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        made_room = False
         for req in self.waiting.candidates():
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0:
                 return
+            if len(self.running) >= self.max_running:  # fair shares: a tenant under its share of slots
+                fair = self.shares is not None and not made_room  # takes one, at most one per pass
+                victim = fair_victim(self.shares, req, self.running, self.max_running) if fair else None
+                if victim is None:
+                    return
+                if victim in batch.requests:
+                    budget += batch.drop(victim)
+                self._preempt(victim)
+                made_room = True
             # while others run, a prefix on the host waits for room to come back whole; when
             # others are in this batch it comes up beside their pass, and the request joins
             # the next one
