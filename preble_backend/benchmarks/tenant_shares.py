@@ -196,7 +196,9 @@ def shares_phase(cluster: Cluster, window: float, clients_per_tenant: int, skew:
     total_weight = sum(TENANTS.values())
     result = {}
     for name, counts in (("engines", served), ("clients", by_clients)):
-        total = sum(counts.values()) or 1.0
+        total = sum(counts.values())
+        if not total:  # engines without fair_share count nothing
+            continue
         result[name] = {t: {"share": counts[t] / total, "target": w / total_weight,
                             "error": counts[t] / total / (w / total_weight) - 1}
                         for t, w in TENANTS.items()}  # fmt: skip
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.stop()
         name = "fair_share" if fair_share else "fcfs"
         results[name] = {"shares": shares, "light_ttft": light}
-        for source in ("engines", "clients"):
+        for source in (s for s in ("engines", "clients") if s in shares):
             line = ", ".join(f"{t} {v['share']:.3f}/{v['target']:.3f} ({v['error']:+.1%})"
                              for t, v in shares[source].items())  # fmt: skip
             print(f"{name}: shares ({source}) {line}")
