@@ -201,37 +201,40 @@ class GrpcFront(grpc.GenericRpcHandler):
         async def relay(requests: AsyncIterator[bytes], context) -> AsyncIterator[bytes]:
             metadata = await self._admit("ModelStreamInfer", context)
             tenant = await self._admit_tenant("ModelStreamInfer", context)
-
-            async def rewritten():
-                async for request in requests:
-                    yield with_tenant(request, tenant)
-
-            call = self.channel.stream_stream(method)(rewritten(), metadata=metadata,
-                                                      timeout=context.time_remaining())  # fmt: skip
-            started = False
-            with self._open(call):
-                try:
-                    async for answer in call:
-                        started = True
-                        yield answer
-                except aio.AioRpcError as exc:
-                    code, message = _status(exc)
-                    if (
-                        started
-                        and exc.code() == grpc.StatusCode.UNAVAILABLE
-                        and not retryable(exc.details() or "")
-                    ):
-                        message = f"{LOST} ({exc.details()}); the answer is incomplete"
-                    await context.abort(code, MESSAGE if self.drain.cutting else message)
-                except asyncio.CancelledError:
-                    if not self.drain.cut_this_task():
-                        raise
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
-                finally:
-                    call.cancel()  # a client that left: tritonserver's stream is cancelled, and the request
-                    self.gate.tenants.release(tenant)
+            try:
+                async for answer in self._relay_stream(method, requests, metadata, tenant, context):
+                    yield answer
+            finally:
+                self.gate.tenants.release(tenant)
 
         return relay
+
+    async def _relay_stream(self, method: str, requests: AsyncIterator[bytes], metadata, tenant: Tenant,
+                            context) -> AsyncIterator[bytes]:  # fmt: skip
+        async def rewritten():
+            async for request in requests:
+                yield with_tenant(request, tenant)
+
+        call = self.channel.stream_stream(method)(rewritten(), metadata=metadata,
+                                                  timeout=context.time_remaining())  # fmt: skip
+        started = False
+        with self._open(call):
+            try:
+                async for answer in call:
+                    started = True
+                    yield answer
+            except aio.AioRpcError as exc:
+                code, message = _status(exc)
+                lost = exc.code() == grpc.StatusCode.UNAVAILABLE and not retryable(exc.details() or "")
+                if started and lost:
+                    message = f"{LOST} ({exc.details()}); the answer is incomplete"
+                await context.abort(code, MESSAGE if self.drain.cutting else message)
+            except asyncio.CancelledError:
+                if not self.drain.cut_this_task():
+                    raise
+                await context.abort(grpc.StatusCode.UNAVAILABLE, MESSAGE)
+            finally:
+                call.cancel()  # a client that left: tritonserver's stream is cancelled, and the request
 
     async def _not_serving(self, name: str, request: bytes) -> bool:
         """Whether a probe tritonserver called ready is of the router with no engine up."""
@@ -248,9 +251,13 @@ class GrpcFront(grpc.GenericRpcHandler):
 
 def with_tenant(request: bytes, tenant: Tenant) -> bytes:
     """An inference request with ``tenant``'s parameters written over its own."""
+    from google.protobuf.message import DecodeError
     from tritonclient.grpc import service_pb2
 
-    message = service_pb2.ModelInferRequest.FromString(request)
+    try:
+        message = service_pb2.ModelInferRequest.FromString(request)
+    except DecodeError:  # tritonserver refuses it as it refuses any bytes it cannot parse
+        return request
     for name, value in tenant.parameters().items():
         message.parameters[name].string_param = value
     return message.SerializeToString()
