@@ -114,6 +114,9 @@ def test_a_tenant_over_its_cap_is_refused_with_429_and_its_slots_come_back(tmp_p
     gate.release(b)
     gate.admit(b)
     assert gate.in_flight == {"team-b": 2, "team-a": 10}
+    for _ in range(10):
+        gate.release(a)
+    assert gate.in_flight == {"team-b": 2}
 
 
 def test_the_router_reads_the_tenant_and_never_samples_with_it():

@@ -48,7 +48,11 @@ class TenantGate:
         self.in_flight[tenant.name] = now + 1
 
     def release(self, tenant: Tenant) -> None:
-        self.in_flight[tenant.name] -= 1
+        left = self.in_flight[tenant.name] - 1
+        if left:
+            self.in_flight[tenant.name] = left
+        else:  # a gateway names tenants at will: none is kept once it has nothing in flight
+            del self.in_flight[tenant.name]
 
 
 def add_http_gate(app, key: str | None, tenants: TenantGate, open_paths: tuple[str, ...]) -> None:
