@@ -153,6 +153,19 @@ def test_a_malformed_kv_transfer_is_refused_by_name(server):
         run_engine(server, D, ids(5, 40), GREEDY, kv={"take": {"pages": [1]}})
 
 
+def test_a_prefill_engine_the_router_does_not_have_is_refused_by_name(server):
+    url = f"http://127.0.0.1:{server.ports.http}/v2/models/preble/generate"
+    refusals = [
+        ("preble_engine_9", b"preble_prefill_engine='preble_engine_9' is invalid"),
+        (7, b"request parameter preble_prefill_engine must be an engine's name"),
+    ]
+    for bad, problem in refusals:
+        body = json.dumps({"text_input": "Hello", "parameters": {**GREEDY, "preble_prefill_engine": bad}})
+        status, _, answer = http("POST", url, body.encode())
+        assert status == 400 and problem in answer, answer
+    assert ask(server, "Hello", GREEDY)["text_output"]  # the router serves on
+
+
 def test_a_client_that_cancels_mid_handoff_leaves_every_page_back(server):
     """Cancelled while its leg or its transfer runs: the decode engine aborts it at its
     first response, and the prefill side's lease goes with the decode side's notice."""
