@@ -16,6 +16,8 @@ deployment by editing the ConfigMap, as a single host is tuned by editing config
                                the engines' headless Service, so engines join and leave)
     PREBLE_HOST                the address to listen on (default 127.0.0.1; pods: 0.0.0.0)
     PREBLE_API_KEY             router: the key every client must send
+    PREBLE_KEYS_FILE           router, instead: a keys file naming each client key's tenant
+                               (``preble serve --keys-file``; mount it from a Secret)
     PREBLE_ENGINE_KEY          the key the router sends its engines (an engine pod takes
                                no other): clients never hold it
     PREBLE_ADMIN_KEY           router: the admin key (policy switches, logging, trace);
@@ -138,6 +140,9 @@ def router() -> int:
         "--openai-port",
         _env("PREBLE_OPENAI_PORT", "9000"),
     ]
+    if keys := os.environ.get("PREBLE_KEYS_FILE"):  # tenants' keys replace the one API key
+        args += ["--keys-file", keys]
+        os.environ.pop("PREBLE_API_KEY", None)
     os.chdir(ROOT)
     os.execv(sys.executable, args)  # serve drains on the pod's SIGTERM
 

@@ -66,8 +66,11 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
     """Both roles as the manifests run them (the key from the Secret, parameters from the
     ConfigMap), on loopback: each router reaches the engine by name, with the key, and
     each keeps an exact picture of the engine's cache from its event log, requests of the
-    other router included."""
+    other router included. The second router names tenants by a keys file (its pod's
+    PREBLE_KEYS_FILE, the Secret's API key then unused): the engine counts each tenant."""
     key = "deployment-test-key-0123456789"
+    keys_file = tmp_path / "tenant-keys"
+    keys_file.write_text(f"{key} team-a 2\n")
     pods = Pods(
         tmp_path,
         {
@@ -88,6 +91,7 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
                 rtr,
                 PREBLE_OPENAI_PORT="0",
                 PREBLE_ENGINES=f"engine-0=grpc://127.0.0.1:{eng.grpc}/preble_engine_0",
+                **({"PREBLE_KEYS_FILE": str(keys_file)} if i else {}),
             )  # fmt: skip
             for i, rtr in enumerate(ports)
         ]
@@ -109,6 +113,14 @@ def test_the_entrypoint_runs_an_engine_pod_and_two_router_pods(tmp_path, tiny_mo
 
         # metrics are published from a thread of their own
         wait_for(exact, 15, "each router's picture of the engine's cache equal to its own count")
+        engine_metrics = f"http://127.0.0.1:{eng.metrics}"
+
+        def served(tenant: str) -> bool:
+            label = f'tenant="{tenant}"'
+            return bool(metric_value(engine_metrics, "preble_tenant_service_tokens_total", label))
+
+        # the first router's requests are the default tenant's, the second's team-a's
+        wait_for(lambda: served("default") and served("team-a"), 15, "the engine counting both tenants")
         with pytest.raises(Exception, match="401|Unauthorized|unauthenticated|key"):
             PrebleClient(clients[0].http_url, clients[0].grpc_url).generate("no key", greedy)
         with pytest.raises(PrebleError, match="restricted"):  # the clients' key does not open an engine
