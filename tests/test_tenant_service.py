@@ -26,7 +26,9 @@ from client.triton_client import PrebleClient, PrebleError
 pytestmark = pytest.mark.server
 KEY_A, KEY_B, KEY_C, KEY_GW = ("sk-team-a-0123456789", "sk-team-b-0123456789", "sk-team-c-0123456789",
                                "sk-gateway-0123456789")  # fmt: skip
+KEY_D = "sk-team-d-0123456789"
 KEYS = f"""{KEY_A} team-a 1
+{KEY_D} team-d 1 tokens_per_minute=10
 {KEY_B} team-b 1 max_in_flight=1
 {KEY_C} team-c 2
 {KEY_GW} *
@@ -81,6 +83,14 @@ def test_keys_name_every_requests_tenant_and_the_engines_count_each_tenants_serv
             first.close()
         wait_for(lambda: http("POST", generate, generate_body(), bearer(KEY_B))[0] == 200, 60,
                  "team-b's slot coming back once its stream ended")  # fmt: skip
+
+        # team-d's tokens_per_minute is 10: one answer of 16 tokens spends a minute's worth
+        assert http("POST", generate, generate_body(max_tokens=16, ignore_eos=True), bearer(KEY_D))[0] == 200
+        status, headers, answer = http("POST", generate, generate_body(), bearer(KEY_D))
+        assert status == 429 and int(headers["retry-after"]) > 1 and b"tokens_per_minute=10" in answer, answer
+        status, headers, answer = http("POST", completions, ask, bearer(KEY_D))
+        assert status == 429 and json.loads(answer)["error"]["type"] == "rate_limit_exceeded", answer
+        assert http("POST", generate, generate_body(), bearer(KEY_A))[0] == 200  # nobody else is held back
 
         metrics = f"http://127.0.0.1:{stack.ports.metrics}"
         served = {}

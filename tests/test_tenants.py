@@ -18,14 +18,22 @@ from preble_backend.engine_server.tenant_ledger import TenantLedger
 from preble_backend.frontend.tenant_gate import TenantGate
 from preble_backend.router.cluster.tenant_shares import ClusterShares
 from preble_backend.router.requests.flights import Flights
-from preble_backend.serving.protocol import BadRequest, parse_engine_call, parse_generate
+from preble_backend.router.requests.token_budgets import RateLimited, TokenBudgets
+from preble_backend.serving.protocol import (
+    BadRequest,
+    parse_engine_call,
+    parse_generate,
+    rate_limited,
+    retry_after,
+    retryable,
+)
 
 KEY_A, KEY_B, KEY_C = "sk-team-a-0123456789", "sk-team-b-0123456789", "sk-team-c-0123456789"
 KEY_GW = "sk-gw-0123456789ab"
 GOOD = f"""# key  tenant  weight  options
 {KEY_A}  team-a  1
-{KEY_B}  team-b  1   max_in_flight=2   # a comment
-sk-team-b-second-key-01 team-b 1
+{KEY_B}  team-b  1   max_in_flight=2 tokens_per_minute=900  # a comment
+sk-team-b-second-key-01 team-b 1 max_in_flight=2 tokens_per_minute=900
 {KEY_C}  team-c  2
 {KEY_GW} *
 """
@@ -40,7 +48,8 @@ def keys_file(tmp_path, text: str):
 def test_a_keys_file_names_tenants_weights_and_caps(tmp_path):
     keys = TenantKeys.load(keys_file(tmp_path, GOOD))
     assert keys.tenant(KEY_A, None) == Tenant("team-a", 1.0)
-    assert keys.tenant(KEY_B, None) == Tenant("team-b", 1.0, max_in_flight=2)
+    assert keys.tenant(KEY_B, None) == Tenant("team-b", 1.0, max_in_flight=2, tokens_per_minute=900)
+    assert keys.tenant(KEY_B, None).parameters()["preble_tenant_tokens_per_minute"] == "900"
     assert keys.tenant("sk-team-b-second-key-01", None).name == "team-b"
     assert keys.tenant(KEY_C, None).parameters() == {"preble_tenant": "team-c", "preble_tenant_weight": "2"}
     assert keys.tenant("sk-not-in-the-file-0", None) is None and keys.tenant(None, None) is None
@@ -62,10 +71,12 @@ def test_a_keys_file_names_tenants_weights_and_caps(tmp_path):
         ("sk-0123456789abcdef team-x heavy", "in (0, 1e6]"),
         ("sk-0123456789abcdef team-x 1 max_in_flight=0", "at least 1"),
         ("sk-0123456789abcdef team-x 1 max_in_flight=lots", "at least 1"),
+        ("sk-0123456789abcdef team-x 1 tokens_per_minute=1.5", "at least 1"),
         ("sk-0123456789abcdef team-x 1 admin=yes", "unknown option"),
         ("sk-0123456789abcdef * 2", "a gateway's line"),
         (f"{KEY_A} team-z", "already on another line"),
-        ("sk-0123456789abcdef team-c 1", "weight 1 here but 2 on line 5"),
+        ("sk-0123456789abcdef team-c 1", "weight 1 here but weight 2 on line 5"),
+        ("sk-0123456789abcdef team-b 1 max_in_flight=3", "max_in_flight=3 here but weight 1 max_in_flight=2"),
     ],
 )
 def test_a_bad_line_refuses_the_file_naming_the_line(tmp_path, line, problem):
@@ -130,7 +141,10 @@ def test_the_router_reads_the_tenant_and_never_samples_with_it():
     assert parse_generate(inputs, "{}").tenant_name == DEFAULT_TENANT
     for bad, problem in [({"preble_tenant": "a b"}, "tenant name"), ({"preble_tenant": 7}, "tenant name"),
                          ({"preble_tenant": "a", "preble_tenant_weight": "0"}, "in (0, 1e6]"),
-                         ({"preble_tenant_weight": "2"}, "needs preble_tenant")]:  # fmt: skip
+                         ({"preble_tenant_weight": "2"}, "name no tenant"),
+                         ({"preble_tenant": "a", "preble_tenant_tokens_per_minute": "0"}, "at least 1"),
+                         ({"preble_tenant": "a", "preble_tenant_tokens_per_minute": "-5"}, "at least 1"),
+                         ]:  # fmt: skip
         with pytest.raises(BadRequest, match=problem.replace("(", r"\(").replace("]", r"\]")):
             parse_generate(inputs, json.dumps(bad))
 
@@ -264,3 +278,24 @@ def test_a_freed_forwarding_slot_goes_to_the_least_served_tenant_waiting_fifo_wi
 
     # team-b, new, is lifted to the least waiting (team-c's 500) and wins the tie, having had nothing
     assert asyncio.run(run()) == ["b1", "c1", "a1", "a2"]
+
+
+def test_a_tenants_tokens_per_minute_refuses_it_until_its_bucket_refills():
+    now = [0.0]
+    budgets = TokenBudgets(clock=lambda: now[0])
+    budgets.admit("team-a", 600, 500)  # a minute's 600 tokens, 10 a second: 100 left
+    budgets.admit("team-a", 600, 200)  # admitted while any is left: -100 now
+    budgets.admit("team-b", 0, 10**9)  # no cap
+    with pytest.raises(RateLimited) as refused:
+        budgets.admit("team-a", 600, 1)
+    assert "tokens_per_minute=600" in str(refused.value) and retry_after(str(refused.value)) == "11"
+    assert rate_limited(str(refused.value)) and not retryable(str(refused.value))
+    now[0] = 11.0  # 110 tokens back: 10 left
+    budgets.admit("team-a", 600, 1)
+    budgets.take("team-a", 600, 50)  # its output tokens, once it ended: -41
+    with pytest.raises(RateLimited):
+        budgets.admit("team-a", 600, 1)
+    now[0] = 1000.0  # a bucket never holds more than a minute's tokens
+    budgets.admit("team-a", 600, 600)
+    with pytest.raises(RateLimited):
+        budgets.admit("team-a", 600, 1)

@@ -4,7 +4,7 @@ One line per key::
 
     # key                           tenant    weight  options
     sk-team-a-6f1c0d8e2b7a4c95        team-a    1
-    sk-team-b-0b9e3f5a7c2d4e81        team-b    2       max_in_flight=64
+    sk-team-b-0b9e3f5a7c2d4e81        team-b    2       max_in_flight=64 tokens_per_minute=200000
     sk-gateway-93a7e1c4d6b8f025       *                 # a gateway: its requests name their tenant
 
 A key opens inference for its tenant only: the front sets the request parameters
@@ -12,7 +12,9 @@ A key opens inference for its tenant only: the front sets the request parameters
 sets them itself. Only a key whose tenant is ``*`` (a gateway the operator runs, which
 authenticates its own users) names the tenant, with the header ``preble-tenant``; the
 tenant's weight is then its line's weight elsewhere in the file, or 1. ``max_in_flight``
-caps a tenant's requests open at once through one front: over it, 429 with Retry-After.
+caps a tenant's requests open at once through one front, ``tokens_per_minute`` the prompt
+and output tokens one router serves it (``router/requests/token_budgets.py``): over either,
+429 with Retry-After.
 A file with any bad line is refused at start, naming the line.
 """
 
@@ -28,11 +30,12 @@ from preble_backend.common.fair_share import DEFAULT_TENANT
 
 TENANT_PARAMETER = "preble_tenant"
 WEIGHT_PARAMETER = "preble_tenant_weight"
+TPM_PARAMETER = "preble_tenant_tokens_per_minute"
 TENANT_HEADER = "preble-tenant"
 GATEWAY = "*"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KEY = re.compile(r"[\x21-\x7e]{16,256}")  # printable ASCII, no spaces: what a Bearer header carries
-OPTIONS = {"max_in_flight"}
+OPTIONS = {"max_in_flight", "tokens_per_minute"}
 
 
 class KeysFileError(ValueError):
@@ -52,11 +55,17 @@ class Tenant:
     name: str
     weight: float = 1.0
     max_in_flight: int = 0  # 0: no cap
+    tokens_per_minute: int = 0  # 0: no cap
+
+    def terms(self) -> str:
+        caps = {"max_in_flight": self.max_in_flight, "tokens_per_minute": self.tokens_per_minute}
+        return " ".join([f"weight {self.weight:g}", *(f"{k}={v}" for k, v in caps.items() if v)])
 
     def parameters(self) -> dict[str, str]:
-        """What the front sets on every request of this tenant."""
-        return {TENANT_PARAMETER: self.name, WEIGHT_PARAMETER: f"{self.weight:g}"}  # a string: every
-        # protocol carries one (Triton's double parameters are not in every client and backend)
+        """What the front sets on every request of this tenant (strings: every protocol
+        carries them; Triton's double parameters are not in every client and backend)."""
+        cap = {TPM_PARAMETER: str(self.tokens_per_minute)} if self.tokens_per_minute else {}
+        return {TENANT_PARAMETER: self.name, WEIGHT_PARAMETER: f"{self.weight:g}", **cap}
 
 
 def check_tenant_name(name: object, where: str) -> str:
@@ -95,7 +104,7 @@ class TenantKeys:
         except (OSError, UnicodeDecodeError) as exc:
             raise KeysFileError(f"keys file {path}: cannot be read ({exc})") from None
         keys: dict[str, Tenant] = {}
-        weights: dict[str, tuple[float, int]] = {}
+        seen: dict[str, tuple[Tenant, int]] = {}  # tenant -> as first named, on that line
         for number, line in enumerate(text.splitlines(), 1):
             fields = line.split("#", 1)[0].split()
             if not fields:
@@ -106,11 +115,11 @@ class TenantKeys:
                 raise KeysFileError(f"keys file {path}, line {number}: {exc}") from None
             if key in keys:
                 raise KeysFileError(f"keys file {path}, line {number}: this key is already on another line")
-            first = weights.setdefault(tenant.name, (tenant.weight, number))
-            if tenant.name != GATEWAY and first[0] != tenant.weight:
+            first, on = seen.setdefault(tenant.name, (tenant, number))
+            if tenant.name != GATEWAY and first != tenant:
                 where = f"keys file {path}, line {number}"
-                raise KeysFileError(f"{where}: tenant {tenant.name} has weight {tenant.weight:g} here but "
-                                    f"{first[0]:g} on line {first[1]}")  # fmt: skip
+                raise KeysFileError(f"{where}: tenant {tenant.name} has {tenant.terms()} here but "
+                                    f"{first.terms()} on line {on}")  # fmt: skip
             keys[key] = tenant
         if not keys:
             raise KeysFileError(f"keys file {path}: no keys (one line per key: <key> <tenant> [weight])")
@@ -137,7 +146,8 @@ class TenantKeys:
             name = check_tenant_name(header, f"header {TENANT_HEADER}")
         except ValueError as exc:
             raise TenantRefused(400, str(exc)) from None
-        return self.tenants.get(name, Tenant(name, max_in_flight=found.max_in_flight))
+        caps = {"max_in_flight": found.max_in_flight, "tokens_per_minute": found.tokens_per_minute}
+        return self.tenants.get(name, Tenant(name, **caps))
 
 
 def _line(fields: list[str]) -> tuple[str, Tenant]:

@@ -41,7 +41,7 @@ MAX_CHOICE_TOKENS = 1 << 17  # n x max_tokens: what one request may make the eng
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               503: "service_unavailable"}  # fmt: skip
+               429: "rate_limit_exceeded", 503: "service_unavailable"}  # fmt: skip
 
 
 class OpenAIError(Exception):

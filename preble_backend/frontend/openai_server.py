@@ -56,6 +56,7 @@ from preble_backend.frontend.tenant_gate import TenantGate, add_http_gate
 from preble_backend.frontend.tool_calls import Tools, ToolStream, chat_turns
 from preble_backend.frontend.triton_grpc import Gate, GrpcFront, start_grpc_front
 from preble_backend.frontend.triton_http import EngineView, add_triton_routes, bounded_body
+from preble_backend.serving.protocol import retry_after
 
 OPEN_PATHS = ("/health", "/v2/health/live", "/v2/health/ready")  # probes need no key
 log = logging.getLogger("preble.frontend")
@@ -123,7 +124,7 @@ def make_app(router: Router, served: Served, render, triton: TritonSide | None =
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request, exc: OpenAIError):
-        retry = {"Retry-After": "1"} if exc.status == 503 else None
+        retry = {"Retry-After": retry_after(str(exc))} if exc.status in (429, 503) else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=retry)
 
     @app.exception_handler(Exception)

@@ -13,12 +13,15 @@ from collections.abc import AsyncIterator
 from preble_backend.common.keys import grpc_bearer
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.frontend.openai_protocol import Choice, OpenAIError, Piece, RouterCall, Usage
-from preble_backend.serving.protocol import invalid, retryable
+from preble_backend.serving.protocol import invalid, rate_limited, retryable
 
 
 def router_error(message: str) -> OpenAIError:
-    """The router's error as an OpenAI error: 503 when it is at capacity or has no engine to
-    serve it (retry), 400 when it refused the request, 500 otherwise."""
+    """The router's error as an OpenAI error: 429 when the tenant is over its
+    tokens_per_minute, 503 when it is at capacity or has no engine to serve it (retry), 400
+    when it refused the request, 500 otherwise."""
+    if rate_limited(message):
+        return OpenAIError(429, message)
     if retryable(message):
         return OpenAIError(503, message)
     if invalid(message):

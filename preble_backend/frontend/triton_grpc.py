@@ -40,7 +40,7 @@ from preble_backend.common.tenants import TENANT_HEADER, Tenant, TenantRefused
 from preble_backend.frontend.drain import MESSAGE, Drain
 from preble_backend.frontend.tenant_gate import TenantGate
 from preble_backend.frontend.triton_http import LOST, NO_MODEL_CONTROL, EngineView
-from preble_backend.serving.protocol import invalid, retryable
+from preble_backend.serving.protocol import invalid, rate_limited, retryable
 
 SERVICE = "/inference.GRPCInferenceService/"
 HEALTH = {"ServerLive", "ServerReady", "ModelReady"}
@@ -273,6 +273,8 @@ def _not_ready(name: str) -> bytes:
 def _status(exc: aio.AioRpcError) -> tuple[grpc.StatusCode, str]:
     """tritonserver's error as the status a client should act on."""
     message = exc.details() or ""
+    if rate_limited(message):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, message
     if exc.code() == grpc.StatusCode.UNAVAILABLE and "protocol is restricted" in message:
         return grpc.StatusCode.PERMISSION_DENIED, message  # a key the front let through; Triton refused it
     if exc.code() == grpc.StatusCode.UNAVAILABLE and not retryable(message):

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from preble_backend.common.keys import bearer
 from preble_backend.common.version import __version__
 from preble_backend.frontend.drain import MESSAGE, Drain
-from preble_backend.serving.protocol import FORBIDDEN, retryable
+from preble_backend.serving.protocol import FORBIDDEN, rate_limited, retry_after, retryable
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
               "content-length", "proxy-authorization", "proxy-connection"}  # fmt: skip
@@ -170,7 +170,8 @@ def add_triton_routes(
                 resp.close()
                 return _unreachable(exc)
             first = b""
-        if first.startswith(b'data: {"error"') and retryable(first.decode(errors="replace")):
+        refusal = first.decode(errors="replace")
+        if first.startswith(b'data: {"error"') and (retryable(refusal) or rate_limited(refusal)):
             drain.upstreams.discard(resp)
             resp.close()  # refused before its first token: an HTTP error a client can retry on
             return _retryable(400, first[len(b"data: ") :].strip(), {})
@@ -298,6 +299,9 @@ def _retryable(status: int, content: bytes, headers: dict[str, str]) -> Response
         message = str(json.loads(content.strip().removeprefix(b"data:")).get("error", ""))
     except (ValueError, AttributeError):
         message = ""
+    if rate_limited(message):
+        wait = {"Retry-After": retry_after(message)}  # a tenant over its tokens_per_minute
+        return JSONResponse({"error": message}, status_code=429, headers=wait)
     if status == 400 and retryable(message):
         return JSONResponse({"error": message}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
     if status == 400 and message.startswith(FORBIDDEN):

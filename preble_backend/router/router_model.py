@@ -60,6 +60,7 @@ from preble_backend.router.requests.guide_check import GuideCheck, vocab_size
 from preble_backend.router.requests.prefill_leg import PrefillLegs
 from preble_backend.router.requests.quarantine import Quarantine
 from preble_backend.router.requests.responder import Responder
+from preble_backend.router.requests.token_budgets import TokenBudgets
 from preble_backend.router.router_metrics import FAILURES, METRICS
 from preble_backend.serving.backend_utils import (
     config_parameters,
@@ -124,6 +125,7 @@ class TritonPythonModel(RouterState):
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self.tenant_shares = ClusterShares(metrics=self.metrics)  # the tenants' service, as engines report it
+        self.budgets = TokenBudgets()  # the tenants' tokens_per_minute, this router's part
         self.flights = Flights(config.max_inflight, config.max_queue, self.tenant_shares.shares)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"engine": engine.name})
@@ -201,11 +203,6 @@ class TritonPythonModel(RouterState):
         """``fn`` called on the event loop, from any thread."""
         return lambda *args: self.loop.call_soon_threadsafe(fn, *args)
 
-    def _capacity_message(self) -> str:
-        c = self.config
-        return (f"the preble router is at capacity: {c.max_inflight} requests in flight and {c.max_queue} "
-                "queued (max_inflight, max_queue in its config.pbtxt); retry later")  # fmt: skip
-
     # ---- a request's task, on the event loop ------------------------------------------------
 
     async def _serve(self, sender, req: GenerateRequest, arrival: float) -> None:
@@ -219,7 +216,7 @@ class TritonPythonModel(RouterState):
         flight = self.flights.admit(sender, req.tenant_name)
         if flight is None:
             self.metrics.count("preble_router_rejected_total", 1)
-            self.responder.refuse(sender, self._capacity_message(), pb_utils.TritonError.UNAVAILABLE)
+            self.responder.refuse(sender, self.flights.capacity_message(), pb_utils.TritonError.UNAVAILABLE)
             return
         task = asyncio.current_task()
         self.tasks.add(task)
@@ -295,10 +292,12 @@ class TritonPythonModel(RouterState):
 
     def _routing_request(self, req: GenerateRequest) -> RoutingRequest:
         """The prompt tokenized and hashed per page, on a tokenizer thread: a long prompt
-        would hold the loop, and every stream on it, for milliseconds."""
+        would hold the loop, and every stream on it, for milliseconds. Its tokens count
+        against its tenant's tokens_per_minute."""
         ids = self.tokenizer(req.prompt).input_ids
         if not ids:
             raise BadRequest("input 'text_input' encodes to no tokens")
+        self.budgets.admit(req.tenant_name, req.tokens_per_minute, len(ids))
         routing = RoutingRequest(uuid.uuid4().hex, ids, req.params)
         routing.chain(self.config.page_size)
         return routing

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +28,13 @@ from preble_backend.common.cache_event import CacheEvent, EventBatch
 from preble_backend.common.fair_share import DEFAULT_TENANT
 from preble_backend.common.sampling_params import SamplingParams
 from preble_backend.common.settings import MAX_INPUT_BYTES
-from preble_backend.common.tenants import TENANT_PARAMETER, WEIGHT_PARAMETER, check_tenant_name, check_weight
+from preble_backend.common.tenants import (
+    TENANT_PARAMETER,
+    TPM_PARAMETER,
+    WEIGHT_PARAMETER,
+    check_tenant_name,
+    check_weight,
+)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,20 @@ RETRYABLE = ("at capacity", "no engine is available", "failed while serving", "u
 NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready", "is not healthy")
 
 
+# A tenant over its tokens_per_minute: fronts answer 429 with Retry-After (the seconds named).
+RATE_LIMITED = "tokens_per_minute="
+
+
+def rate_limited(message: str) -> bool:
+    return RATE_LIMITED in message
+
+
+def retry_after(message: str) -> str:
+    """The seconds a rate-limited refusal names ("retry in 12 s"), for ``Retry-After``."""
+    found = re.search(r"retry in (\d+) s", message)
+    return found.group(1) if found else "1"
+
+
 def retryable(message: str) -> bool:
     return any(words in message for words in RETRYABLE) or not_loaded(message)
 
@@ -181,6 +202,11 @@ class GenerateRequest:
     def tenant_weight(self) -> float | None:
         return float(self.tenant[WEIGHT_PARAMETER]) if WEIGHT_PARAMETER in self.tenant else None
 
+    @property
+    def tokens_per_minute(self) -> int:
+        """The tenant's cap on the tokens one router serves it a minute (0: none)."""
+        return int(self.tenant.get(TPM_PARAMETER, 0))
+
 
 def parse_generate(
     inputs: dict[str, np.ndarray | None],
@@ -241,12 +267,15 @@ def parse_generate(
 
 
 def take_tenant(parameters: dict) -> dict[str, str]:
-    """The request parameters ``preble_tenant`` and ``preble_tenant_weight``, taken out of
-    ``parameters`` and checked (none: the default tenant's, as ``{}``)."""
+    """The request parameters ``preble_tenant``, ``preble_tenant_weight`` and
+    ``preble_tenant_tokens_per_minute``, taken out of ``parameters`` and checked (none: the
+    default tenant's, as ``{}``)."""
     name, weight = parameters.pop(TENANT_PARAMETER, None), parameters.pop(WEIGHT_PARAMETER, None)
+    tpm = parameters.pop(TPM_PARAMETER, None)
     if name is None:
-        if weight is not None:
-            raise BadRequest(f"request parameter {WEIGHT_PARAMETER} needs {TENANT_PARAMETER}")
+        if weight is not None or tpm is not None:
+            raise BadRequest(f"request parameters {WEIGHT_PARAMETER} and {TPM_PARAMETER} name no tenant "
+                             f"({TENANT_PARAMETER})")  # fmt: skip
         return {}
     try:
         tenant = {TENANT_PARAMETER: check_tenant_name(name, f"request parameter {TENANT_PARAMETER}")}
@@ -254,6 +283,10 @@ def take_tenant(parameters: dict) -> dict[str, str]:
             tenant[WEIGHT_PARAMETER] = f"{check_weight(weight, f'request parameter {WEIGHT_PARAMETER}'):g}"
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
+    if tpm is not None:
+        if not str(tpm).isdigit() or int(tpm) < 1:
+            raise BadRequest(f"request parameter {TPM_PARAMETER} must be a whole number of at least 1")
+        tenant[TPM_PARAMETER] = str(int(tpm))
     return tenant
 
 

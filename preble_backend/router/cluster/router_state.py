@@ -28,6 +28,7 @@ from preble_backend.router.requests.answer import Answer
 from preble_backend.router.requests.flights import Flight, Flights
 from preble_backend.router.requests.quarantine import Quarantine
 from preble_backend.router.requests.responder import Responder
+from preble_backend.router.requests.token_budgets import TokenBudgets
 from preble_backend.serving.metrics import Metrics
 from scheduler.nvml_load import LoadView
 from scheduler.policy import FinishInfo, InstanceLoad, Policy
@@ -54,6 +55,7 @@ class RouterState:
     server_url: Callable[[], str]
     tokenize_pool: ThreadPoolExecutor  # also the pool for blocking calls to engines
     tenant_shares: ClusterShares
+    budgets: TokenBudgets
 
     def policy_facts(self) -> dict:
         """What every policy is offered about the engines (``scheduler.policies``)."""
@@ -75,6 +77,7 @@ class RouterState:
         observe("preble_router_request_generation_tokens", answer.num_output, labels)
         self.metrics.count("preble_router_prompt_tokens_total", answer.num_input_tokens, labels)
         self.metrics.count("preble_router_cached_prompt_tokens_total", cached, labels)
+        self.budgets.take(answer.req.tenant_name, answer.req.tokens_per_minute, answer.num_output)
 
     def _count_failure(self, code, engine: str = "none") -> None:
         """A failed request, by reason and by the engine it was placed on ("none": refused

@@ -88,6 +88,11 @@ class Flights:
         self._open[flight.number] = flight
         return flight
 
+    def capacity_message(self) -> str:
+        return (f"the preble router is at capacity: {self.max_inflight} requests in flight and "
+                f"{self.max_queue} queued (max_inflight, max_queue in its config.pbtxt); "
+                "retry later")  # fmt: skip
+
     def on_instance(self, instance: int) -> list[Flight]:
         return [f for f in self._open.values() if f.instance == instance]
 
