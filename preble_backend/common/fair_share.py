@@ -89,6 +89,11 @@ class TenantShares:
         with self._lock:
             return {tenant: dict(by_source) for tenant, by_source in self.counts.items()}
 
+    def served_by(self, source: str) -> dict[str, float]:
+        """What ``source`` alone served each tenant (an engine's own series)."""
+        with self._lock:
+            return {tenant: mine[source] for tenant, mine in self.counts.items() if source in mine}
+
     def merge(self, counts: dict[str, dict[str, float]]) -> None:
         """Take another copy's counts: per (tenant, source), the larger. What is not a
         count (a peer's report is input) is skipped, never merged."""

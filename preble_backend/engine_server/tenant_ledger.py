@@ -50,8 +50,7 @@ class TenantLedger:
     def publish(self, metrics) -> None:
         if self.shares is None:
             return
-        for tenant, by_source in self.shares.snapshot().items():
-            served = by_source.get(self.source, 0.0)
+        for tenant, served in self.shares.served_by(self.source).items():  # its own counts only
             if served != self._published.get(tenant, 0.0):
                 metrics.count(SERVICE, served - self._published.get(tenant, 0.0), {"tenant": tenant})
                 self._published[tenant] = served

@@ -14,8 +14,7 @@ from __future__ import annotations
 from preble_backend.common.fair_share import DEFAULT_TENANT
 from preble_backend.common.keys import HEADER, same_key
 from preble_backend.common.tenants import TENANT_HEADER, Tenant, TenantKeys, TenantRefused
-
-RETRY_AFTER_S = "1"
+from preble_backend.frontend.triton_http import RETRY_AFTER_S
 
 
 class TenantGate:
@@ -23,9 +22,13 @@ class TenantGate:
         self.keys = keys
         self.in_flight: dict[str, int] = {}
 
-    def knows(self, key: str | None) -> bool:
-        """Whether ``key`` is a client key of the keys file."""
-        return self.keys is not None and self.keys.holds(key)
+    def is_client_key(self, key: str | None, api_key: str | None) -> bool:
+        """Whether ``key`` is a client's: one of the keys file's, else the API key."""
+        return self.keys.holds(key) if self.keys is not None else same_key(key, api_key)
+
+    def open(self, api_key: str | None) -> bool:
+        """Whether inference needs no key: neither a keys file nor an API key."""
+        return self.keys is None and api_key is None
 
     def tenant(self, key: str | None, header: str | None) -> Tenant:
         """The tenant of a request whose key has been checked already."""
@@ -76,8 +79,7 @@ def add_http_gate(app, key: str | None, tenants: TenantGate, open_paths: tuple[s
             return await call_next(request)
         sent = request.headers.get(HEADER, "")
         given = sent[len("Bearer ") :] if sent.startswith("Bearer ") else None
-        known = tenants.knows(given) if tenants.keys is not None else key is None or same_key(given, key)
-        if not known:
+        if not (tenants.open(key) or tenants.is_client_key(given, key)):
             message = "a valid API key is required: send the header 'Authorization: Bearer <key>'"
             return refused(request, 401, message)
         try:

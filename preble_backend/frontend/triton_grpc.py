@@ -73,13 +73,10 @@ class Gate:
         self.api_key, self.admin_key = api_key, admin_key
         self.tenants = tenants or TenantGate()
 
-    def client_key(self, key: str | None) -> bool:
-        """Whether ``key`` is a client's: the API key, or one of the keys file's."""
-        return self.tenants.knows(key) if self.tenants.keys is not None else same_key(key, self.api_key)
-
     def upstream_key(self, key: str | None) -> str | None:
         """The key tritonserver gets: the front's own where a keys file names tenants."""
-        return self.api_key if self.tenants.keys is not None and self.client_key(key) else key
+        keyed = self.tenants.keys is not None and self.tenants.is_client_key(key, self.api_key)
+        return self.api_key if keyed else key
 
     def refusal(self, name: str, key: str | None) -> tuple[grpc.StatusCode, str] | None:
         """Why the call ``name`` with ``key`` is refused, or None."""
@@ -87,9 +84,9 @@ class Gate:
             return None
         if name in MODEL_CONTROL:
             return grpc.StatusCode.PERMISSION_DENIED, NO_MODEL_CONTROL
-        is_api, is_admin = self.client_key(key), same_key(key, self.admin_key)
+        is_api, is_admin = self.tenants.is_client_key(key, self.api_key), same_key(key, self.admin_key)
         if name in CLIENT:
-            if is_api or (self.api_key is None and self.tenants.keys is None):  # open without a key
+            if is_api or self.tenants.open(self.api_key):
                 return None
             if is_admin:
                 return grpc.StatusCode.PERMISSION_DENIED, f"{name} needs the API key, not the admin key"

@@ -41,9 +41,9 @@ class ClusterShares:
         if isinstance(weights, dict):
             self.shares.weights.update({t: float(w) for t, w in weights.items()
                                         if isinstance(w, int | float) and w > 0})  # fmt: skip
-        waiting = report.get("waiting", {})
-        self.waiting[instance] = {t: n for t, n in waiting.items() if isinstance(n, int)} if isinstance(
-            waiting, dict) else {}  # fmt: skip
+        waiting = report.get("waiting")
+        waiting = waiting if isinstance(waiting, dict) else {}
+        self.waiting[instance] = {t: n for t, n in waiting.items() if isinstance(n, int)}
         now = time.monotonic() if now is None else now
         if not self._history or now - self._history[-1][0] >= 1.0:
             self._history.append((now, {t: self.shares.service(t) for t in self.shares.counts}))
