@@ -6,6 +6,7 @@ engine's last report. E2 takes an engine's KV and host tier from them
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from test_router_health import FakeEngine, wait_for
 
 from preble_backend.router.engines.engine_monitor import EngineMonitor
+from preble_backend.router.engines.first_probes import FirstProbes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +43,27 @@ def test_a_joining_engine_s_first_snapshot_comes_before_it_is_up():
         monitor.stop()
 
 
+def test_requests_wait_for_the_starting_engines_first_answers_but_never_past_the_timeout():
+    """Before an engine's first probe the policy knows neither its role nor its KV: a request
+    waits until every starting engine answered or was found down, at most the timeout."""
+
+    async def scenario() -> None:
+        gate = FirstProbes(2)
+        waiting = asyncio.create_task(gate.wait(5.0))
+        await asyncio.sleep(0.05)
+        gate.settled(0)  # answered
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # engine 1 is not yet known
+        gate.settled(1)  # found down: known too
+        assert await asyncio.wait_for(waiting, 1.0) is True
+        assert await FirstProbes(0).wait(0.0) is True  # nothing to wait for
+        silent = FirstProbes(1)  # neither answers nor fails: routed on what is known
+        started = time.monotonic()
+        assert await silent.wait(0.2) is False and time.monotonic() - started < 1.0
+
+    asyncio.run(scenario())
+
+
 # The router's modules import Triton's ``pb_utils``, which only exists inside a Python
 # backend's stub process: run them in a child with a stand-in that answers anything.
 STAND_IN = """
@@ -62,6 +85,7 @@ from preble_backend.router.cluster.admin_control import AdminControl
 from preble_backend.router.engines.event_feed import EventFeed
 from preble_backend.router.cluster.router_state import RouterState
 from preble_backend.router.cluster.tenant_shares import ClusterShares
+from preble_backend.router.engines.first_probes import FirstProbes
 from scheduler.policies import make_policy
 from scheduler.policy import InstanceLoad
 
@@ -72,16 +96,18 @@ router = SimpleNamespace(
     engines=[None, None], feeds=[EventFeed(), EventFeed()], gauge_cached=lambda slot: None,
     loads=[InstanceLoad(), InstanceLoad()], policy_facts=lambda: facts, policy=make_policy("e2", 2, facts),
     tenant_shares=ClusterShares(), metrics=SimpleNamespace(gauge=lambda *args: None),
+    first_probes=FirstProbes(2),
 )
 tenants = {"service": {"team-a": {"e0@1": 70.0}}, "waiting": {"team-a": 2}, "weights": {}}
 RouterState._engine_load(router, 0, {**tiered, "tenants": tenants})  # a probe's answer reaches the policy
 assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 1000]  # routing now
 assert router.tenant_shares.shares.service("team-a") == 70 and router.tenant_shares.backlogged() == {"team-a"}
+assert router.first_probes.unheard == {1}  # requests still wait for engine 1's first answer
 router.loads[0].reported, router.loads[1].reported = tiered, plain  # the engines' last reports
 AdminControl(router).fresh_policy("e2")
 assert router.policy.tiered == [True, False] and router.policy.capacity == [120, 80]
 RouterState._engine_load(router, 1, {**plain, "kv_host_pages_total": 32})
-assert router.policy.tiered == [True, True]
+assert router.policy.tiered == [True, True] and not router.first_probes.unheard
 print("ok")
 """
 

@@ -39,7 +39,7 @@ import triton_python_backend_utils as pb_utils
 from preble_backend.router.cluster.admin_control import AdminControl, admin_request
 from preble_backend.router.cluster.membership import Membership
 from preble_backend.router.cluster.migration import Migration
-from preble_backend.router.cluster.router_state import RouterState
+from preble_backend.router.cluster.router_state import FirstProbes, RouterState
 from preble_backend.router.cluster.tenant_shares import ClusterShares
 from preble_backend.router.config import RouterConfig
 from preble_backend.router.engines.discovery import Discovery
@@ -120,6 +120,7 @@ class TritonPythonModel(RouterState):
         self.load_view = LoadView([None] * len(self.engines))  # GPUs learnt from engine reports
         self.load_view.start()
         self.loads = [InstanceLoad() for _ in self.engines]
+        self.first_probes = FirstProbes(len(self.engines))
         self.feeds = [EventFeed() for _ in self.engines]  # this router's cursor in each event log
         self.quarantine = Quarantine(config.poison_ttl_s)
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
@@ -231,6 +232,7 @@ class TritonPythonModel(RouterState):
                 return
             answer, params_json = Answer(req, self.tokenizer, len(routing.input_ids)), req.params_json
             failures = 0  # engines that failed while this request ran on them
+            await self.first_probes.wait(self.config.health_timeout_s)  # their roles and KV known
             while not flight.closed:
                 engine = self._place(flight, routing, arrival, req.engine, req.prefill_engine)
                 if failures and not await self.migration.answers(flight, engine):

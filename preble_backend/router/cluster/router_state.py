@@ -24,6 +24,7 @@ from preble_backend.router.config import RouterConfig
 from preble_backend.router.engines.engine_client import EngineClient
 from preble_backend.router.engines.engine_monitor import EngineMonitor
 from preble_backend.router.engines.event_feed import EventFeed
+from preble_backend.router.engines.first_probes import FirstProbes
 from preble_backend.router.requests.answer import Answer
 from preble_backend.router.requests.flights import Flight, Flights
 from preble_backend.router.requests.quarantine import Quarantine
@@ -56,6 +57,7 @@ class RouterState:
     tokenize_pool: ThreadPoolExecutor  # also the pool for blocking calls to engines
     tenant_shares: ClusterShares
     budgets: TokenBudgets
+    first_probes: FirstProbes  # the engines it started with, until each is heard from
 
     def policy_facts(self) -> dict:
         """What every policy is offered about the engines (``scheduler.policies``)."""
@@ -133,6 +135,7 @@ class RouterState:
         pb_utils.Logger.log_error(f"preble router: engine {name} is down ({reason}); routing around it")
         self.metrics.gauge("preble_router_engine_up", 0, {"engine": name})
         self.policy.instance_down(instance)
+        self.first_probes.settled(instance)
         self.tenant_shares.forget(instance)
         self.gauge_cached(instance)
         self.feeds[instance].reset()
@@ -169,6 +172,7 @@ class RouterState:
         """A health probe's answer: what the engine is (its KV, its host tier), for
         whichever policy routes now."""
         self.policy.learn(instance, load)
+        self.first_probes.settled(instance)
         self.tenant_shares.learn(instance, load)
         self.tenant_shares.publish(self.metrics)
 
