@@ -24,7 +24,7 @@ class RoundRobinQueue(FairWaitQueue):
     def __init__(self, shares: TenantShares, num_groups: int = 10, quota_unit: int = 10) -> None:
         super().__init__(shares, num_groups, quota_unit)
         self.turns: list[str] = []  # tenants in the order they first arrived
-        self.next_turn = 0
+        self.last: str | None = None  # the tenant that admitted last
 
     def push(self, request: Request, group: int, front: bool = False) -> None:
         if request.tenant not in self.turns:
@@ -32,12 +32,14 @@ class RoundRobinQueue(FairWaitQueue):
         super().push(request, group, front)
 
     def turn_order(self) -> list[str]:
-        """Every tenant that ever queued, from the one after the last to admit."""
+        """Every tenant that ever queued, from the one after the last to admit (a tenant
+        that first queues after that one's turn is after it too)."""
         n = len(self.turns)
-        return [self.turns[(self.next_turn + i) % n] for i in range(n)]
+        start = self.turns.index(self.last) + 1 if self.last in self.turns else 0
+        return [self.turns[(start + i) % n] for i in range(n)]
 
     def take(self, request: Request) -> None:
-        self.next_turn = (self.turns.index(request.tenant) + 1) % len(self.turns)
+        self.last = request.tenant
         super().take(request)
 
 

@@ -6,19 +6,26 @@ Variants (every one routes with E2; they differ in each engine's wait queue):
 - ``fcfs``: the paper's priority queue alone (no tenants);
 - ``vtc``: ``fair_share`` engines admitting by one counter for the cluster (as if every
   engine's counts reached every other at once), cache hits not charged;
-- ``vtc_local``: the same, each engine counting only what it served itself (no exchange:
-  the router-local baselines' situation);
+- ``vtc_local``: the same, each engine counting only what it served itself;
 - ``vtc_basic``: one counter, every input token charged, cached or not (AIBrix's basic
   VTC: input 1, output 2);
 - ``rr`` and ``drr``: llm-d's per-tenant turns and Dynamo's deficit round-robin, each on
-  its own instance (``fair_baselines.py``).
+  its own instance (``fair_baselines.py``);
+- ``light_first``: not a policy but a bound: the light tenants always admitted before the
+  heavy one, the best any order of the queues can do for them.
 
-Two loads, ``light`` and ``backlogged`` (all tenants' rates). Reported: each light
+With ``--routers 2 --skew 0.8`` the clients reach two routers, 80% of the heavy tenant's
+requests the first; the anchors' rules then run where the anchors run them, in each
+router (``RULE@routers``, ``router_tier.py``: each router holds what is over its
+``--router-inflight`` and orders it alone, engines run the paper's queue), beside ours
+(``vtc``, routers that forward at once and engines that share one counter).
+
+Two loads per instance, ``stress`` and ``half`` (all tenants' rate). Reported: each light
 tenant's p99 latency against its p99 alone on the same cluster (the target is 1.2×);
 Jain's index over the service each backlogged tenant (one with work left when arrivals
 end) received while arrivals went on (the target is 0.95); throughput against ``fcfs``.
 
-``python -m scheduler.sim.fairness_bench --seeds 3``
+``python -m scheduler.sim.fairness_bench --seeds 5 --instances 4``
 """
 
 from __future__ import annotations
@@ -32,19 +39,24 @@ from preble_backend.common.cost_model import CostModel
 from preble_backend.common.fair_share import ServiceWeights, TenantShares, jain_index
 from scheduler.policies import make_policy
 from scheduler.sim.fair_baselines import DeficitQueue, RoundRobinQueue
+from scheduler.sim.router_tier import RULES, RouterTier
 from scheduler.sim.simulator import SimConfig, SimRequest, simulate
 from scheduler.sim.sweep import cluster_facts
 
-VARIANTS = ("fcfs", "vtc", "vtc_local", "vtc_basic", "rr", "drr")
+VARIANTS = ("fcfs", "vtc", "vtc_local", "vtc_basic", "rr", "drr", "light_first")
+TWO_ROUTERS = ("fcfs", "vtc", "vtc_local", *(f"{rule}@routers" for rule in RULES))
 LIGHT = ("light1", "light2", "light3", "cached")
 RATE_SHARE = {"heavy": 10, **dict.fromkeys(LIGHT, 1)}  # arrivals per unit of rate
 
 
-def tenant_mix(n: int, rps: float, seed: int = 0, vocab: int = 32000) -> list[SimRequest]:
+def tenant_mix(n: int, rps: float, seed: int = 0, vocab: int = 32000,
+               skew: float | None = None) -> list[SimRequest]:  # fmt: skip
     """Poisson arrivals at ``rps`` in all, split 10:1:1:1:1; ~1,500-token private prompts
     and ~200-token answers, except ``cached``: ~100-token questions over one 3,000-token
-    document (mostly cached)."""
+    document (mostly cached). ``skew``: two routers, that share of the heavy tenant's
+    requests on the first, the others' split evenly."""
     rng = np.random.default_rng(seed)
+    sides = np.random.default_rng(seed + 10_000)  # its own stream: the same trace with or without skew
     tenants = list(RATE_SHARE)
     p = np.array([RATE_SHARE[t] for t in tenants], dtype=float)
     doc = rng.integers(10, vocab, 3000).tolist()
@@ -56,7 +68,9 @@ def tenant_mix(n: int, rps: float, seed: int = 0, vocab: int = 32000) -> list[Si
             ids = doc + rng.integers(10, vocab, int(rng.integers(60, 140))).tolist()
         else:
             ids = rng.integers(10, vocab, int(rng.integers(1000, 2000))).tolist()
-        out.append(SimRequest(f"{tenant}-{i}", t, ids, int(rng.integers(100, 300)), tenant=tenant))
+        router = 0 if skew is None else int(sides.random() >= (skew if tenant == "heavy" else 0.5))
+        output_len = int(rng.integers(100, 300))
+        out.append(SimRequest(f"{tenant}-{i}", t, ids, output_len, tenant=tenant, router=router))
     return out
 
 
@@ -73,18 +87,23 @@ def served_by(rec, output_len: int, until: float) -> float:
 
 
 def run(requests: list[SimRequest], variant: str, instances: int, cost: CostModel,
-        capacity: int = CAPACITY) -> dict:  # fmt: skip
-    cfg = SimConfig.of(instances, capacity, fair_share=variant != "fcfs")
+        capacity: int = CAPACITY, router_inflight: int = 0) -> dict:  # fmt: skip
+    rule, _, at_routers = variant.partition("@")
+    routers = None
+    if at_routers:  # the anchors' rules in the routers, the paper's queue in the engines
+        routers = RouterTier(1 + max(r.router for r in requests), rule, router_inflight)
+    cfg = SimConfig.of(instances, capacity, fair_share=variant != "fcfs" and routers is None)
     shares = None
-    if variant in ("vtc", "vtc_basic"):
+    if variant in ("vtc", "vtc_basic", "light_first"):
         charged = ServiceWeights(cached_weight=1.0 if variant == "vtc_basic" else 0.0)
-        shares = TenantShares(service_weights=charged)
+        heavy_last = {"heavy": 1e-9} if variant == "light_first" else {}
+        shares = TenantShares(weights=heavy_last, service_weights=charged)
 
     def e2(clock):
         return make_policy("e2", instances, cluster_facts(cfg, cost, clock))
 
     queue = {"rr": RoundRobinQueue, "drr": DeficitQueue}.get(variant)
-    result = simulate(requests, e2, cfg, cost, shares=shares, wait_queue=queue)
+    result = simulate(requests, e2, cfg, cost, shares=shares, wait_queue=queue, routers=routers)
     tenant_of = {r.request_id: r.tenant for r in requests}
     outputs = {r.request_id: r.output_len for r in requests}
     last_arrival = max(r.arrival for r in requests)
@@ -109,20 +128,23 @@ def run(requests: list[SimRequest], variant: str, instances: int, cost: CostMode
 
 
 def bench(seeds: int, n: int, instances: int, rates: dict[str, float], cost: CostModel,
-          capacity: int = CAPACITY) -> list[dict]:  # fmt: skip
+          capacity: int = CAPACITY, skew: float | None = None,
+          router_inflight: int = 0) -> list[dict]:  # fmt: skip
     cells = []
+    variants = VARIANTS if skew is None else TWO_ROUTERS
     for load, rps in rates.items():
         for seed in range(seeds):
-            requests = tenant_mix(n, rps, seed)
+            requests = tenant_mix(n, rps, seed, skew=skew)
             alone = {}
             for t in LIGHT:
                 own = [r for r in requests if r.tenant == t]
                 alone[t] = run(own, "fcfs", instances, cost, capacity)["p99_latency_s"][t]
-            runs = {v: run(requests, v, instances, cost, capacity) for v in VARIANTS}
+            runs = {v: run(requests, v, instances, cost, capacity, router_inflight) for v in variants}
             base = runs["fcfs"]["throughput_rps"]
             for rec in runs.values():
                 light = max(rec["p99_latency_s"][t] / alone[t] for t in LIGHT)
-                rec.update(load=load, seed=seed, rps=rps, throughput_vs_fcfs=rec["throughput_rps"] / base,
+                rec.update(load=load, seed=seed, rps=rps, instances=instances, skew=skew,
+                           throughput_vs_fcfs=rec["throughput_rps"] / base,
                            light_p99_vs_alone=light,
                            jain=jain_index(rec["service"][t] for t in rec["backlogged"]))  # fmt: skip
                 cells.append(rec)
@@ -134,25 +156,30 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--instances", type=int, default=4)
-    ap.add_argument("--light-rps", type=float, default=10.0, help="all tenants' rate, light load")
-    ap.add_argument(
-        "--backlogged-rps", type=float, default=60.0, help="all tenants' rate, everyone backlogged"
-    )
+    ap.add_argument("--stress-rps", type=float, default=15.0, help="all tenants' rate per instance at stress")
     ap.add_argument("--cost-model", default="mistral7b_a6000")
     ap.add_argument("--capacity-tokens", type=int, default=CAPACITY)
+    ap.add_argument("--skew", type=float, default=None,
+                    help="two routers: this share of the heavy tenant's requests on the first")  # fmt: skip
+    ap.add_argument("--router-inflight", type=int, default=0,
+                    help="with --skew: what each router dispatches at once (default: half the cluster's "
+                    "room, ~24 requests per instance)")  # fmt: skip
     ap.add_argument("--output", default="")
     args = ap.parse_args()
-    rates = {"light": args.light_rps, "backlogged": args.backlogged_rps}
+    stress = args.stress_rps * args.instances
+    rates = {"half": stress / 2, "stress": stress}
     cost = CostModel.load(args.cost_model)
-    cells = bench(args.seeds, args.requests, args.instances, rates, cost, args.capacity_tokens)
-    for load in ("light", "backlogged"):
-        for v in VARIANTS:
+    inflight = args.router_inflight or 12 * args.instances
+    cells = bench(args.seeds, args.requests, args.instances, rates, cost, args.capacity_tokens, args.skew,
+                  inflight)  # fmt: skip
+    for load in rates:
+        for v in VARIANTS if args.skew is None else TWO_ROUTERS:
             rows = [c for c in cells if c["load"] == load and c["variant"] == v]
             pick = {
                 k: [round(c[k], 3) for c in rows]
                 for k in ("light_p99_vs_alone", "jain", "throughput_vs_fcfs")
             }
-            print(f"{load:10s} {v:10s} " + "  ".join(f"{k} {vals}" for k, vals in pick.items()))
+            print(f"{load:7s} {v:18s} " + "  ".join(f"{k} {vals}" for k, vals in pick.items()))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(cells, f, indent=1)

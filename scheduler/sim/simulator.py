@@ -33,6 +33,7 @@ from preble_backend.model.kv_pool import KVPool
 from scheduler.disagg import KVLink
 from scheduler.policy import FinishInfo, InstanceLoad, Policy, RoutingRequest
 from scheduler.sim.disagg_legs import Legs
+from scheduler.sim.router_tier import RouterTier
 
 SIMULATED = "(simulated)"  # the model path of a simulated engine: the cost model stands in
 
@@ -71,6 +72,7 @@ class SimRequest:
     after: str | None = None  # the request it follows: it arrives think_s after that one finishes
     think_s: float = 0.0
     tenant: str = DEFAULT_TENANT  # whose share it is served from (fair_share)
+    router: int = 0  # which router it reaches (a router tier that holds requests: router_tier.py)
 
 
 @dataclass
@@ -191,6 +193,7 @@ def simulate(
     link: KVLink | None = None,
     shares: TenantShares | None = None,
     wait_queue=None,
+    routers: RouterTier | None = None,
 ) -> SimResult:
     """Run ``requests`` (with arrival times) through a cluster routed by the policy that
     ``policy_factory(clock)`` builds; ``cost``: every instance's true costs, or each one's
@@ -199,7 +202,9 @@ def simulate(
     moving KV costs, for a policy that disaggregates (``disagg_legs.py``). ``shares``: with
     ``fair_share`` engines, the one counter every instance admits by (the cluster's, as if
     exchanged at once); None: each instance its own. ``wait_queue``: builds each
-    instance's wait queue from its counter (the anchors' rules, ``fair_baselines.py``)."""
+    instance's wait queue from its counter (the anchors' rules, ``fair_baselines.py``).
+    ``routers``: routers that hold requests and order them by a rule of their own
+    (``router_tier.py``); without them each request is routed as it arrives."""
     now = [0.0]
     policy: Policy = policy_factory(lambda: now[0])
     costs = cost if isinstance(cost, list) else [cost] * cfg.num_instances
@@ -231,26 +236,31 @@ def simulate(
 
     legs = Legs(link, instances, loads, routing, start, later)
 
+    tenant_of = {r.request_id: r.tenant for r in requests}
+
+    def dispatch(req: SimRequest, arrival: float) -> None:
+        params = SamplingParams(max_tokens=req.output_len)
+        route = RoutingRequest(req.request_id, req.input_ids, params, chains=req.chains)
+        decision = policy.select(route, loads)
+        routing[req.request_id] = route
+        loads[decision.instance].in_flight += 1
+        result.records[req.request_id] = RequestRecord(
+            arrival, decision.instance, decision.branch, prompt_len=len(req.input_ids)
+        )
+        if decision.prefill is not None and decision.prefill != decision.instance:
+            result.records[req.request_id].prefill_instance = decision.prefill
+            legs.dispatch(req, route, decision)
+            return
+        inst = instances[decision.instance]
+        inst.add(req)
+        if not inst.busy:
+            start(inst)
+
     while events:
         now[0], _, kind, payload = heapq.heappop(events)
         if kind == "arrive":
-            req = payload
-            params = SamplingParams(max_tokens=req.output_len)
-            route = RoutingRequest(req.request_id, req.input_ids, params, chains=req.chains)
-            decision = policy.select(route, loads)
-            routing[req.request_id] = route
-            loads[decision.instance].in_flight += 1
-            result.records[req.request_id] = RequestRecord(
-                now[0], decision.instance, decision.branch, prompt_len=len(req.input_ids)
-            )
-            if decision.prefill is not None and decision.prefill != decision.instance:
-                result.records[req.request_id].prefill_instance = decision.prefill
-                legs.dispatch(req, route, decision)
-                continue
-            inst = instances[decision.instance]
-            inst.add(req)
-            if not inst.busy:
-                start(inst)
+            for req, arrival in routers.arrive(payload, now[0]) if routers else [(payload, now[0])]:
+                dispatch(req, arrival)
             continue
         if kind == "received":
             legs.received(*payload)
@@ -278,6 +288,11 @@ def simulate(
             policy.on_finish(inst.index, routing.pop(req.request_id), info)
             if learns:
                 policy.calibrate(inst.index, inst.cost_report())
+            if routers is not None:
+                computed = record.prompt_len - record.cached_tokens
+                for held, arrival in routers.finished(req.request_id, tenant_of[req.request_id], computed,
+                                                      record.cached_tokens, record.output_len):  # fmt: skip
+                    dispatch(held, arrival)
             for nxt in followers.pop(req.request_id, ()):
                 heapq.heappush(events, (now[0] + nxt.think_s, next(seq), "arrive", nxt))
         start(inst)
