@@ -271,7 +271,7 @@ def test_metrics_report_engines_and_routing(server, client):
             assert f'preble_engine_{name}{{model="{engine}",pid="' in text, name
     decisions = _series(text, "preble_router_decisions_total")
     assert sum(v for _, v in decisions) >= 2
-    assert all('policy="e2"' in labels for labels, _ in decisions)
+    assert all('policy="e2"' in labels and 'tenant="default"' in labels for labels, _ in decisions)
     assert any('branch="explore"' in labels for labels, _ in decisions)
     # Per request, labelled by policy, engine and tenant: the latencies vLLM exposes and token counts.
     per_request = (

@@ -286,10 +286,10 @@ class TritonPythonModel(RouterState):
         flight.instance, flight.routing, flight.prefill = decision.instance, routing, decision.prefill
         self.legs.pin(flight, routing, prefill_pin)
         engine = self.engines[decision.instance]
-        labels = {"policy": self.policy.name, "branch": decision.branch, "engine": engine.name}
+        policy = {"policy": self.policy.name}
+        labels = {**policy, "branch": decision.branch, "engine": engine.name, "tenant": flight.tenant}
         self.metrics.count("preble_router_decisions_total", 1, labels)
-        self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival,
-                             {"policy": self.policy.name})  # fmt: skip
+        self.metrics.observe("preble_router_queue_time_seconds", time.monotonic() - arrival, policy)
         return engine
 
     def _routing_request(self, req: GenerateRequest) -> RoutingRequest:
