@@ -12,7 +12,7 @@ import pytest
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.fair_share import TenantShares
 from scheduler.policies import make_policy
-from scheduler.sim.fairness_bench import served_by
+from scheduler.sim.fairness_bench import max_min_allocation, max_min_index, served_by
 from scheduler.sim.router_tier import RouterTier, SimRouter
 from scheduler.sim.simulator import SimConfig, SimRequest, simulate
 from scheduler.sim.sweep import cluster_facts
@@ -70,3 +70,12 @@ def test_router_local_shares_collapse_to_one_to_one_where_one_counter_keeps_four
     ours = shares_by_tenant(None, True, weights)
     assert 0.8 < local["a"] / local["b"] < 1.25  # each router gives its one tenant all its slots
     assert 3.4 < ours["a"] / ours["b"] < 4.6
+
+
+def test_max_min_shares_owe_a_light_tenant_what_it_asks_and_split_the_rest_alike():
+    """60 units among demands 10, 30 and 100: 10 to the first (less than a third), then
+    25 each; a tenant short of its max-min share lowers the index."""
+    demand = {"light": 10.0, "mid": 30.0, "heavy": 100.0}
+    assert max_min_allocation(demand, 60.0) == {"light": 10.0, "mid": 25.0, "heavy": 25.0}
+    assert max_min_index({"light": 10.0, "mid": 25.0, "heavy": 25.0}, demand) == pytest.approx(1.0)
+    assert max_min_index({"light": 5.0, "mid": 25.0, "heavy": 30.0}, demand) < 0.95

@@ -23,9 +23,12 @@ router (``RULE@routers``, ``router_tier.py``: each router holds what is over its
 Two loads per instance, ``stress`` and ``half`` (all tenants' rate). Reported: each light
 tenant's p99 latency against its p99 alone on the same cluster (the target is 1.2×);
 Jain's index over the service each backlogged tenant (one with work left when arrivals
-end) received while arrivals went on (the target is 0.95); throughput against ``fcfs``.
+end) received while arrivals went on (the target is 0.95); the same index over each
+tenant's service against its max-min fair share (``max_min``: a tenant that asks for less
+than an equal share is owed what it asks, so a light tenant is not counted short for
+asking little); throughput against ``fcfs``.
 
-``python -m scheduler.sim.fairness_bench --seeds 5 --instances 4``
+``python -m scheduler.sim.fairness_bench --seeds 3 --instances 4``
 """
 
 from __future__ import annotations
@@ -109,7 +112,9 @@ def run(requests: list[SimRequest], variant: str, instances: int, cost: CostMode
     last_arrival = max(r.arrival for r in requests)
     per: dict[str, dict] = {}
     for rid, rec in result.records.items():
-        row = per.setdefault(tenant_of[rid], {"latency": [], "service": 0.0, "backlogged": False})
+        fresh = {"latency": [], "service": 0.0, "demand": 0.0, "backlogged": False}
+        row = per.setdefault(tenant_of[rid], fresh)
+        row["demand"] += (rec.prompt_len - rec.cached_tokens) + 2 * outputs[rid]
         if rec.finish is None or rec.finish > last_arrival:
             row["backlogged"] = True  # it still had work when arrivals ended
         if rec.finish is None:
@@ -123,18 +128,37 @@ def run(requests: list[SimRequest], variant: str, instances: int, cost: CostMode
         "throughput_rps": len(done) / span,
         "p99_latency_s": {t: float(np.percentile(v["latency"], 99)) for t, v in per.items() if v["latency"]},
         "service": {t: v["service"] for t, v in per.items()},
+        "demand": {t: v["demand"] for t, v in per.items()},
         "backlogged": sorted(t for t, v in per.items() if v["backlogged"]),
     }
 
 
-def bench(seeds: int, n: int, instances: int, rates: dict[str, float], cost: CostModel,
+def max_min_allocation(demand: dict[str, float], capacity: float) -> dict[str, float]:
+    """Max-min fair shares of ``capacity`` (equal weights): whoever asks for less than
+    an equal share gets what it asks, the rest is split among the others alike."""
+    left, alloc = capacity, {}
+    for i, t in enumerate(sorted(demand, key=demand.get)):
+        alloc[t] = min(demand[t], left / (len(demand) - i))
+        left -= alloc[t]
+    return alloc
+
+
+def max_min_index(service: dict[str, float], demand: dict[str, float]) -> float:
+    """Jain's index over each tenant's service against its max-min fair share of all the
+    service given: 1 when a tenant that asked for less than its share got what it asked
+    and the others split the rest alike, whoever they are."""
+    alloc = max_min_allocation(demand, sum(service.values()))
+    return jain_index(service[t] / alloc[t] for t in service if alloc[t] > 0)
+
+
+def bench(seeds: int, seconds: float, instances: int, rates: dict[str, float], cost: CostModel,
           capacity: int = CAPACITY, skew: float | None = None,
           router_inflight: int = 0) -> list[dict]:  # fmt: skip
     cells = []
     variants = VARIANTS if skew is None else TWO_ROUTERS
     for load, rps in rates.items():
         for seed in range(seeds):
-            requests = tenant_mix(n, rps, seed, skew=skew)
+            requests = tenant_mix(int(rps * seconds), rps, seed, skew=skew)
             alone = {}
             for t in LIGHT:
                 own = [r for r in requests if r.tenant == t]
@@ -144,6 +168,7 @@ def bench(seeds: int, n: int, instances: int, rates: dict[str, float], cost: Cos
             for rec in runs.values():
                 light = max(rec["p99_latency_s"][t] / alone[t] for t in LIGHT)
                 rec.update(load=load, seed=seed, rps=rps, instances=instances, skew=skew,
+                           max_min=max_min_index(rec["service"], rec["demand"]),
                            throughput_vs_fcfs=rec["throughput_rps"] / base,
                            light_p99_vs_alone=light,
                            jain=jain_index(rec["service"][t] for t in rec["backlogged"]))  # fmt: skip
@@ -154,7 +179,7 @@ def bench(seeds: int, n: int, instances: int, rates: dict[str, float], cost: Cos
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument("--seconds", type=float, default=30.0, help="how long requests arrive")
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--stress-rps", type=float, default=15.0, help="all tenants' rate per instance at stress")
     ap.add_argument("--cost-model", default="mistral7b_a6000")
@@ -170,14 +195,14 @@ def main() -> None:
     rates = {"half": stress / 2, "stress": stress}
     cost = CostModel.load(args.cost_model)
     inflight = args.router_inflight or 12 * args.instances
-    cells = bench(args.seeds, args.requests, args.instances, rates, cost, args.capacity_tokens, args.skew,
+    cells = bench(args.seeds, args.seconds, args.instances, rates, cost, args.capacity_tokens, args.skew,
                   inflight)  # fmt: skip
     for load in rates:
         for v in VARIANTS if args.skew is None else TWO_ROUTERS:
             rows = [c for c in cells if c["load"] == load and c["variant"] == v]
             pick = {
                 k: [round(c[k], 3) for c in rows]
-                for k in ("light_p99_vs_alone", "jain", "throughput_vs_fcfs")
+                for k in ("light_p99_vs_alone", "jain", "max_min", "throughput_vs_fcfs")
             }
             print(f"{load:7s} {v:18s} " + "  ".join(f"{k} {vals}" for k, vals in pick.items()))
     if args.output:
