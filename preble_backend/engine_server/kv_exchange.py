@@ -82,13 +82,15 @@ class KVExchange:
             self.reads.submit(read, claim)
 
         def read(claim) -> None:
+            peer = None
             try:
                 peer = self.transport.connect(offer["peer"])
                 timeout_s = self.engine.config.kv_transfer_timeout_s
                 result = self.transport.read(peer, claim.remote, claim.stamps, claim.new, timeout_s)
             except Exception as exc:
                 result = TransferResult(False, 0, 0, 0.0, 0, [], f"{type(exc).__name__}: {exc}")
-            self._release(offer)
+            if peer is not None and self.transport.connected(peer):  # else it failed the read: gone
+                self._release(offer)
             self.engine.run_in_loop(lambda: commit(claim, result))
 
         def commit(claim, result: TransferResult) -> None:

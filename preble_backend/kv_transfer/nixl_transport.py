@@ -38,6 +38,7 @@ import numpy as np
 from preble_backend.kv_transfer.layout import PoolLayout, page_runs, stamp_rows
 from preble_backend.model.kv_pool import KVPool
 
+LATE = "the transfer did not finish in time"  # a stalled peer: kept, it may answer later
 _SETTLE_ROUNDS = 25  # progress calls before an agent is destroyed (~50 ms)
 
 
@@ -149,12 +150,19 @@ class KVTransport:
                 self.agents[0].send_notif(names[0], notice.encode())
                 return True
             except Exception:  # nixl raises its own errors for a peer that is gone
+                self.disconnect(peer)
                 return False
+
+    def connected(self, peer: str) -> bool:
+        return peer in self._peers
 
     def disconnect(self, peer: str) -> None:
         names, _ = self._peers.pop(peer, ([], None))
         for agent, name in zip(self.agents, names):
-            agent.remove_remote_agent(name)
+            try:
+                agent.remove_remote_agent(name)
+            except Exception:  # nixl's own error for a peer it no longer holds: forgotten either way
+                pass
 
     def read(self, peer: str, remote_pages: list[int], stamps: list[int], local_pages: list[int],
              timeout_s: float = 5.0) -> TransferResult:  # fmt: skip
@@ -174,6 +182,8 @@ class KVTransport:
                 error = self._read_stamps(names[0], remote, remote_pages, deadline)
                 got = self._scratch[: len(remote_pages)]
                 stale = [p for p, s, g in zip(remote_pages, stamps, got) if s != g]
+            if error and error != LATE:  # the peer failed it (gone, most likely): forget it; a live
+                self.disconnect(peer)  # one is learnt again from its next offer (``connect``)
         seconds = time.perf_counter() - start
         ok = not error and not stale
         if stale and not error:
@@ -199,7 +209,7 @@ class KVTransport:
         for t in threads:
             t.join(max(0.0, deadline - time.perf_counter()) + 1.0)
         if any(t.is_alive() for t in threads):
-            return "the transfer did not finish in time"
+            return LATE
         return errors[0] if errors else ""
 
     def _read_stamps(self, name: str, remote: PoolLayout, pages: list[int], deadline: float) -> str:
@@ -243,7 +253,7 @@ def _read(agent, peer: str, remote_memory: str, local_memory: str, src: np.ndarr
         state = agent.transfer(handle)
         while state == "PROC":
             if time.perf_counter() > deadline:
-                errors.append("the transfer did not finish in time")
+                errors.append(LATE)
                 return
             state = agent.check_xfer_state(handle)
         if state != "DONE":
