@@ -115,3 +115,25 @@ def test_engines_with_sliding_windows_are_refused(pair):
             Handoff(blocks)
     finally:
         blocks.pool.window = saved
+
+
+def test_pages_a_late_read_may_still_write_stay_out_of_use_until_it_has_ended(pair):
+    """A read that timed out with its handles in flight holds its pages (the transport says
+    which, ``TransferResult.held``): the commit frees the others; the held ones come back
+    only when the transport hands them back, and then every page is back."""
+    p, d, _ = pair
+    tokens = prompt(7)
+    p.generate([tokens], GREEDY)
+    lender = Handoff(p.scheduler.blocks, ttl_s=0.0)
+    offer = lender.offer("late", tokens)
+    free = d.pool.num_free
+    claim = Handoff(d.scheduler.blocks).reserve(tokens, offer)
+    late = TransferResult(False, len(claim.new), 0, 1.0, 0, [], "the transfer did not finish in time",
+                          held=list(claim.new))  # fmt: skip
+    assert Handoff(d.scheduler.blocks).commit(claim, late) == 0
+    assert d.pool.num_free == free - len(claim.new)  # held: nobody can be given them
+    d.scheduler.blocks.free(late.held)  # what KVExchange does when the transport settles them
+    assert d.pool.num_free == free and d.cache.cached_len(tokens) == 0
+    assert lender.expire() == 1
+    all_pages_back(p)
+    all_pages_back(d)

@@ -14,7 +14,7 @@ import torch
 from kv_peer import seeded_pool, serve
 
 from preble_backend.kv_transfer.layout import PoolLayout, page_runs
-from preble_backend.kv_transfer.nixl_transport import KVTransport
+from preble_backend.kv_transfer.nixl_transport import LATE, KVTransport
 
 
 def test_page_runs_coalesce_pages_consecutive_on_both_sides():
@@ -46,6 +46,10 @@ def test_pools_that_differ_are_refused_by_name():
 
 @pytest.fixture
 def peer():
+    yield from _peer()
+
+
+def _peer():
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     process = ctx.Process(target=serve, args=(child_conn, 7), daemon=True)
@@ -149,3 +153,40 @@ def test_stamps_advance_on_every_free():
     again = pool.alloc(3)  # the same pages: the free list is a stack
     pool.free(again[:1])
     assert pool.stamps[again].tolist() == [2, 1, 1] and np.count_nonzero(pool.stamps) == 3
+
+
+@pytest.fixture
+def tcp_peer(monkeypatch):
+    """A peer over UCX's TCP transport, where a read needs the peer to answer it."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    yield from _peer()
+
+
+def test_a_read_that_times_out_holds_its_pages_until_it_can_no_longer_write_them(tcp_peer):
+    """The peer stopped (SIGSTOP) after the pair is wired up: the read times out, and its
+    data lands when the peer runs again, whatever NIXL says of the handle. So its pages are
+    held (nobody may be given them meanwhile) and handed back once the read has ended,
+    holding what it wrote; the pair reads on."""
+    conn, process, offer = tcp_peer
+    mine = seeded_pool(99)
+    settled: list[list[int]] = []
+    transport = KVTransport("decode", mine, on_settled=settled.append)
+    try:
+        name = transport.connect(offer)
+        assert transport.read(name, [1], [0], [1]).ok
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            result = transport.read(name, [5, 6], [0, 0], [5, 6], timeout_s=1)
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        assert not result.ok and result.error == LATE and result.held == [5, 6]
+        assert transport.connected(name)  # a stalled peer is kept
+        deadline = time.monotonic() + 10
+        while not settled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert settled == [[5, 6]] and transport.held_pages == 0
+        source = seeded_pool(7)
+        assert torch.equal(_pages(mine, mine.k_cache, [5, 6]), _pages(source, source.k_cache, [5, 6]))
+        assert transport.read(name, [3, 9], [0, 0], [3, 9]).ok
+    finally:
+        transport.close()

@@ -55,6 +55,7 @@ GAUGES = {  # stats key -> (metric name, description)
     "kv_host_pages_used": ("preble_engine_kv_host_pages_used", "KV pages held by the host tier"),
     "waiting": ("preble_engine_waiting_requests", "requests in the priority wait queue"),
     "running": ("preble_engine_running_requests", "requests running"),
+    "kv_pages_held": ("preble_engine_kv_pages_held", "KV pages a timed-out transfer may still write"),
 }
 COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "prompt_tokens_computed": "preble_engine_prompt_tokens_computed_total",

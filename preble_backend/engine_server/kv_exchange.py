@@ -31,7 +31,8 @@ class KVExchange:
         self.engine, self.log = engine, log
         self.handoff = Handoff(engine.scheduler.blocks, ttl_s=cfg.kv_lease_s)
         self.transport = KVTransport(name, engine.pool, cfg.kv_transfer_lanes, on_notice=self._notice,
-                                     net_devices=cfg.kv_transfer_devices)  # fmt: skip
+                                     net_devices=cfg.kv_transfer_devices,
+                                     on_settled=self._settled)  # fmt: skip
         self.reads = ThreadPoolExecutor(1, thread_name_prefix="preble-kv-read")
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("kv_offers", "kv_takes", "kv_transfer_failures", "kv_pages_received",
@@ -46,6 +47,7 @@ class KVExchange:
         seconds = moved["kv_transfer_s"]
         gbps = moved["kv_bytes_received"] / seconds / 1e9 if seconds else 0.0
         return {**moved, "kv_transfer_gbps": round(gbps, 3), "kv_leases": len(self.handoff.leases),
+                "kv_pages_held": self.transport.held_pages,
                 "kv_bytes_per_token": 2 * lay.num_layers * lay.page_bytes // lay.page_size}  # fmt: skip
 
     def offer(self, lease_id: str, tokens: list[int]) -> dict:
@@ -64,6 +66,10 @@ class KVExchange:
     def _notice(self, lease_id: str) -> None:
         """The poller's thread: a decode side is done with a lease."""
         self.engine.run_in_loop(lambda: self.handoff.release(lease_id))
+
+    def _settled(self, pages: list[int]) -> None:
+        """The poller's thread: a timed-out read has ended; the pages it held are free again."""
+        self.engine.run_in_loop(lambda: self.handoff.blocks.free(pages))
 
     def take(self, tokens: list[int], offer: dict, then: Callable[[], None]) -> None:
         """Receive what ``offer`` holds that this cache lacks, then call ``then`` on the

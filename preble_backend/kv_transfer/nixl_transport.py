@@ -20,6 +20,13 @@ the data proves no reuse had begun while the data was read.
 (lanes), each reading a share from its own thread, run in parallel. Agents run without
 NIXL's progress thread, which spins a core; the passive side progresses every few
 milliseconds from a thread of its own (connection wire-up needs it; reads do not).
+
+**A read that times out still owns its pages.** A posted read cannot be called back: over
+UCX's TCP transport a read whose peer stalled lands when the peer runs again, even after
+NIXL reported the handle released and the peer removed (measured, tests/test_kv_transfer.py).
+So pages (and the stamps buffer) that a read still in flight may write are *held*: the
+failed result names them, the caller keeps them out of use, and the poller hands them
+back (``on_settled``) once every handle of that read has ended.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,6 +67,17 @@ class TransferResult:
     descriptors: int
     stale: list[int]  # offered pages whose stamp changed while they were read
     error: str = ""
+    held: list[int] = field(default_factory=list)  # local pages a read in flight may still write
+
+
+@dataclass
+class _LateRead:
+    """A failed read that may still write: its handles, its lanes' threads, what it may write."""
+
+    handles: list[tuple]  # (agent, handle)
+    threads: list[threading.Thread]
+    pages: list[int]
+    scratch: tuple | None = None  # (the stamps buffer it may write, its registration)
 
 
 class KVTransport:
@@ -67,14 +85,18 @@ class KVTransport:
 
     def __init__(self, name: str, pool: KVPool, lanes: int = 2, passive_poll_s: float = 0.005,
                  on_notice: Callable[[str], None] | None = None,
-                 net_devices: str = "lo") -> None:  # fmt: skip
+                 net_devices: str = "lo",
+                 on_settled: Callable[[list[int]], None] | None = None) -> None:  # fmt: skip
         """``on_notice`` is called, on the poller's thread, with each notice a peer sends
         (``notify``): how a decode side says it is done with an offer. ``net_devices``: what
         UCX may listen and connect on; by default loopback only (UCX otherwise listens on
-        every interface the host has, which nobody asked for)."""
+        every interface the host has, which nobody asked for). ``on_settled`` is called, on
+        the poller's thread, with the held pages of a failed read once it can no longer
+        write them."""
         os.environ["UCX_NET_DEVICES"] = net_devices  # read when the agents' UCX contexts start
         nixl = load_nixl()
-        self.on_notice = on_notice
+        self.on_notice, self.on_settled = on_notice, on_settled
+        self._late: list[_LateRead] = []
         self.name = f"{name}-{uuid.uuid4().hex[:12]}"  # a restarted engine is a new peer, never the dead one
         self.pool = pool
         self.layout = PoolLayout.of(pool)
@@ -84,8 +106,7 @@ class KVTransport:
         for agent in self.agents:
             for memory, rows in regions.items():
                 agent.register_memory(rows, memory)
-        self._scratch = np.zeros(pool.num_pages, dtype=np.int64)  # stamps read back
-        self.agents[0].register_memory([(self._scratch.ctypes.data, self._scratch.nbytes, 0, "")], "DRAM")
+        self._scratch, self._scratch_reg = self._new_scratch()  # stamps read back
         self._peers: dict[str, tuple[list[str], PoolLayout]] = {}
         self._lock = threading.Lock()  # one user of the agents at a time: a read, or the poller
         self._stop = threading.Event()
@@ -111,11 +132,38 @@ class KVTransport:
                     notices = [
                         n for agent in self.agents for ns in agent.get_new_notifs().values() for n in ns
                     ]
+                    settled = self._reap()
                 finally:
                     self._lock.release()
                 for notice in notices:
                     if self.on_notice is not None:
                         self.on_notice(notice.decode(errors="replace"))
+                for pages in settled:
+                    if self.on_settled is not None:
+                        self.on_settled(pages)
+
+    def _new_scratch(self) -> tuple[np.ndarray, object]:
+        scratch = np.zeros(self.pool.num_pages, dtype=np.int64)
+        return scratch, self.agents[0].register_memory([(scratch.ctypes.data, scratch.nbytes, 0, "")], "DRAM")
+
+    def _reap(self) -> list[list[int]]:
+        """Under the lock: the held pages of every late read that can no longer write."""
+        settled, waiting = [], []
+        for late in self._late:
+            if any(t.is_alive() for t in late.threads) or any(_in_flight(a, h) for a, h in late.handles):
+                waiting.append(late)
+                continue
+            for agent, handle in late.handles:
+                _release(agent, handle)
+            if late.scratch is not None:
+                self.agents[0].deregister_memory(late.scratch[1])
+            settled.append(late.pages)
+        self._late = waiting
+        return settled
+
+    @property
+    def held_pages(self) -> int:
+        return sum(len(late.pages) for late in self._late)
 
     def offer(self) -> dict:
         """What a peer needs to read this pool: JSON-safe, sent over the engines' own
@@ -175,34 +223,49 @@ class KVTransport:
         start = time.perf_counter()
         deadline = start + timeout_s
         nbytes = int(src[:, 1].sum()) if len(src) else 0
+        late, stamps_late, threads = [], [], []
         with self._lock:
-            error = self._read_lanes(names, remote.memory, src, dst, deadline)
+            error = self._read_lanes(names, remote.memory, src, dst, deadline, late, threads)
             stale: list[int] = []
             if not error and remote_pages:
-                error = self._read_stamps(names[0], remote, remote_pages, deadline)
+                error = self._read_stamps(names[0], remote, remote_pages, deadline, stamps_late)
                 got = self._scratch[: len(remote_pages)]
                 stale = [p for p, s, g in zip(remote_pages, stamps, got) if s != g]
-            if error and error != LATE:  # the peer failed it (gone, most likely): forget it; a live
-                self.disconnect(peer)  # one is learnt again from its next offer (``connect``)
+            held = self._hold(late, stamps_late, threads, local_pages)
+            if error and error != LATE and not (late or stamps_late):  # the peer failed it (gone,
+                self.disconnect(peer)  # most likely): forget it; a live one is learnt again (``connect``)
         seconds = time.perf_counter() - start
         ok = not error and not stale
         if stale and not error:
             error = f"{len(stale)} of {len(remote_pages)} pages were freed on {peer} while read"
-        return TransferResult(ok, len(remote_pages), nbytes, seconds, len(src), stale, error)
+        return TransferResult(ok, len(remote_pages), nbytes, seconds, len(src), stale, error, held)
+
+    def _hold(self, late: list, stamps_late: list, threads: list, pages: list[int]) -> list[int]:
+        """Under the lock: keep what a read still in flight may write out of use; the pages
+        it holds (none when every handle ended)."""
+        lanes_late = late or any(t.is_alive() for t in threads)
+        if not lanes_late and not stamps_late:
+            return []
+        scratch = None
+        if stamps_late:  # the stamps buffer may still be written: read the next stamps elsewhere
+            scratch = (self._scratch, self._scratch_reg)
+            self._scratch, self._scratch_reg = self._new_scratch()
+        held = list(pages) if lanes_late else []
+        self._late.append(_LateRead(late + stamps_late, list(threads), held, scratch))
+        return held
 
     def _read_lanes(self, names: list[str], memory: str, src: np.ndarray, dst: np.ndarray,
-                    deadline: float) -> str:  # fmt: skip
+                    deadline: float, late: list, threads: list) -> str:  # fmt: skip
         """Split the descriptors into one share per lane, by bytes, and read them in
         parallel; the first error, or an empty string."""
         if not len(src):
             return ""
         shares = _shares(src[:, 1], len(self.agents))
         errors: list[str] = []
-        threads = []
         for agent, name, (lo, hi) in zip(self.agents, names, shares):
             if lo == hi:
                 continue
-            args = (agent, name, memory, self.layout.memory, src[lo:hi], dst[lo:hi], deadline, errors)
+            args = (agent, name, memory, self.layout.memory, src[lo:hi], dst[lo:hi], deadline, errors, late)
             threads.append(threading.Thread(target=_read, args=args, daemon=True))
         for t in threads:
             t.start()
@@ -212,11 +275,13 @@ class KVTransport:
             return LATE
         return errors[0] if errors else ""
 
-    def _read_stamps(self, name: str, remote: PoolLayout, pages: list[int], deadline: float) -> str:
+    def _read_stamps(
+        self, name: str, remote: PoolLayout, pages: list[int], deadline: float, late: list
+    ) -> str:
         src, dst = remote.stamp_descriptors(pages), stamp_rows(self._scratch.ctypes.data, range(len(pages)))
         self._scratch[: len(pages)] = -1
         errors: list[str] = []
-        _read(self.agents[0], name, "DRAM", "DRAM", src, dst, deadline, errors)
+        _read(self.agents[0], name, "DRAM", "DRAM", src, dst, deadline, errors, late)
         return errors[0] if errors else ""
 
     def close(self) -> None:
@@ -243,14 +308,15 @@ def _shares(sizes: np.ndarray, lanes: int) -> list[tuple[int, int]]:
 
 
 def _read(agent, peer: str, remote_memory: str, local_memory: str, src: np.ndarray, dst: np.ndarray,
-          deadline: float, errors: list[str]) -> None:  # fmt: skip
+          deadline: float, errors: list[str], late: list) -> None:  # fmt: skip
     """One agent's READ of ``src`` (the peer's) into ``dst`` (ours), polled to the deadline."""
-    handle = None
+    handle, posted = None, False
     try:
         local = agent.get_xfer_descs(dst, local_memory)
         remote = agent.get_xfer_descs(src, remote_memory)
         handle = agent.initialize_xfer("READ", local, remote, peer)
         state = agent.transfer(handle)
+        posted = True  # from here it may write, until its state says otherwise
         while state == "PROC":
             if time.perf_counter() > deadline:
                 errors.append(LATE)
@@ -263,10 +329,25 @@ def _read(agent, peer: str, remote_memory: str, local_memory: str, src: np.ndarr
     finally:
         if handle is not None:
             _settle(agent, handle)
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:  # still in flight: NIXL keeps it until the agent closes
-                pass
+            if posted and _in_flight(agent, handle):  # never released while it may write: it is late
+                late.append((agent, handle))
+            else:
+                _release(agent, handle)
+
+
+def _in_flight(agent, handle) -> bool:
+    """Whether the read may still write; an agent that cannot tell is taken to say yes."""
+    try:
+        return agent.check_xfer_state(handle) == "PROC"
+    except Exception:
+        return True
+
+
+def _release(agent, handle) -> None:
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception:  # NIXL's own error for a handle it no longer holds: nothing to free
+        pass
 
 
 def _settle(agent, handle) -> None:

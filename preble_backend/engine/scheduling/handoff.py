@@ -100,10 +100,12 @@ class Handoff:
 
     def commit(self, claim: Claim, result: TransferResult) -> int:
         """On the engine's thread, after the read: cache what arrived (or free it all when
-        the read failed); the tokens received."""
+        the read failed, but for the pages a read still in flight may write: the transport
+        hands those back once it has ended); the tokens received."""
         self.cache.unlock(claim.node)
         if not result.ok:
-            self.blocks.free(claim.new)
+            held = set(result.held)
+            self.blocks.free([p for p in claim.new if p not in held])
             return 0
         kept, _ = self.cache.insert(claim.tokens, claim.have + claim.new)
         kept = set(kept)
