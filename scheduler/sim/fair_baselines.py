@@ -1,8 +1,8 @@
 """The anchors' fairness rules as wait queues, for the simulator's comparison (issue 65).
 
 Each keeps the paper's priority queue per tenant (``FairWaitQueue``) and changes only
-which tenant admits next; each keeps its state on its own instance, as the anchors keep
-theirs on each router:
+which tenant admits next; each keeps its state where it runs, in one instance's wait
+queue or, as the anchors keep theirs, in one router (``router_tier.py``):
 
 - ``RoundRobinQueue``: llm-d's flow control in its fair mode: backlogged tenants take
   turns, one request each, whatever the request costs;
