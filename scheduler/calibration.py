@@ -149,9 +149,12 @@ class OnlineCost:
         if eager.w < self.min_passes:
             return CostFit(prior, "prior", reason=f"too few passes ({eager.w:.0f} of {self.min_passes:.0f})",
                            error=common["prior_error"], **common)  # fmt: skip
-        if not separable(eager.a):
-            return CostFit(prior, "prior", reason="singular design: the window's passes do not tell the base "
-                           "from the per-token costs", error=common["prior_error"], **common)  # fmt: skip
+        if not separable(eager.a):  # the prior's shape, at the scale the passes show
+            factor = _scale(eager, base)
+            scaled = prior.scaled(factor)
+            return CostFit(scaled, "prior", reason="singular design: the window's passes do not tell the "
+                           f"base from the per-token costs; the prior ×{factor:.3g} to match them",
+                           error=eager.relative_error(np.array(scaled.terms())), **common)  # fmt: skip
         beta = self._solve(eager)
         model = _model(prior, beta, self.prior.label, eager.w)
         graph = self.windows["graph"]
@@ -193,6 +196,15 @@ class OnlineCost:
         dead = np.diag(a) <= 0
         beta[dead] = prior[dead]
         return beta
+
+
+def _scale(window: _Window, prior: np.ndarray) -> float:
+    """The factor on every prior term that best predicts the window's passes (least
+    squares, at least a hundredth): an engine whose passes are all of one shape still
+    corrects a prior that is off as a whole (another model's fit, say, 7x cheaper), where
+    keeping the prior as it was kept E2 sending that engine work it could not do."""
+    predicted = float(prior @ window.a @ prior)
+    return max(0.01, float(prior @ window.b) / predicted) if predicted > 0 else 1.0
 
 
 def _pseudo_passes(prior: CostModel, weight: float) -> tuple[np.ndarray, np.ndarray, float]:

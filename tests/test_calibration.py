@@ -93,6 +93,10 @@ def test_too_few_passes_or_a_singular_design_fall_back_to_the_prior_and_say_why(
         same.add((0, 1, 100, 0), TRUE.iteration_time(0, 1, 100))
     fit.observe(same.report())
     assert fit.fit.status == "prior" and fit.fit.reason.startswith("singular design")
+    # the prior's shape, scaled to the one shape of pass it saw: that pass priced right
+    factor = fit.fit.model.decode_ms_per_request / WRONG.decode_ms_per_request
+    assert coefficients(fit.fit.model) == pytest.approx(coefficients(WRONG.scaled(factor)), rel=1e-9)
+    assert fit.fit.model.iteration_time(0, 1, 100) == pytest.approx(TRUE.iteration_time(0, 1, 100), rel=1e-6)
 
 
 def test_the_window_follows_an_engine_that_slows_down_and_survives_a_restart():
