@@ -45,8 +45,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The quick loop: lint, then every test that starts no tritonserver (under 5 minutes on
-# the project's 2-core machine). `make test` is the full suite and CI's command.
+# The quick loop: lint, then every test that starts no tritonserver (12 minutes on the
+# project's 2-core machine, 2026-11-30). `make test` is the full suite and CI's command.
 check: lint
 	$(PY) -m pytest -q -p no:cacheprovider -m "not server"
 
