@@ -14,7 +14,7 @@ Variants (every one routes with E2; they differ in each engine's wait queue):
 - ``light_first``: not a policy but a bound: the light tenants always admitted before the
   heavy one, the best any order of the queues can do for them.
 
-With ``--routers 2 --skew 0.8`` the clients reach two routers, 80% of the heavy tenant's
+With ``--skew 0.8`` the clients reach two routers, 80% of the heavy tenant's
 requests the first; the anchors' rules then run where the anchors run them, in each
 router (``RULE@routers``, ``router_tier.py``: each router holds what is over its
 ``--router-inflight`` and orders it alone, engines run the paper's queue), beside ours
@@ -82,6 +82,7 @@ def tenant_mix(n: int, rps: float, seed: int = 0, vocab: int = 32000,
 
 
 CAPACITY = 40_000  # KV tokens per instance: ~24 of these requests, so that a flood queues
+ROOM = 24  # requests an instance holds at once: what routers that hold requests share
 
 
 def served_by(rec, output_len: int, until: float) -> float:
@@ -98,7 +99,8 @@ def run(requests: list[SimRequest], variant: str, instances: int, cost: CostMode
     rule, _, at_routers = variant.partition("@")
     routers = None
     if at_routers:  # the anchors' rules in the routers, the paper's queue in the engines
-        routers = RouterTier(1 + max(r.router for r in requests), rule, router_inflight)
+        count = 1 + max(r.router for r in requests)
+        routers = RouterTier(count, rule, router_inflight or ROOM * instances // count)
     cfg = SimConfig.of(instances, capacity, fair_share=variant != "fcfs" and routers is None)
     shares = None
     if variant in ("vtc", "vtc_basic", "light_first"):
@@ -192,16 +194,15 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=None,
                     help="two routers: this share of the heavy tenant's requests on the first")  # fmt: skip
     ap.add_argument("--router-inflight", type=int, default=0,
-                    help="with --skew: what each router dispatches at once (default: half the cluster's "
-                    "room, ~24 requests per instance)")  # fmt: skip
+                    help="with --skew: what each router dispatches at once (default: its share of the "
+                    "cluster's room, ~24 requests per instance)")  # fmt: skip
     ap.add_argument("--output", default="")
     args = ap.parse_args()
     stress = args.stress_rps * args.instances
     rates = {"half": stress / 2, "stress": stress}
     cost = CostModel.load(args.cost_model)
-    inflight = args.router_inflight or 12 * args.instances
     cells = bench(args.seeds, args.seconds, args.instances, rates, cost, args.capacity_tokens, args.skew,
-                  inflight)  # fmt: skip
+                  args.router_inflight)  # fmt: skip
     for load in rates:
         for v in VARIANTS if args.skew is None else TWO_ROUTERS:
             rows = [c for c in cells if c["load"] == load and c["variant"] == v]

@@ -76,12 +76,15 @@ class RouterTier:
     def __init__(self, num_routers: int, rule: str, max_inflight: int,
                  weights: dict[str, float] | None = None) -> None:  # fmt: skip
         self.routers = [SimRouter(rule, max_inflight, weights) for _ in range(num_routers)]
-        self.router_of: dict[str, int] = {}
+        self.held_by: dict[str, tuple[SimRouter, str]] = {}  # request id -> its router, its tenant
 
     def arrive(self, req, now: float) -> list[tuple]:
-        self.router_of[req.request_id] = req.router
-        return self.routers[req.router].arrive(req, now)
+        router = self.routers[req.router]
+        self.held_by[req.request_id] = (router, req.tenant)
+        return router.arrive(req, now)
 
-    def finished(self, request_id: str, tenant: str, computed: int, cached: int, output: int) -> list[tuple]:
-        router = self.routers[self.router_of.pop(request_id)]
-        return router.finished(tenant, computed, cached, output)
+    def finished(self, request_id: str, record) -> list[tuple]:
+        """A request ended (``record``: its prompt, what the cache served, its output)."""
+        router, tenant = self.held_by.pop(request_id)
+        computed = record.prompt_len - record.cached_tokens
+        return router.finished(tenant, computed, record.cached_tokens, record.output_len)

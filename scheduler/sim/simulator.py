@@ -236,8 +236,6 @@ def simulate(
 
     legs = Legs(link, instances, loads, routing, start, later)
 
-    tenant_of = {r.request_id: r.tenant for r in requests}
-
     def dispatch(req: SimRequest, arrival: float) -> None:
         params = SamplingParams(max_tokens=req.output_len)
         route = RoutingRequest(req.request_id, req.input_ids, params, chains=req.chains)
@@ -288,11 +286,8 @@ def simulate(
             policy.on_finish(inst.index, routing.pop(req.request_id), info)
             if learns:
                 policy.calibrate(inst.index, inst.cost_report())
-            if routers is not None:
-                computed = record.prompt_len - record.cached_tokens
-                for held, arrival in routers.finished(req.request_id, tenant_of[req.request_id], computed,
-                                                      record.cached_tokens, record.output_len):  # fmt: skip
-                    dispatch(held, arrival)
+            for held, arrival in routers.finished(req.request_id, record) if routers else ():
+                dispatch(held, arrival)
             for nxt in followers.pop(req.request_id, ()):
                 heapq.heappush(events, (now[0] + nxt.think_s, next(seq), "arrive", nxt))
         start(inst)
