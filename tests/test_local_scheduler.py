@@ -157,3 +157,37 @@ def test_a_reserve_no_eviction_can_satisfy_keeps_the_cache():
     assert cache.num_pages == 2
     blocks.release(big)
     blocks.pool.free(held)
+
+
+@pytest.mark.parametrize("received", [True, False])
+def test_a_received_request_joins_the_next_pass_ahead_of_a_running_prefill(received):
+    """P/D: a request whose prompt's KV came from a prefill instance lacks one token of it.
+    Behind a fresh prompt's chunked prefill that takes the whole budget (8), it is admitted
+    in the next pass, the prefill keeping the budget less a page (8 - 4) for that pass; the
+    same request not received waits behind the prefill, as the paper's queue has it."""
+    sched = make_scheduler(chunk_size=8, num_pages=24)  # pages of 4 tokens
+    doc = list(range(100, 116))
+    warm = make_request(doc + [1], "warm")  # leaves doc's four pages cached, as a transfer does
+    sched.add(warm)
+    while warm.num_computed < len(warm.prompt_ids):
+        sched.advance(sched.schedule())
+    sched.finish(warm)
+    fresh = make_request(list(range(300, 340)), "fresh")
+    sched.add(fresh)
+    sched.advance(sched.schedule())
+    moved = make_request(doc + [2], "moved")
+    moved.received = received
+    sched.add(moved)
+    assert sched.ready == ([moved] if received else [])
+    shape = []
+    while moved.num_cached_tokens is None:
+        batch = sched.schedule()
+        shape.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
+        sched.advance(batch)
+    if received:
+        assert shape == [[("fresh", 4), ("moved", 1)]] and sched.ready == []
+    else:  # fresh's 32 tokens left, in passes of 8, before it
+        assert shape == [[("fresh", 8)]] * 4 + [[("moved", 1)]]
+    assert moved.num_cached_tokens == 16
+    for r in (fresh, moved):
+        sched.finish(r)

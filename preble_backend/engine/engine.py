@@ -84,21 +84,20 @@ class Engine:
     # ---- the request API (any thread) -----------------------------------------------------
 
     def add_request(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams | dict | None = None,
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams | dict | None = None,
         callback: Callable[[RequestOutput], None] | None = None,
-        tenant: tuple[str, float | None] = (DEFAULT_TENANT, None),
-    ) -> None:
+        tenant: tuple[str, float | None] = (DEFAULT_TENANT, None), received: bool = False,
+    ) -> None:  # fmt: skip
         """Queue a request (served from ``tenant``'s share, of that weight: None keeps the
-        one it had); raise ``ValueError`` naming the problem if it can never run."""
+        one it had; ``received``: its prompt's KV came from a prefill instance); raise
+        ``ValueError`` naming the problem if it can never run."""
         if not isinstance(params, SamplingParams):
             params = SamplingParams.from_dict(params)
         self.validate(request_id, prompt_ids, params)
         req = Request(request_id=request_id, prompt_ids=[int(t) for t in prompt_ids], params=params,
                       sampler=SamplerState.create(params, self.runner.device), callback=callback,
-                      matcher=self._matcher(params), tenant=tenant[0], tenant_weight=tenant[1])  # fmt: skip
+                      matcher=self._matcher(params), tenant=tenant[0], tenant_weight=tenant[1],
+                      received=received)  # fmt: skip
         with self._wake:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

@@ -171,16 +171,16 @@ class TritonPythonModel:
             self._active.pop(call.request_id, None)
             raise
 
-    def _add(self, call) -> None:
+    def _add(self, call, received: bool = False) -> None:
         offer = self.kv is not None and call.kv == {"offer": True}
         self.engine.add_request(call.request_id, call.input_ids, call.params,
                                 lambda out: self._on_output(out, call, offer),
-                                (call.tenant, call.tenant_weight))  # fmt: skip
+                                (call.tenant, call.tenant_weight), received)  # fmt: skip
 
     def _add_taken(self, call, sender) -> None:
         """The engine's thread, once the prompt's KV was received or not."""
         try:
-            self._add(call)
+            self._add(call, received=True)
         except ValueError as exc:  # its id reused meanwhile
             self._active.pop(call.request_id, None)
             send_error(sender, f"{REFUSED}{exc}", pb_utils.TritonError.INVALID_ARG)

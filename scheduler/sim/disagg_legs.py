@@ -49,7 +49,7 @@ class Legs:
     def received(self, req, d: int) -> None:
         inst = self.instances[d]
         self.moved_tokens += receive(inst, req.input_ids)
-        inst.add(req)
+        inst.add(req, received=True)
         if not inst.busy:
             self.start(inst)
 

@@ -107,11 +107,10 @@ class SimInstance:
         self.batch: ScheduledBatch | None = None
         self.outputs: dict[str, list[int]] = {}  # the named outputs of requests running here
 
-    def add(self, req: SimRequest) -> Request:
+    def add(self, req: SimRequest, received: bool = False) -> Request:
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0)
-        engine_req = Request(
-            req.request_id, list(req.input_ids), params, SamplerState(params), tenant=req.tenant
-        )
+        engine_req = Request(req.request_id, list(req.input_ids), params, SamplerState(params),
+                             tenant=req.tenant, received=received)  # fmt: skip
         if req.output_ids is not None:
             self.outputs[req.request_id] = req.output_ids
         self.scheduler.add(engine_req)

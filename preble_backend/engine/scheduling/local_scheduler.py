@@ -2,8 +2,12 @@
 
 Each iteration gets a token budget (``chunk_size``, Sarathi-style). Running requests go
 first, oldest first: a decode costs one token, an unfinished prefill takes the next chunk
-that fits. Then waiting requests are admitted from the priority wait queue while budget,
-pages and the running cap allow; one whose prefix comes back from the host tier while
+that fits. A request whose prompt's KV was received from a prefill instance (P/D) and
+lacks at most a page of it is admitted next, ahead of the wait queue: its prefill ran
+elsewhere, and a running chunked prefill that took the whole budget held it for that
+prefill's length (up to a second per 30k-token document, where its first token had been
+priced at milliseconds). Then waiting requests are admitted from the priority wait queue
+while budget, pages and the running cap allow; one whose prefix comes back from the host tier while
 others are in the batch is loaded beside their pass and computes from the next. When
 pages run out, unreferenced cache is evicted (what waiting requests would reuse last); if
 that is not enough, the newest running request is preempted: its computed pages go to
@@ -13,6 +17,7 @@ the cache, and it waits at the front of its group to be recomputed.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from preble_backend.common.fair_share import TenantShares
@@ -93,6 +98,7 @@ class LocalScheduler:
         self.max_running = max_running_requests
         self.copy_ahead = KVPool.pages_for(chunk_size, blocks.page_size) if copy_ahead else 0
         self.stats = SchedulerStats()
+        self.ready: list[Request] = []  # waiting received requests that lack at most a page
         self._waiting_touched = False
         blocks.before_evict = self._keep_waiting_prefixes
 
@@ -101,6 +107,8 @@ class LocalScheduler:
         cached = cache.cached_len(req.tokens(0, req.num_tokens)) if cache is not None else 0
         req.status = Status.WAITING
         self.waiting.push(req, self.waiting.group_for(cached, req.num_tokens), front=front)
+        if req.received and req.num_tokens - cached <= self.blocks.page_size:
+            self.ready.append(req)
 
     def has_work(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0
@@ -111,10 +119,12 @@ class LocalScheduler:
         self.blocks.join_loads()  # this pass may read what came up beside the last
         before = self.blocks.tier_traffic()
         budget = self.chunk_size
+        room = min(len(self.ready), max(0, self.max_running - len(self.running)))
+        kept = min(room * self.blocks.page_size, budget // 2)  # the ready ones' part, from prefills
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget)
+            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget - kept)
             if n <= 0:
                 continue
             while not self.blocks.reserve(req, n):
@@ -127,7 +137,9 @@ class LocalScheduler:
             if req.status is Status.RUNNING:
                 batch.add(req, n)
                 budget -= n
-        self._admit(batch, budget)
+        if room:
+            budget = self._admit(batch, budget, list(self.ready))
+        self._admit(batch, budget, self.waiting.candidates())
         after = self.blocks.tier_traffic()
         batch.loaded_tokens = after[0] - before[0] - batch.loaded_beside_tokens
         batch.offloaded_tokens = after[1] - before[1]
@@ -137,16 +149,17 @@ class LocalScheduler:
                 self.blocks.join_loads(batch.requests)  # one of them shares a prefix coming up
         return batch
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, batch: ScheduledBatch, budget: int, candidates: Iterable[Request]) -> int:
+        """Admit ``candidates`` in order until one cannot be; returns the budget left."""
         made_room = False
-        for req in self.waiting.candidates():
+        for req in candidates:
             if budget <= 0:
-                return
+                return budget
             if len(self.running) >= self.max_running:  # fair shares: a tenant under its share of slots
                 fair = self.shares is not None and not made_room  # takes one, at most one per pass
                 victim = fair_victim(self.shares, req, self.running, self.max_running) if fair else None
                 if victim is None:
-                    return
+                    return budget
                 if victim in batch.requests:
                     budget += batch.drop(victim)
                 self._preempt(victim)
@@ -158,15 +171,17 @@ class LocalScheduler:
             loaded = self.blocks.tier_traffic()[0]
             cached = self.blocks.admit(req, budget, wait=bool(self.running), beside=beside)
             if cached is None:
-                return
+                return budget
             loaded = self.blocks.tier_traffic()[0] - loaded
             if beside:
                 batch.loaded_beside_tokens += loaded
             n = min(req.num_uncomputed, budget)
             if not self.blocks.reserve(req, n):
                 self.blocks.release(req)
-                return
+                return budget
             self.waiting.take(req)
+            if req in self.ready:
+                self.ready.remove(req)
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(cached, len(req.prompt_ids))
                 req.admitted = time.monotonic()
@@ -182,6 +197,7 @@ class LocalScheduler:
                 continue
             batch.add(req, n)
             budget -= n
+        return budget
 
     def _keep_waiting_prefixes(self) -> None:
         """Before an iteration's first eviction, mark the cached prefixes of the requests
@@ -223,6 +239,8 @@ class LocalScheduler:
             self.blocks.release(req)
         else:
             self.waiting.remove(req)
+            if req in self.ready:
+                self.ready.remove(req)
         req.status = Status.FINISHED
 
 
