@@ -137,3 +137,52 @@ def test_pages_a_late_read_may_still_write_stay_out_of_use_until_it_has_ended(pa
     assert lender.expire() == 1
     all_pages_back(p)
     all_pages_back(d)
+
+
+@pytest.fixture(scope="module")
+def tiered_pair(tiny_model):
+    """``pair`` with a host tier on each engine."""
+    config = EngineConfig(model_path=tiny_model, max_num_tokens=1024, host_kv_tokens=4096)
+    p, d = Engine(config), Engine(config)
+    tp, td = KVTransport("prefill-tiered", p.pool), KVTransport("decode-tiered", d.pool)
+    peer = td.connect(tp.offer())
+    yield p, d, lambda remote, stamps, local: td.read(peer, remote, stamps, local)
+    td.close()
+    tp.close()
+
+
+def to_host(engine: Engine) -> None:
+    """Evict every unlocked device page: the host tier keeps what it held."""
+    engine.scheduler.blocks.free(engine.cache.evict(engine.cache.num_evictable_pages))
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prefix_in_the_host_tier_answers_as_aggregated(pair, tiered_pair, params):
+    """Host tiers on both sides: the prefill side's shared first 64 tokens come back from
+    its host tier for the prefill; the decode side holds them on its host only, so every
+    whole page is read from the prefill side and becomes its host node's device copy. The
+    answer is the untiered engine's, and every device and host page is back."""
+    ref, _, _ = pair
+    p, d, read = tiered_pair
+    tokens = prompt(11 if params is GREEDY else 12)
+    [aggregated] = ref.generate([tokens], params)
+    for engine in (p, d):
+        engine.generate([tokens[:64] + prompt(13, 40)], GREEDY)
+        to_host(engine)
+        assert not engine.cache.match_prefix(tokens)[0] and engine.cache.cached_len(tokens) == 64  # on host
+    loaded = p.cache.host.stats.pages_loaded
+    assert p.generate([tokens], params) == [aggregated]
+    assert p.cache.host.stats.pages_loaded - loaded == 4  # the shared prefix came back up
+    handoff = Handoff(p.scheduler.blocks)
+    offer = handoff.offer("r", tokens)
+    ps = p.pool.page_size
+    received, result = take(Handoff(d.scheduler.blocks), tokens, offer, read)
+    assert result.ok and result.pages == len(tokens) // ps and received == offer["tokens"]
+    before = d.scheduler.stats.prompt_tokens_cached
+    assert d.generate([tokens], params) == [aggregated]
+    assert d.scheduler.stats.prompt_tokens_cached - before == offer["tokens"]
+    assert handoff.release("r")
+    for engine in (p, d):
+        all_pages_back(engine)
+        assert engine.cache.host.pool.num_used == engine.cache.num_host_pages
+        to_host(engine)  # the next case starts with nothing on the devices

@@ -13,6 +13,13 @@
 Only whole pages move; the prompt's last partial page is computed by the decode side, as
 vLLM's NIXL connector moves whole blocks. Engines with sliding-window layers are refused:
 their window pages are a second pool this handoff does not move yet.
+
+With a host tier, only device pages are offered and counted as held: a prefix the decode
+side holds on its host is read again from the prefill side (on a GPU the peer's VRAM over
+NVLink is faster than a load-back over PCIe) and becomes that host node's device copy. Room
+made by evicting copies pages down first; on a GPU that copy runs on the compute stream,
+which the read (NIXL, not on any stream) does not follow, so the copy is waited for before
+the pages are handed to the read.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from preble_backend.engine.cache.radix_node import TreeNode
 from preble_backend.engine.scheduling.block_manager import BlockManager
@@ -118,4 +127,7 @@ class Handoff:
             if short > self.cache.num_evictable_pages:
                 return None
             self.blocks.free(self.cache.evict(short))
+            device = self.pool.k_cache.device
+            if self.cache.host is not None and device.type == "cuda":  # the copies down, before the read
+                torch.cuda.current_stream(device).synchronize()
         return self.pool.alloc(count) if count <= self.pool.num_free else None
