@@ -12,6 +12,11 @@
   ``pd-profile-handler``; we take 512), with the prefill pod scored the same way.
 - ``sglang_pd``: SGLang's model gateway. Always disaggregated; the prefill and the decode
   worker picked independently, each by ``cache_aware`` among its own kind.
+
+Given ``roles`` (the simulator) every instance may be paired. Live (``policy: dynamo_pd``
+and so on, for measuring against E2 on a real stack), each rule learns the roles from the
+engines' reports as ``E2PD`` does, and pairs only engines that move KV (they report
+``kv_bytes_per_token``) of one KV shape; with none, each is its aggregated router.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, check_roles
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE, ROLES, check_roles
 from scheduler.baselines import CacheAware, KVCost
 from scheduler.disagg import prefill_leg
 from scheduler.global_tree import GlobalPrefixTree
@@ -27,17 +32,64 @@ from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, 
 
 
 class _Roles(Policy):
+    """Roles, the engines that move KV, and the anchor's own router (``self.router``, where
+    it has one), which hears of every engine as the rule does."""
+
+    router: Policy | None = None
+
     def __init__(self, num_instances: int, roles, clock: Callable[[], float]) -> None:
         super().__init__(num_instances, clock)
-        roles = tuple(roles) or ("both",) * num_instances
+        given = tuple(roles)
+        roles = given or ("both",) * num_instances
         check_roles(roles)
         self.roles = list(roles)
+        self.movable = set(range(num_instances)) if given else set()
+        self.kv_shape: int | None = None  # bytes per token of the engines that move KV
+
+    def learn(self, instance: int, load: dict) -> None:
+        if load.get("role") in ROLES:
+            self.roles[instance] = load["role"]
+        per_token = int(load.get("kv_bytes_per_token") or 0)
+        if per_token and self.kv_shape in (None, per_token):
+            self.kv_shape = per_token
+            self.movable.add(instance)
+        if self.router is not None:
+            self.router.learn(instance, load)
 
     def _with(self, role: str) -> set[int]:
         return {i for i in self.live if self.roles[i] in (role, "both")}
 
+    def _decoders(self) -> set[int]:
+        """Where requests decode: while no engine that decodes is up, any (as ``E2PD``)."""
+        return self._with("decode") or set(self.live)
+
+    def _prefillers(self, decode: int) -> set[int]:
+        """The instances that may prefill for ``decode``: none unless both move KV."""
+        return (self._with("prefill") & self.movable) - {decode} if decode in self.movable else set()
+
     def _grow(self) -> None:
         self.roles.append("both")
+        if self.router is not None:
+            self.router.add_instance()
+
+    def forget(self, instance: int) -> None:
+        if self.router is not None:
+            self.router.forget(instance)
+
+    def resync(self, instance: int) -> None:
+        if self.router is not None:
+            self.router.resync(instance)
+
+    def record(self, request: RoutingRequest, instance: int) -> None:
+        if self.router is not None:
+            self.router.record(request, instance)
+
+    def cached_tokens(self, instance: int) -> int | None:
+        return self.router.cached_tokens(instance) if self.router is not None else None
+
+    def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
+        if self.router is not None:
+            self.router.on_finish(instance, request, info)
 
 
 def _among(policy: Policy, instances: set[int], request: RoutingRequest, loads) -> int:
@@ -60,20 +112,17 @@ class DynamoPD(_Roles):
         self.prefill_queue = prefill_queue
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
-        decode = _among(self.router, self._with("decode"), request, loads)
+        decode = _among(self.router, self._decoders(), request, loads)
         prompt = len(request.input_ids)
         uncached = prompt - self.router.tree.match(request.chain(self.router.block_size)).cached_on(decode)
-        prefillers = self._with("prefill") - {decode}
+        prefillers = self._prefillers(decode)
         short = uncached < self.max_local_prefill and uncached < self.max_uncached_share * prompt
         queue = self.prefill_queue
-        busy = queue is not None and all(loads[i].in_flight >= queue for i in prefillers)
+        busy = queue is not None and bool(prefillers) and all(loads[i].in_flight >= queue for i in prefillers)
         if short or busy or not prefillers:
             return Decision(decode, "local_busy" if busy and not short else "local")
         prefill = _among(self.router, prefillers, prefill_leg(request), loads)
         return Decision(decode, "remote", prefill=prefill)
-
-    def on_finish(self, instance: int, request: RoutingRequest, info: FinishInfo) -> None:
-        self.router.on_finish(instance, request, info)
 
 
 class LlmdPD(MirrorsCaches, _Roles):
@@ -97,8 +146,8 @@ class LlmdPD(MirrorsCaches, _Roles):
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         match = self.tree.match(request.chain(self.page_size))
         prompt = len(request.input_ids)
-        decode = self._pick(self._with("decode"), match, prompt, loads)
-        prefillers = self._with("prefill") - {decode}
+        decode = self._pick(self._decoders(), match, prompt, loads)
+        prefillers = self._prefillers(decode)
         if prompt - match.cached_on(decode) <= self.threshold or not prefillers:
             return Decision(decode, "local")
         return Decision(decode, "remote", prefill=self._pick(prefillers, match, prompt, loads))
@@ -120,8 +169,8 @@ class SGLangPD(_Roles):
         self.router = CacheAware(num_instances, page_size=page_size, clock=clock)
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
-        decode = _among(self.router, self._with("decode"), request, loads)
-        prefillers = self._with("prefill") - {decode}
+        decode = _among(self.router, self._decoders(), request, loads)
+        prefillers = self._prefillers(decode)
         if not prefillers:
             return Decision(decode, "local")
         return Decision(decode, "pd", prefill=_among(self.router, prefillers, prefill_leg(request), loads))

@@ -23,8 +23,13 @@ POLICIES: dict[str, str] = {
     "prefix_hash": "scheduler.baselines:PrefixHash",
     "cache_aware": "scheduler.baselines:CacheAware",
     "kv_cost": "scheduler.baselines:KVCost",
+    # the anchors' prefill/decode rules: their aggregated router where no engine has a role
+    "dynamo_pd": "scheduler.disagg_baselines:DynamoPD",
+    "llmd_pd": "scheduler.disagg_baselines:LlmdPD",
+    "sglang_pd": "scheduler.disagg_baselines:SGLangPD",
 }
-ALL_POLICIES = tuple(POLICIES)  # E2 first, then the baselines
+PD_RULES = ("dynamo_pd", "llmd_pd", "sglang_pd")
+ALL_POLICIES = tuple(p for p in POLICIES if p not in PD_RULES)  # E2 first, then the aggregated baselines
 CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens")
 
 

@@ -229,3 +229,38 @@ def test_live_an_engine_of_another_kv_shape_is_never_paired_and_a_prefill_engine
     policy.instance_down(1)
     policy.instance_down(2)
     assert policy.select(req([4, 5, 6]), loads) == Decision(0, "explore")  # no decode engine is up
+
+
+@pytest.mark.parametrize(
+    "name, remote, short_remote",
+    [("dynamo_pd", "remote", True), ("llmd_pd", "remote", False), ("sglang_pd", "pd", True)],
+)
+def test_live_the_anchors_rules_learn_roles_from_the_engines_and_pair_only_engines_that_move_kv(
+    name, remote, short_remote
+):
+    """Built by name as the router builds a policy (``policy: dynamo_pd``), each anchor's
+    rule starts knowing no role: every engine is whole and nothing is paired. Once engine
+    0 reports itself a prefill engine and 1 a decode engine, both moving KV, a 3,000-token
+    uncached prompt decodes on 1 and prefills on 0; a 100-token one stays on 1 for llm-d
+    only (512 uncached tokens or fewer), where Dynamo keeps a prefill local only when
+    under 2,048 uncached tokens are also under 70% of the prompt, and SGLang's gateway
+    always pairs. An engine of another KV shape (2) is never paired."""
+    from scheduler.policies import ALL_POLICIES, make_policy
+
+    assert name not in ALL_POLICIES  # named, never in "all": they need a P/D stack
+    policy = make_policy(name, 3, {"page_size": 1, "clock": Clock()})
+    loads = [InstanceLoad() for _ in range(3)]
+    long, short = req(list(range(3000))), req(list(range(5000, 5100)))
+    assert policy.select(long, loads).prefill is None  # no engine reported a role yet
+    policy.learn(0, {"role": "prefill", "kv_bytes_per_token": 1000})
+    policy.learn(1, {"role": "decode", "kv_bytes_per_token": 1000})
+    policy.learn(2, {"role": "decode", "kv_bytes_per_token": 2000})
+    assert policy.roles == ["prefill", "decode", "decode"] and policy.movable == {0, 1}
+    policy.instance_down(2)
+    assert policy.select(long, loads) == Decision(1, remote, prefill=0)
+    paired, local = Decision(1, remote, prefill=0), Decision(1, "local")
+    assert policy.select(short, loads) == (paired if short_remote else local)
+    policy.instance_up(2)
+    policy.instance_down(1)
+    decision = policy.select(long, loads)
+    assert decision.instance == 2 and decision.prefill is None  # 2 cannot take 0's pages

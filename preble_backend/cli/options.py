@@ -23,12 +23,12 @@ WORKLOAD_HELP = (
 )
 
 
-def _names(known, allow_all: bool = False):
-    """A comma-separated list of names from ``known`` (``all``: every one, when allowed)."""
+def _names(known, every=None):
+    """A comma-separated list of names from ``known`` (``all``: ``every``, when given)."""
 
     def parse(text: str) -> list[str]:
-        if allow_all and text == "all":
-            return list(known)
+        if every is not None and text == "all":
+            return list(every)
         names = [n for n in text.split(",") if n]
         bad = [n for n in names if n not in known]
         if bad or not names:
@@ -261,7 +261,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--requests", type=_positive(int), default=1000, help="requests per trace")
     p.add_argument(
         "--policies",
-        type=_names(ALL_POLICIES, allow_all=True),
+        type=_names(ALL_POLICIES, ALL_POLICIES),
         default="all",
         help="comma-separated policies, or all",
     )
@@ -323,7 +323,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--rates", type=_rates, default="1,2,4", help="comma-separated requests/s")
     p.add_argument(
         "--policies",
-        type=_names(ALL_POLICIES, allow_all=True),
+        type=_names(list(POLICIES), ALL_POLICIES),  # the anchors' P/D rules by name, on a P/D stack
         default="e2,round_robin",
         help="comma-separated policies, or all",
     )
