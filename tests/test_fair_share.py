@@ -113,38 +113,6 @@ def test_a_flooding_tenant_does_not_hold_back_a_light_one():
     assert sched.schedule().requests == [heavy[1]]
 
 
-@pytest.mark.parametrize("fair", [True, False])
-def test_a_light_tenant_s_prompt_takes_the_budget_ahead_of_a_heavy_tenant_s_running_chunks(fair):
-    """Two running slots, a budget of 8 tokens. The heavy tenant's 40-token prompt is in its
-    chunked prefill (8 computed, charged 40) when the light tenant's 6-token prompt
-    arrives. With fair shares the light tenant, served less, is owed the budget its prompt
-    needs: the next pass computes its 6 tokens and the heavy chunk's remaining 2. Without
-    (the paper's queue alone) the heavy chunk takes all 8 until its prefill ends."""
-    shares = TenantShares()
-    pool = tiny_pool(64)
-    waiting = FairWaitQueue(shares, 10, 10) if fair else PriorityWaitQueue(10, 10)
-    sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), waiting, chunk_size=8,
-                           max_running_requests=2, shares=shares if fair else None)  # fmt: skip
-    heavy = make_request(list(range(100, 140)), "heavy")
-    heavy.tenant = "heavy"
-    sched.add(heavy)
-    sched.advance(sched.schedule())
-    light = make_request(list(range(200, 206)), "light")
-    light.tenant = "light"
-    sched.add(light)
-    shape = []
-    while light.num_computed < 6:
-        batch = sched.schedule()
-        shape.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
-        sched.advance(batch)
-    if fair:
-        assert shape == [[("heavy", 2), ("light", 6)]]
-    else:
-        assert shape == [[("heavy", 8)]] * 4 + [[("light", 6)]]
-    for r in (heavy, light):
-        sched.finish(r)
-
-
 def test_in_the_simulator_a_light_tenant_overtakes_a_flooding_one_only_with_fair_share():
     """One instance whose KV holds two requests at a time; twelve heavy requests queue at
     t=0, one light request at t=0.1. First-come first-served gives the light one its first

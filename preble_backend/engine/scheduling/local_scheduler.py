@@ -6,10 +6,8 @@ that fits. A request whose prompt's KV was received from a prefill instance (P/D
 lacks at most a page of it is admitted next, ahead of the wait queue: its prefill ran
 elsewhere, and a running chunked prefill that took the whole budget held it for that
 prefill's length (up to a second per 30k-token document, where its first token had been
-priced at milliseconds). With fair shares, running prefills of tenants served more than
-the tenant whose request admits next leave that request the budget its prompt needs.
-Then waiting requests are admitted from the priority wait queue while budget, pages and
-the running cap allow; one whose prefix comes back from the host tier while
+priced at milliseconds). Then waiting requests are admitted from the priority wait queue
+while budget, pages and the running cap allow; one whose prefix comes back from the host tier while
 others are in the batch is loaded beside their pass and computes from the next. When
 pages run out, unreferenced cache is evicted (what waiting requests would reuse last); if
 that is not enough, the newest running request is preempted: its computed pages go to
@@ -123,12 +121,10 @@ class LocalScheduler:
         budget = self.chunk_size
         room = min(len(self.ready), max(0, self.max_running - len(self.running)))
         kept = min(room * self.blocks.page_size, budget // 2)  # the ready ones' part, from prefills
-        owed, owed_tokens = self._owed(budget - kept)
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            left = kept + (owed_tokens if owed is not None and self._served_more(req, owed) else 0)
-            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget - left)
+            n = 1 if req.num_uncomputed == 1 else min(req.num_uncomputed, budget - kept)
             if n <= 0:
                 continue
             while not self.blocks.reserve(req, n):
@@ -152,29 +148,6 @@ class LocalScheduler:
             if batch.loaded_beside_tokens:
                 self.blocks.join_loads(batch.requests)  # one of them shares a prefix coming up
         return batch
-
-    def _owed(self, budget: int) -> tuple[Request | None, int]:
-        """With fair shares (our queue): the request the wait queue admits next, if a slot is
-        free or its tenant's share makes one, and the budget its prompt needs. Running
-        prefills of tenants served more than its tenant leave it that part of the budget:
-        between tenants the share decides the token budget as it decides admission, so a
-        light tenant's prompt does not wait behind a heavy tenant's chunks (issue 65)."""
-        if self.shares is None or not isinstance(self.waiting, FairWaitQueue) or not len(self.waiting):
-            return None, 0
-        head = next(iter(self.waiting.candidates()), None)
-        if (
-            head is None
-            or len(self.running) >= self.max_running
-            and (fair_victim(self.shares, head, self.running, self.max_running) is None)
-        ):
-            return None, 0
-        cache = self.blocks.cache
-        cached = cache.cached_len(head.tokens(0, head.num_tokens - 1)) if cache is not None else 0
-        return head, min(head.num_tokens - cached, budget)
-
-    def _served_more(self, req: Request, than: Request) -> bool:
-        served = self.shares.normalized
-        return req.tenant != than.tenant and served(req.tenant) > served(than.tenant)
 
     def _admit(self, batch: ScheduledBatch, budget: int, candidates: Iterable[Request]) -> int:
         """Admit ``candidates`` in order until one cannot be; returns the budget left."""
