@@ -244,7 +244,8 @@ def test_live_the_anchors_rules_learn_roles_from_the_engines_and_pair_only_engin
     uncached prompt decodes on 1 and prefills on 0; a 100-token one stays on 1 for llm-d
     only (512 uncached tokens or fewer), where Dynamo keeps a prefill local only when
     under 2,048 uncached tokens are also under 70% of the prompt, and SGLang's gateway
-    always pairs. An engine of another KV shape (2) is never paired."""
+    always pairs. An engine of another KV shape (2) is never paired; a decode engine that
+    joins later is, once it reports its role."""
     from scheduler.policies import ALL_POLICIES, make_policy
 
     assert name not in ALL_POLICIES  # named, never in "all": they need a P/D stack
@@ -264,3 +265,8 @@ def test_live_the_anchors_rules_learn_roles_from_the_engines_and_pair_only_engin
     policy.instance_down(1)
     decision = policy.select(long, loads)
     assert decision.instance == 2 and decision.prefill is None  # 2 cannot take 0's pages
+    joined = policy.add_instance()  # a decode engine joins: the rule and its own router grow
+    policy.learn(joined, {"role": "decode", "kv_bytes_per_token": 1000})
+    policy.instance_up(joined)
+    policy.instance_down(2)
+    assert policy.select(long, loads + [InstanceLoad()]) == Decision(joined, remote, prefill=0)
