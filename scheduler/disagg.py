@@ -60,21 +60,60 @@ def prefill_leg(request: RoutingRequest) -> RoutingRequest:
     return RoutingRequest(request.request_id + LEG, request.input_ids, params, chains=request.chains)
 
 
-class E2PD(E2):
-    def __init__(self, num_instances: int, roles: tuple[str, ...] | list[str] = (),
-                 link: KVLink | None = None, link_gbps: float = 10.0, link_latency_ms: float = 1.0,
-                 **e2_options) -> None:  # fmt: skip
-        super().__init__(num_instances, **e2_options)
+class EngineRoles:
+    """Mixed into a prefill/decode policy (``E2PD``, the anchors' rules) before ``Policy``:
+    each engine's role and which engines move KV, as given (the simulator) or as the engines
+    report them. Only engines that move KV of one shape (bytes per token) are paired."""
+
+    live: set[int]
+
+    def _init_roles(self, num_instances: int, roles, kv_shape: int | None = None) -> None:
         given = tuple(roles)
         roles = given or ("both",) * num_instances
         check_roles(roles)
         if len(roles) != num_instances:
             raise ValueError(f"{len(roles)} engine roles for {num_instances} engines")
         self.roles = list(roles)
+        self.movable = set(range(num_instances)) if given else set()  # engines that move KV
+        self.kv_shape = kv_shape  # their KV's bytes per token
+        self.mismatched: set[int] = set()  # engines whose KV shape differs from it
+
+    def _learn_role(self, instance: int, load: dict) -> int:
+        """An engine's role from its report; the bytes per token of KV it moves, if it can be
+        paired (0: it moves none, or of another shape)."""
+        if load.get("role") in ROLES:
+            self.roles[instance] = load["role"]
+        per_token = int(load.get("kv_bytes_per_token") or 0)
+        if not per_token:
+            return 0
+        if self.kv_shape is not None and per_token != self.kv_shape:
+            if instance not in self.mismatched:  # its pools cannot take the others' pages
+                self.mismatched.add(instance)
+                log.error("instance %d's KV takes %d bytes per token, the others' %d: it is not paired "
+                          "for prefill/decode disaggregation", instance, per_token,
+                          self.kv_shape)  # fmt: skip
+            return 0
+        self.kv_shape = per_token
+        self.movable.add(instance)
+        return per_token
+
+    def _with(self, role: str) -> set[int]:
+        return {i for i in self.live if self.roles[i] in (role, "both")}
+
+    def _decoders(self) -> set[int]:
+        """Where requests decode: while no engine that decodes is up, any (a role only
+        steers the policy)."""
+        return self._with("decode") or set(self.live)
+
+
+class E2PD(EngineRoles, E2):
+    def __init__(self, num_instances: int, roles: tuple[str, ...] | list[str] = (),
+                 link: KVLink | None = None, link_gbps: float = 10.0, link_latency_ms: float = 1.0,
+                 **e2_options) -> None:  # fmt: skip
+        super().__init__(num_instances, **e2_options)
+        self._init_roles(num_instances, roles, link.kv_bytes_per_token if link else None)
         self.link = link
         self.link_gbps, self.link_latency_ms = link_gbps, link_latency_ms
-        self.movable = set(range(num_instances)) if given else set()  # engines that move KV
-        self.mismatched: set[int] = set()  # engines whose KV shape differs from the link's
 
     def _grow(self) -> None:
         super()._grow()
@@ -83,30 +122,17 @@ class E2PD(E2):
     def learn(self, instance: int, load: dict) -> None:
         """An engine's role, and what moving its KV costs, from its report."""
         super().learn(instance, load)
-        if load.get("role") in ROLES:
-            self.roles[instance] = load["role"]
-        per_token = int(load.get("kv_bytes_per_token") or 0)
+        per_token = self._learn_role(instance, load)
         if not per_token:
             return
-        if self.link is not None and per_token != self.link.kv_bytes_per_token:
-            if instance not in self.mismatched:  # its pools cannot take the others' pages
-                self.mismatched.add(instance)
-                log.error("instance %d's KV takes %d bytes per token, the others' %d: it is not paired "
-                          "for prefill/decode disaggregation", instance, per_token,
-                          self.link.kv_bytes_per_token)  # fmt: skip
-            return
-        self.movable.add(instance)
         measured = float(load.get("kv_transfer_gbps") or 0.0)
         gbps = measured or (self.link.bandwidth_gbps if self.link else self.link_gbps)
         self.link = KVLink(gbps, self.link_latency_ms, per_token)
 
-    def _with(self, role: str) -> set[int]:
-        return {i for i in self.live if self.roles[i] in (role, "both")}
-
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         """Aggregated or a pair, the cheaper; while no engine that decodes is up, a prefill
         engine serves whole requests (it can: a role only steers E2)."""
-        decoders = self._with("decode") or set(self.live)
+        decoders = self._decoders()
         prefillers = self._with("prefill") & self.movable
         if not prefillers or not decoders & self.movable or self.link is None:
             with self.only(decoders):

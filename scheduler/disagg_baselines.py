@@ -24,44 +24,27 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from preble_backend.common.settings import DEFAULT_PAGE_SIZE, ROLES, check_roles
+from preble_backend.common.settings import DEFAULT_PAGE_SIZE
 from scheduler.baselines import CacheAware, KVCost
-from scheduler.disagg import prefill_leg
+from scheduler.disagg import EngineRoles, prefill_leg
 from scheduler.global_tree import GlobalPrefixTree
 from scheduler.policy import Decision, FinishInfo, InstanceLoad, MirrorsCaches, Policy, RoutingRequest
 
 
-class _Roles(Policy):
-    """Roles, the engines that move KV, and the anchor's own router (``self.router``, where
-    it has one), which hears of every engine as the rule does."""
+class _Roles(EngineRoles, Policy):
+    """Roles and the engines that move KV (``EngineRoles``), and the anchor's own router
+    (``self.router``, where it has one), which hears of every engine as the rule does."""
 
     router: Policy | None = None
 
     def __init__(self, num_instances: int, roles, clock: Callable[[], float]) -> None:
         super().__init__(num_instances, clock)
-        given = tuple(roles)
-        roles = given or ("both",) * num_instances
-        check_roles(roles)
-        self.roles = list(roles)
-        self.movable = set(range(num_instances)) if given else set()
-        self.kv_shape: int | None = None  # bytes per token of the engines that move KV
+        self._init_roles(num_instances, roles)
 
     def learn(self, instance: int, load: dict) -> None:
-        if load.get("role") in ROLES:
-            self.roles[instance] = load["role"]
-        per_token = int(load.get("kv_bytes_per_token") or 0)
-        if per_token and self.kv_shape in (None, per_token):
-            self.kv_shape = per_token
-            self.movable.add(instance)
+        self._learn_role(instance, load)
         if self.router is not None:
             self.router.learn(instance, load)
-
-    def _with(self, role: str) -> set[int]:
-        return {i for i in self.live if self.roles[i] in (role, "both")}
-
-    def _decoders(self) -> set[int]:
-        """Where requests decode: while no engine that decodes is up, any (as ``E2PD``)."""
-        return self._with("decode") or set(self.live)
 
     def _prefillers(self, decode: int) -> set[int]:
         """The instances that may prefill for ``decode``: none unless both move KV."""

@@ -15,8 +15,8 @@ vLLM's NIXL connector moves whole blocks. Engines with sliding-window layers are
 their window pages are a second pool this handoff does not move yet.
 
 With a host tier, only device pages are offered and counted as held: a prefix the decode
-side holds on its host is read again from the prefill side (on a GPU the peer's VRAM over
-NVLink is faster than a load-back over PCIe) and becomes that host node's device copy. Room
+side holds on its host is read again from the prefill side (one path for every case; not
+measured against loading it back) and becomes that host node's device copy. Room
 made by evicting copies pages down first; on a GPU that copy runs on the compute stream,
 which the read (NIXL, not on any stream) does not follow, so the copy is waited for before
 the pages are handed to the read.
