@@ -63,7 +63,8 @@ def prefill_leg(request: RoutingRequest) -> RoutingRequest:
 class EngineRoles:
     """Mixed into a prefill/decode policy (``E2PD``, the anchors' rules) before ``Policy``:
     each engine's role and which engines move KV, as given (the simulator) or as the engines
-    report them. Only engines that move KV of one shape (bytes per token) are paired."""
+    report them. Only engines that move KV of one shape (bytes per token, cut over as many
+    tensor-parallel ranks: rank r reads rank r's slice) are paired."""
 
     live: set[int]
 
@@ -76,6 +77,7 @@ class EngineRoles:
         self.roles = list(roles)
         self.movable = set(range(num_instances)) if given else set()  # engines that move KV
         self.kv_shape = kv_shape  # their KV's bytes per token
+        self.kv_ranks = 0  # and the tensor-parallel ranks it is cut over (0: none reported yet)
         self.mismatched: set[int] = set()  # engines whose KV shape differs from it
 
     def _learn_role(self, instance: int, load: dict) -> int:
@@ -83,17 +85,17 @@ class EngineRoles:
         paired (0: it moves none, or of another shape)."""
         if load.get("role") in ROLES:
             self.roles[instance] = load["role"]
-        per_token = int(load.get("kv_bytes_per_token") or 0)
+        per_token, ranks = int(load.get("kv_bytes_per_token") or 0), int(load.get("kv_ranks") or 1)
         if not per_token:
             return 0
-        if self.kv_shape is not None and per_token != self.kv_shape:
+        if (self.kv_shape is not None and per_token != self.kv_shape) or (self.kv_ranks or ranks) != ranks:
             if instance not in self.mismatched:  # its pools cannot take the others' pages
                 self.mismatched.add(instance)
-                log.error("instance %d's KV takes %d bytes per token, the others' %d: it is not paired "
-                          "for prefill/decode disaggregation", instance, per_token,
-                          self.kv_shape)  # fmt: skip
+                log.error("instance %d's KV takes %d bytes per token over %d ranks, the others' %d over %d: "
+                          "it is not paired for prefill/decode disaggregation", instance, per_token, ranks,
+                          self.kv_shape, self.kv_ranks or 1)  # fmt: skip
             return 0
-        self.kv_shape = per_token
+        self.kv_shape, self.kv_ranks = per_token, ranks
         self.movable.add(instance)
         return per_token
 

@@ -205,7 +205,6 @@ def test_live_the_router_s_e2_learns_roles_and_pairs_only_engines_that_move_kv()
 @pytest.mark.parametrize(
     "overrides, message",
     [({"role": "decoder"}, "role='decoder' is invalid"),
-     ({"role": "prefill", "tensor_parallel_size": 2}, "each rank's slice"),
      ({"role": "decode", "enable_prefix_caching": False}, "without the prefix cache")],
 )  # fmt: skip
 def test_an_engine_role_the_handoff_cannot_serve_is_refused_at_load(overrides, message):
@@ -219,15 +218,18 @@ def test_an_engine_role_the_handoff_cannot_serve_is_refused_at_load(overrides, m
 def test_live_an_engine_of_another_kv_shape_is_never_paired_and_a_prefill_engine_serves_alone(caplog):
     from scheduler.policies import make_policy
 
-    policy = make_policy("e2", 3, {"page_size": 1, "capacity_tokens": 10_000, "cost_model": BATCH})
+    policy = make_policy("e2", 4, {"page_size": 1, "capacity_tokens": 10_000, "cost_model": BATCH})
     snapshot = {"kv_pages_total": 10_000, "page_size": 1}
-    policy.learn(0, {**snapshot, "role": "prefill", "kv_bytes_per_token": 1000})
-    policy.learn(1, {**snapshot, "role": "decode", "kv_bytes_per_token": 1000})
-    policy.learn(2, {**snapshot, "role": "decode", "kv_bytes_per_token": 2000})  # another dtype or model
-    assert policy.movable == {0, 1} and "instance 2's KV takes 2000 bytes per token" in caplog.text
-    loads = [InstanceLoad() for _ in range(3)]
-    policy.instance_down(1)
-    policy.instance_down(2)
+    two = {**snapshot, "kv_ranks": 2}
+    policy.learn(0, {**two, "role": "prefill", "kv_bytes_per_token": 1000})
+    policy.learn(1, {**two, "role": "decode", "kv_bytes_per_token": 1000})
+    policy.learn(2, {**two, "role": "decode", "kv_bytes_per_token": 2000})  # another dtype or model
+    policy.learn(3, {**snapshot, "role": "decode", "kv_bytes_per_token": 1000})  # one rank: cut otherwise
+    assert policy.movable == {0, 1} and "instance 2's KV takes 2000 bytes per token over 2" in caplog.text
+    assert "instance 3's KV takes 1000 bytes per token over 1 ranks, the others' 1000 over 2" in caplog.text
+    loads = [InstanceLoad() for _ in range(4)]
+    for down in (1, 2, 3):
+        policy.instance_down(down)
     assert policy.select(req([4, 5, 6]), loads) == Decision(0, "explore")  # no decode engine is up
 
 

@@ -149,9 +149,6 @@ class EngineConfig:
         if self.role != "both" and not self.enable_prefix_caching:
             raise ValueError(f"role={self.role!r} is invalid without the prefix cache: a KV handoff moves "
                              "cached pages (enable_prefix_caching: true)")  # fmt: skip
-        if self.role != "both" and self.tensor_parallel_size > 1:
-            raise ValueError(f"role={self.role!r} is invalid with tensor_parallel_size > 1: the KV handoff "
-                             "does not yet move each rank's slice")  # fmt: skip
         check(1 <= self.kv_transfer_lanes <= 16, "kv_transfer_lanes", "an integer in [1, 16]")
         check(self.kv_lease_s > 0, "kv_lease_s", "a number > 0")
         check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s", "a number > 0")

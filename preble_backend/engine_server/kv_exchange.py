@@ -23,6 +23,21 @@ from concurrent.futures import ThreadPoolExecutor
 from preble_backend.engine.engine import Engine
 from preble_backend.engine.scheduling.handoff import Handoff
 from preble_backend.kv_transfer.nixl_transport import KVTransport, TransferResult
+from preble_backend.kv_transfer.rank_transport import RankTransport
+
+
+def transport_for(engine: Engine, name: str, **callbacks) -> KVTransport | RankTransport:
+    """The engine's NIXL transport: its pool's, or at tensor parallelism each rank's slice
+    (the followers are told on the engine's thread, between passes)."""
+    cfg = engine.config
+    port = engine.run_in_loop(
+        lambda: engine.runner.move_kv_slices(name, cfg.kv_transfer_lanes, cfg.kv_transfer_devices)
+    ).result()
+    if port is None:
+        return KVTransport(name, engine.pool, cfg.kv_transfer_lanes, net_devices=cfg.kv_transfer_devices,
+                           **callbacks)  # fmt: skip
+    return RankTransport(name, engine.pool, port, cfg.tensor_parallel_size, cfg.kv_transfer_lanes,
+                         net_devices=cfg.kv_transfer_devices, **callbacks)  # fmt: skip
 
 
 class KVExchange:
@@ -30,9 +45,7 @@ class KVExchange:
         cfg = engine.config
         self.engine, self.log = engine, log
         self.handoff = Handoff(engine.scheduler.blocks, ttl_s=cfg.kv_lease_s)
-        self.transport = KVTransport(name, engine.pool, cfg.kv_transfer_lanes, on_notice=self._notice,
-                                     net_devices=cfg.kv_transfer_devices,
-                                     on_settled=self._settled)  # fmt: skip
+        self.transport = transport_for(engine, name, on_notice=self._notice, on_settled=self._settled)
         self.reads = ThreadPoolExecutor(1, thread_name_prefix="preble-kv-read")
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("kv_offers", "kv_takes", "kv_transfer_failures", "kv_pages_received",
@@ -46,9 +59,11 @@ class KVExchange:
             moved = dict(self.counts)
         seconds = moved["kv_transfer_s"]
         gbps = moved["kv_bytes_received"] / seconds / 1e9 if seconds else 0.0
+        ranks = getattr(self.transport, "ranks", 1)  # each holds a slice of every page
+        per_token = 2 * lay.num_layers * lay.page_bytes // lay.page_size * ranks
         return {**moved, "kv_transfer_gbps": round(gbps, 3), "kv_leases": len(self.handoff.leases),
-                "kv_pages_held": self.transport.held_pages,
-                "kv_bytes_per_token": 2 * lay.num_layers * lay.page_bytes // lay.page_size}  # fmt: skip
+                "kv_pages_held": self.transport.held_pages, "kv_ranks": ranks,
+                "kv_bytes_per_token": per_token}  # fmt: skip
 
     def offer(self, lease_id: str, tokens: list[int]) -> dict:
         """On the engine's thread, once the prefill leg has finished (its pages are cached);

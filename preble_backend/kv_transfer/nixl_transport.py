@@ -178,6 +178,9 @@ class KVTransport:
         """Learn a peer from its ``offer``; returns its name. Every lane talks to the
         peer's first agent."""
         peer, layout = offer["name"], PoolLayout.from_json(offer["layout"])
+        if offer.get("ranks"):  # its pool holds one rank's slice of each page (``rank_transport``)
+            raise ValueError(f"cannot move KV between {self.name} and {peer}: tensor_parallel_size "
+                             f"differs: 1 here, {len(offer['ranks']) + 1} there")  # fmt: skip
         why = self.layout.mismatch(layout)
         if why:
             raise ValueError(f"cannot move KV between {self.name} and {peer}: {why}")
@@ -212,11 +215,13 @@ class KVTransport:
             except Exception:  # nixl's own error for a peer it no longer holds: forgotten either way
                 pass
 
-    def read(self, peer: str, remote_pages: list[int], stamps: list[int], local_pages: list[int],
+    def read(self, peer: str, remote_pages: list[int], stamps: list[int] | None, local_pages: list[int],
              timeout_s: float = 5.0) -> TransferResult:  # fmt: skip
         """Read ``remote_pages`` of ``peer`` (offered with ``stamps``) into ``local_pages``
         of this pool. Never raises for the peer's failures: a dead, stalled or stale peer
-        is a result with ``ok`` false, within ``timeout_s``."""
+        is a result with ``ok`` false, within ``timeout_s``. ``stamps`` None: the pages
+        are not checked here (a tensor-parallel rank's slice: rank 0 checks them once every
+        rank's read has ended, ``check_stamps``)."""
         names, remote = self._peers[peer]
         src_runs, dst_runs = page_runs(remote_pages, local_pages)
         src, dst = remote.page_descriptors(src_runs), self.layout.page_descriptors(dst_runs)
@@ -227,10 +232,8 @@ class KVTransport:
         with self._lock:
             error = self._read_lanes(names, remote.memory, src, dst, deadline, late, threads)
             stale: list[int] = []
-            if not error and remote_pages:
-                error = self._read_stamps(names[0], remote, remote_pages, deadline, stamps_late)
-                got = self._scratch[: len(remote_pages)]
-                stale = [p for p, s, g in zip(remote_pages, stamps, got) if s != g]
+            if not error and remote_pages and stamps is not None:
+                error, stale = self._stale(names[0], remote, remote_pages, stamps, deadline, stamps_late)
             held = self._hold(late, stamps_late, threads, local_pages)
             if error and error != LATE and not (late or stamps_late):  # the peer failed it (gone,
                 self.disconnect(peer)  # most likely): forget it; a live one is learnt again (``connect``)
@@ -239,6 +242,23 @@ class KVTransport:
         if stale and not error:
             error = f"{len(stale)} of {len(remote_pages)} pages were freed on {peer} while read"
         return TransferResult(ok, len(remote_pages), nbytes, seconds, len(src), stale, error, held)
+
+    def check_stamps(self, peer: str, pages: list[int], stamps: list[int],
+                     timeout_s: float = 5.0) -> tuple[str, list[int]]:  # fmt: skip
+        """Read ``peer``'s stamps of ``pages`` again: (an error, or an empty string; the
+        pages whose stamp is no longer the one offered)."""
+        names, remote = self._peers[peer]
+        late: list = []
+        with self._lock:
+            error, stale = self._stale(names[0], remote, pages, stamps, time.perf_counter() + timeout_s, late)
+            self._hold([], late, [], [])
+        return error, stale
+
+    def _stale(self, name: str, remote: PoolLayout, pages: list[int], stamps: list[int], deadline: float,
+               late: list) -> tuple[str, list[int]]:  # fmt: skip
+        error = self._read_stamps(name, remote, pages, deadline, late)
+        got = self._scratch[: len(pages)]
+        return error, [] if error else [p for p, s, g in zip(pages, stamps, got) if s != g]
 
     def _hold(self, late: list, stamps_late: list, threads: list, pages: list[int]) -> list[int]:
         """Under the lock: keep what a read still in flight may write out of use; the pages

@@ -53,6 +53,9 @@ class EmulatedRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.dtype.itemsize
 
+    def move_kv_slices(self, name: str, lanes: int, net_devices: str) -> None:
+        """One rank: its pool is the whole KV (``ModelRunner.move_kv_slices``)."""
+
     def went_idle(self) -> None:
         """The engine ran out of work: its next iteration starts afresh."""
         self._last_end = None

@@ -3,15 +3,18 @@ page tables; returns the logits of the requests that sample this iteration."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 from pathlib import Path
 
 import torch
 
 from preble_backend.engine.runners.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
 from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch
+from preble_backend.kv_transfer.rank_transport import follower_reads, stop_follower
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
 from preble_backend.model.attention_backends import make_attention_backend
 from preble_backend.model.decode_graphs import DecodeGraphs
@@ -122,6 +125,15 @@ class ModelRunner:
             n = self.num_sliding_layers if sliding else n - self.num_sliding_layers
         return 2 * n * self.num_kv_heads * cfg.head_dim * self.dtype.itemsize
 
+    def move_kv_slices(self, name: str, lanes: int, net_devices: str) -> int | None:
+        """On the engine's thread: tell the other ranks to serve KV reads of their slices
+        (``rank_transport.py``); the rendezvous port they are told through, or None at
+        one rank."""
+        if self.ranks is None:
+            return None
+        self.ranks.send(("kv_transfer", name, lanes, net_devices))
+        return self.ranks.port
+
     def went_idle(self) -> None:
         """The engine ran out of work (an emulated device stops overlapping; this one has
         nothing to do)."""
@@ -229,9 +241,17 @@ def follow(rank: int, size: int, port: int, model_path: str, dtype: str, device:
     then run every pass rank 0 sends until told to stop."""
     group = Group(rank, size, port, device, timeout_s=120.0)
     runner = ModelRunner(model_path, dtype, device, attention_backend, size, group)
-    pool = None
+    pool, reads, at = None, None, [""]
     while (message := group.receive()) is not None:
         if message[0] == "pool":
             pool = runner.make_pool(*message[1:])
+        elif message[0] == "kv_transfer":  # a prefill or decode engine: this rank moves its slice
+            reads = threading.Thread(target=follower_reads, args=(rank, port, pool, *message[1:], at),
+                                     daemon=True, name="preble-kv-rank")  # fmt: skip
+            reads.start()
         else:
             runner.run(message[1], pool, [])
+    if reads is not None and reads.is_alive():
+        with contextlib.suppress(Exception):  # rank 0's store is gone: so is the thread's wait
+            stop_follower(port, at)
+        reads.join(timeout=5)

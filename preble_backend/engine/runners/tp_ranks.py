@@ -97,7 +97,7 @@ class Ranks:
     def __init__(self, size: int, device: str, follow: Callable, args: tuple,
                  timeout_s: float = 120.0) -> None:  # fmt: skip
         self.closed = False
-        port = _free_port()
+        self.port = port = _free_port()  # the group's rendezvous store, also the KV slices' channel
         context = multiprocessing.get_context("spawn")
         context.set_executable(_python())  # inside Triton's stub, sys.executable is not python
         self.processes = [context.Process(target=follow, args=(rank, size, port, *args), daemon=True,
