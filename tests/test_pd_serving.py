@@ -231,3 +231,31 @@ def test_a_dead_decode_engine_s_request_migrates_and_the_prefill_engine_finishes
         assert_engine_pages_free(client, P)
     finally:
         srv.stop()
+
+
+def test_tensor_parallel_engines_hand_off_each_rank_s_slice_through_tritonserver(tmp_path, tiny_model):
+    """Its own server: a TP-2 prefill engine and a TP-2 decode engine (four processes).
+    Each reports its KV cut over two ranks; a handoff answers the aggregated text (greedy
+    and seeded), both ranks' halves arrive, and every page comes back on both engines."""
+    repo = write_test_repository(tmp_path / "repo", roles=["prefill", "decode"], tensor_parallel_size=2,
+                                 router_overrides={"health_interval_s": 0.2})  # fmt: skip
+    srv = launch(repo, tmp_path / "server.log")
+    try:
+        stats = kv_stats(srv, D)
+        assert stats["kv_ranks"] == 2 and stats["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4  # K+V, 4 layers
+        for params in (GREEDY, SEEDED):
+            prompt = f"A document for two ranks, {params['temperature']}: " + "the lazy dog sleeps. " * 20
+            reference = ask(srv, prompt, params, preble_engine=P)
+            before = kv_stats(srv, D)
+            got = ask(srv, prompt, params, preble_prefill_engine=P)
+            after = kv_stats(srv, D)
+            moved = after["kv_pages_received"] - before["kv_pages_received"]
+            assert got["instance"] == D and got["text_output"] == reference["text_output"]
+            assert moved > 0 and moved * PAGE == got["num_cached_tokens"]
+            nbytes = after["kv_bytes_received"] - before["kv_bytes_received"]
+            assert nbytes == moved * PAGE * stats["kv_bytes_per_token"]  # both ranks' halves
+            wait_for(lambda: kv_stats(srv, P)["kv_leases"] == 0, 5, "the notice releases the lease")
+        for engine in (P, D):
+            assert_engine_pages_free(client_for(srv), engine)
+    finally:
+        srv.stop()
