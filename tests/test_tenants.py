@@ -299,3 +299,42 @@ def test_a_tenants_tokens_per_minute_refuses_it_until_its_bucket_refills():
     budgets.admit("team-a", 600, 600)
     with pytest.raises(RateLimited):
         budgets.admit("team-a", 600, 1)
+
+
+def test_two_routers_share_one_tokens_per_minute_through_the_engines():
+    """Two routers' buckets for one cap of 600 a minute, their counts carried by an engine's
+    ledger as the health probes carry them. The first copy a router hears is where counting
+    starts; then what one router takes comes out of the other's bucket, so the tenant has
+    its 600 through both together. A router that has no bucket for the tenant yet keeps
+    what the others spent in the last minute and starts its bucket with that taken out."""
+    now = [0.0]
+    one, two, late = (TokenBudgets(clock=lambda: now[0], source=name) for name in ("r1", "r2", "r3"))
+    engine = TenantLedger.__new__(TenantLedger)
+    engine.shares, engine.spent = None, TenantShares()
+
+    def probe(router: TokenBudgets) -> None:
+        engine.take(None, router.probe_fields().get("spent"))
+        router.learn(engine.report().get("tokens_spent", {}))
+
+    for router in (one, two, late):
+        probe(router)  # nothing spent yet: each starts counting
+    one.admit("team-a", 600, 400)
+    one.take("team-a", 600, 100)  # 500 through router one
+    probe(one)
+    probe(two)  # router two hears of it: 100 left
+    two.admit("team-a", 600, 150)  # admitted while any is left: -50 now
+    with pytest.raises(RateLimited) as refused:
+        two.admit("team-a", 600, 1)
+    assert retry_after(str(refused.value)) == "6"  # 51 tokens at 10 a second
+    probe(two)
+    probe(one)
+    with pytest.raises(RateLimited):
+        one.admit("team-a", 600, 1)  # router one heard of router two's 150 too
+    probe(late)
+    with pytest.raises(RateLimited):
+        late.admit("team-a", 600, 1)  # its first bucket starts with the others' 650 taken out
+    now[0] = 6.0
+    late.admit("team-a", 600, 1)
+    assert one.spent.service("team-a") == 650 and two.spent.service("team-a") == 650
+    one.admit("team-b", 0, 10**6)  # no cap: nothing counted, nothing carried
+    assert "team-b" not in one.spent.counts

@@ -11,6 +11,11 @@ Per configuration (``fair_share`` on, then off, in the same run):
 - **light TTFT**: one light client alone, then the same client while a heavy tenant floods
   through both routers; its TTFT (p50, p99) in each. Both tenants are new to the counters.
 
+``--cap-seconds S`` (with fair shares on only) measures instead one tenant's
+``tokens_per_minute`` through both routers: its clients ask through both without pause for
+S seconds, and the tokens (prompt + output) of its answered requests are counted against
+what one cap allows in S seconds (a full bucket, then the refill).
+
 Engines are emulated (``compute: emulated``: the real scheduler, cache and queues, each
 pass a wait of the cost model's time), so the engines, not this host's two cores, are
 what the tenants share.
@@ -42,6 +47,7 @@ from preble_backend.runtime.supervisor import Supervisor, split_repository
 TENANTS = {"team-a": 1.0, "team-b": 1.0, "team-c": 2.0}  # name -> weight: the shares phase's
 ISOLATION = {"light": 1.0, "heavy": 1.0}  # the light-TTFT phase's, new to the counters: VTC counts
 # service for good, so a tenant served beyond its share in the shares phase would wait here
+CAPPED, CAP = "capped", 3000  # the cap phase's tenant and its tokens_per_minute
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone cloud".split()
 
 
@@ -84,7 +90,9 @@ def start_cluster(run_dir: Path, fair_share: bool, max_running: int) -> Cluster:
     weights = {**TENANTS, **ISOLATION}
     keys = {tenant: f"sk-{tenant}-{new_key()}" for tenant in weights}
     keys_file = run_dir / "keys"
-    keys_file.write_text("".join(f"{keys[t]} {t} {w:g}\n" for t, w in weights.items()))
+    keys[CAPPED] = f"sk-{CAPPED}-{new_key()}"
+    keys_file.write_text("".join(f"{keys[t]} {t} {w:g}\n" for t, w in weights.items())
+                         + f"{keys[CAPPED]} {CAPPED} 1 tokens_per_minute={CAP}\n")  # fmt: skip
     routers = []
     for i in range(2):
         http, grpc, metrics = free_ports(3)
@@ -227,6 +235,22 @@ def light_ttft_phase(cluster: Cluster, seconds: float, flood_clients: int) -> di
     return out
 
 
+def cap_phase(cluster: Cluster, seconds: float, clients_per_router: int) -> dict:
+    """The capped tenant's clients on both routers for ``seconds``: its tokens answered, as
+    the clients count them, against one cap's allowance over that time."""
+    clients = Clients()
+    for i in range(2 * clients_per_router):
+        clients.add(cluster.routers[i % 2], cluster.keys[CAPPED], CAPPED, prompt_words=100, max_tokens=16)
+    time.sleep(seconds)
+    clients.stop()
+    tokens = sum(prompt + output for *_, prompt, output in clients.done)
+    allowed = CAP * (1 + seconds / 60.0)
+    refused = sum("429" in error for error in clients.errors)
+    return {"seconds": seconds, "cap_per_minute": CAP, "answered": len(clients.done), "tokens": tokens,
+            "allowed_one_cap": allowed, "ratio": tokens / allowed, "refused_429": refused,
+            "other_errors": len(clients.errors) - refused}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--window", type=float, default=60.0, help="seconds the shares are measured over")
@@ -234,9 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skew", type=float, default=0.8, help="the heavy tenant's fraction on the first router")
     p.add_argument("--max-running", type=int, default=8, help="each engine's max_running_requests")
     p.add_argument("--light-seconds", type=float, default=30.0)
+    p.add_argument("--cap-seconds", type=float, default=0.0, help="measure the cap phase only, this long")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     results = {}
+    if args.cap_seconds:
+        with tempfile.TemporaryDirectory(prefix="preble-tenants-") as tmp:
+            cluster = start_cluster(Path(tmp), True, args.max_running)
+            try:
+                results["cap"] = cap = cap_phase(cluster, args.cap_seconds, 2)
+            finally:
+                cluster.stop()
+        print(f"cap: {cap['tokens']} tokens answered in {cap['seconds']:g} s through two routers, one cap "
+              f"allows {cap['allowed_one_cap']:.0f} (x{cap['ratio']:.2f}); {cap['answered']} answered, "
+              f"{cap['refused_429']} refused 429, {cap['other_errors']} other errors")  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        return 0
     for fair_share in (True, False):
         with tempfile.TemporaryDirectory(prefix="preble-tenants-") as tmp:
             cluster = start_cluster(Path(tmp), fair_share, args.max_running)

@@ -206,7 +206,7 @@ class TritonPythonModel:
         through its own cursor in the engine's event log.
         The others run in the engine loop, between iterations: ``execute`` never waits."""
         if op["op"] == "health":  # a router's copy of the tenants' service comes with it
-            self.tenants.take(op.get("shares"))
+            self.tenants.take(op.get("shares"), op.get("spent"))
             answer: Future = Future()
             load = {**self._stats(), **self.engine.loop_health(), **self.engine.cost_report()}
             answer.set_result(encode_report({**load, **self.tenants.report()}))

@@ -125,8 +125,8 @@ class TritonPythonModel(RouterState):
         self.quarantine = Quarantine(config.poison_ttl_s)
         self.tasks: set[asyncio.Task] = set()  # one per admitted request
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
-        self.tenant_shares = ClusterShares(metrics=self.metrics)  # the tenants' service, as engines report it
-        self.budgets = TokenBudgets()  # the tenants' tokens_per_minute, this router's part
+        self.budgets = TokenBudgets()  # the tenants' tokens_per_minute, over every router
+        self.tenant_shares = ClusterShares(metrics=self.metrics, budgets=self.budgets)  # as engines report it
         self.flights = Flights(config.max_inflight, config.max_queue, self.tenant_shares.shares)
         for engine in self.engines:
             self.metrics.gauge("preble_router_engine_up", 1, {"engine": engine.name})

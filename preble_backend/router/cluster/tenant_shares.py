@@ -17,14 +17,16 @@ import time
 from collections import deque
 
 from preble_backend.common.fair_share import TenantShares, jain_index
+from preble_backend.router.requests.token_budgets import TokenBudgets
 
 IN_FLIGHT = "preble_router_tenant_in_flight"
 FAIRNESS = "preble_tenant_fairness_index"
 
 
 class ClusterShares:
-    def __init__(self, window_s: float = 60.0, metrics=None) -> None:
+    def __init__(self, window_s: float = 60.0, metrics=None, budgets: TokenBudgets | None = None) -> None:
         self.metrics = metrics  # the in-flight gauges move as requests come and go
+        self.budgets = budgets  # the tokens_per_minute buckets: their counts travel beside the service
         self.shares = TenantShares()
         self.window_s = window_s
         self.waiting: dict[int, dict[str, int]] = {}  # engine -> tenant -> requests waiting there
@@ -33,6 +35,8 @@ class ClusterShares:
 
     def learn(self, instance: int, load: dict, now: float | None = None) -> None:
         """A health answer's ``tenants``: the engine's copy of the counts, its waiting, the weights."""
+        if self.budgets is not None and "tokens_spent" in load:
+            self.budgets.learn(load["tokens_spent"])
         report = load.get("tenants")
         if not isinstance(report, dict):
             return
@@ -55,8 +59,9 @@ class ClusterShares:
         self.waiting.pop(instance, None)
 
     def probe_fields(self) -> dict:
-        """What the next health probe carries: this router's copy of the counts."""
-        return {"shares": self.shares.snapshot()}
+        """What the next health probe carries: this router's copy of the counts (and of the
+        tokens each router took for capped tenants)."""
+        return {"shares": self.shares.snapshot(), **(self.budgets.probe_fields() if self.budgets else {})}
 
     def backlogged(self) -> set[str]:
         return {t for waiting in self.waiting.values() for t, n in waiting.items() if n > 0}
