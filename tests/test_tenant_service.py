@@ -6,9 +6,12 @@ count each tenant's service in ``preble_tenant_service_tokens_total``."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 from server_utils import (
@@ -123,3 +126,43 @@ def test_a_bad_keys_file_is_refused_at_start_naming_its_line(tmp_path):
     both = [*serve, "--keys-file", str(keys), "--api-key", "s3cret-s3cret"]
     done = subprocess.run(both, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "not both" in done.stderr, done.stderr
+
+
+def test_a_restarted_router_has_every_tenants_service_back_from_the_engines(tmp_path, tiny_model):
+    """The counts live in the engines: the router's tritonserver SIGKILLed and restarted by
+    ``preble serve`` has each tenant's service back (its admin ``status``) from its first
+    probes, no lower than before, without a request of either tenant since."""
+    repo = write_test_repository(tmp_path / "repo", cpu_engines=1)
+    keys = tmp_path / "keys"
+    keys.write_text(KEYS)
+    stack = serve_stack(repo, "--keys-file", str(keys))
+    try:
+        admin_key = next(Path(line.rsplit(" in ", 1)[1].strip()).read_text().strip()
+                         for line in stack.lines if "admin key" in line)  # fmt: skip
+        client = PrebleClient(grpc_url=f"127.0.0.1:{stack.ports.grpc}", api_key=KEY_A)
+
+        def served() -> dict[str, float]:
+            try:
+                return client.admin("status", admin_key, timeout=10).get("tenants", {})
+            except PrebleError:  # the router is not back yet
+                return {}
+
+        for key in (KEY_A, KEY_A, KEY_C):
+            assert http("POST", stack.url(GENERATE), generate_body(max_tokens=8), bearer(key))[0] == 200
+        wait_for(lambda: {"team-a", "team-c"} <= set(served()) and served()["team-a"] > served()["team-c"],
+                 30, "the router's copy of both tenants' service")  # fmt: skip
+        before = served()
+        router = stack.router_server()
+        os.kill(router, signal.SIGKILL)
+        def restarted() -> bool:
+            try:
+                return stack.router_server() != router and bool(served())
+            except StopIteration:  # between the old server and the new one
+                return False
+
+        wait_for(restarted, 120, "the router restarted")
+        wait_for(lambda: all(served().get(t, 0) >= before[t] for t in before), 30,
+                 "the restarted router's copy of every tenant's service")  # fmt: skip
+        assert served()["team-a"] >= before["team-a"] > 0 and served()["team-c"] >= before["team-c"] > 0
+    finally:
+        stack.stop()

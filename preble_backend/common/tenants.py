@@ -13,8 +13,8 @@ sets them itself. Only a key whose tenant is ``*`` (a gateway the operator runs,
 authenticates its own users) names the tenant, with the header ``preble-tenant``; the
 tenant's weight is then its line's weight elsewhere in the file, or 1. ``max_in_flight``
 caps a tenant's requests open at once through one front, ``tokens_per_minute`` the prompt
-and output tokens one router serves it (``router/requests/token_budgets.py``): over either,
-429 with Retry-After.
+and output tokens all routers together serve it (``router/requests/token_budgets.py``):
+over either, 429 with Retry-After.
 A file with any bad line is refused at start, naming the line.
 """
 

@@ -58,6 +58,9 @@ class AdminControl:
         roles = getattr(r.policy, "roles", None)  # prefill/decode disaggregation: as the engines said
         if roles:
             state["roles"] = {r.engines[s].name: roles[s] for s in members if s < len(roles)}
+        served = r.tenant_shares.shares.snapshot()  # fair shares: this router's copy, as the engines said
+        if served:
+            state["tenants"] = {t: round(sum(by.values()), 1) for t, by in sorted(served.items())}
         fits = r.policy.cost_fits()  # E2's cost model per engine, and why (issue 63)
         if fits:
             state["cost_models"] = {r.engines[s].name: fits[s].summary() for s in members if s < len(fits)}
