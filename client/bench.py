@@ -59,7 +59,9 @@ def build_trace(cfg: BenchConfig) -> tuple[list[BenchRequest], bool]:
         words = Materializer(tokenizer=tokenizer)
         reqs = poisson_arrivals(generate(cfg.workload, cfg.requests, cfg.seed, cfg.scale), 1.0, cfg.seed)
         out = [
-            BenchRequest(r.arrival, words.text(r), r.output_len, after=r.after, think_s=r.think_s)
+            BenchRequest(
+                r.arrival, words.text(r), r.output_len, after=r.after, think_s=r.think_s, group=r.group
+            )
             for r in reqs
         ]
     if cfg.direct:
@@ -197,8 +199,25 @@ async def _replay(make_transport, requests: list[BenchRequest], timeout_s: float
         await transport.close()
 
 
-def summarize(outcomes: list[Outcome]) -> dict:
-    """A run's record (the fields of the simulator's records, plus errors and engines)."""
+def new_group_tpot(outcomes: list[Outcome], groups: list[str]) -> list[float]:
+    """The TPOT of each request that was decoding when a request of a group not seen before
+    in the run was sent (a new document in loogle and shifting_docs: a long prefill that
+    nothing cached): the interference prefill/decode disaggregation exists to remove.
+    Unshared prompts (``background``) are not documents."""
+    seen: set[str] = set()
+    arrivals = []
+    for o, group in sorted(zip(outcomes, groups), key=lambda pair: pair[0].sent):
+        if group and group != "background" and group not in seen:
+            seen.add(group)
+            arrivals.append(o.sent)
+    done = [o for o in outcomes if o.error is None and o.finished is not None and o.first_token is not None]
+    return [(o.finished - o.first_token) / (o.output_tokens - 1) for o in done
+            if o.output_tokens > 1 and any(o.first_token < t < o.finished for t in arrivals)]  # fmt: skip
+
+
+def summarize(outcomes: list[Outcome], groups: list[str] | None = None) -> dict:
+    """A run's record (the fields of the simulator's records, plus errors and engines);
+    with each request's group, the TPOT of those decoding while a new document arrived."""
     done = [o for o in outcomes if o.error is None and o.finished is not None and o.first_token is not None]
     errors = Counter(o.error or "no final response" for o in outcomes if o not in done)
     record: dict = {"num_requests": len(outcomes), "completed": len(done), "errors": dict(errors)}
@@ -222,7 +241,16 @@ def summarize(outcomes: list[Outcome]) -> dict:
         "prompt_tokens": sum(o.input_tokens for o in done),
         "output_tokens": sum(o.output_tokens for o in done),
         "per_engine": dict(Counter(o.instance for o in done)),
+        **_new_group_fields(outcomes, groups),
     }
+
+
+def _new_group_fields(outcomes: list[Outcome], groups: list[str] | None) -> dict:
+    tpot = new_group_tpot(outcomes, groups) if groups and any(groups) else []
+    if not tpot:
+        return {}
+    return {"new_doc_decoding": len(tpot), "p99_tpot_new_doc_s": float(np.percentile(tpot, 99)),
+            "avg_tpot_new_doc_s": float(np.mean(tpot))}  # fmt: skip
 
 
 def bench(cfg: BenchConfig, log=print) -> list[dict]:
@@ -255,7 +283,8 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
                 with progress(total=len(requests), desc=desc, unit="req") as bar:
                     outcomes = asyncio.run(_replay(make, requests, cfg.timeout_s, cfg.stall_s, bar))
                 rec = {"policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps,
-                       "repeat": repeat, **summarize(outcomes), "host_cpu_busy": cpu.busy()}  # fmt: skip
+                       "repeat": repeat, **summarize(outcomes, [r.group for r in requests]),
+                       "host_cpu_busy": cpu.busy()}  # fmt: skip
                 rec.update(router_cost(rec, stack.spent(), cfg.model))
                 if policy != "direct" and cfg.admin_key:  # what E2 priced each engine with, by then
                     status = PrebleClient(grpc_url=cfg.urls[0], model=cfg.model, api_key=cfg.api_key).admin(
@@ -345,6 +374,7 @@ def summary_line(rec: dict) -> str:
         + "p99 "
         f"{rec['p99_latency_s']:.3f}s ttft {rec['avg_ttft_s']:.3f}s "
         + (f"tpot p99 {tpot * 1e3:.1f}ms " if (tpot := rec.get("p99_tpot_s")) is not None else "")
+        + (f"(new docs {new * 1e3:.1f}ms) " if (new := rec.get("p99_tpot_new_doc_s")) is not None else "")
         + f"hit {rec['cache_hit_ratio']:.2f} "
         f"{rec['completed']}/{rec['num_requests']} "
         + (f"host cpu {rec['host_cpu_busy']:.0%} " if rec.get("host_cpu_busy") is not None else "")

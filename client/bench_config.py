@@ -15,6 +15,7 @@ class BenchRequest:
     input_ids: list[int] | None = None  # the prompt as an engine takes it (``direct``)
     after: int | None = None  # a conversation's previous turn: sent think_s after its answer
     think_s: float = 0.0
+    group: str = ""  # the workload's sharing unit (a document in loogle and shifting_docs)
 
 
 @dataclass

@@ -216,3 +216,24 @@ def test_the_relay_floor_script_measures_a_python_backend_relay(capsys, monkeypa
     relay_floor.main()
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("rate 50/s, 20 requests: tritonserver + stub ") and "client" in line
+
+
+def test_tpot_while_a_new_document_arrives_counts_only_requests_decoding_then():
+    """Documents a and b; a's later questions and a background prompt are not new documents.
+    Request 0 decodes over [1, 5] while b's first request is sent at 3: counted (4 s over 8
+    tokens after the first, 0.5 s). Request 1 decodes over [4, 4.5]: nothing new is sent
+    then (a's third question at 4.2 is no new document, the background prompt at 4.3 is
+    none). Request 3 (b's first) decodes over [3.5, 6]; its own send at 3 is before it."""
+    from client.bench import new_group_tpot, summarize
+    from client.bench_config import Outcome
+
+    outcomes = [Outcome(sent=0.5, first_token=1.0, finished=5.0, output_tokens=9),
+                Outcome(sent=3.9, first_token=4.0, finished=4.5, output_tokens=6),
+                Outcome(sent=4.2, first_token=4.6, finished=4.8, output_tokens=3),
+                Outcome(sent=3.0, first_token=3.5, finished=6.0, output_tokens=6),
+                Outcome(sent=4.3, first_token=4.4, finished=4.9, output_tokens=2)]  # fmt: skip
+    groups = ["doc-a", "doc-a", "doc-a", "doc-b", "background"]
+    assert new_group_tpot(outcomes, groups) == [0.5]
+    record = summarize(outcomes, groups)
+    assert record["new_doc_decoding"] == 1 and record["p99_tpot_new_doc_s"] == 0.5
+    assert "p99_tpot_new_doc_s" not in summarize(outcomes)
