@@ -63,7 +63,12 @@ def follower_reads(rank: int, port: int, pool: KVPool, name: str, lanes: int, ne
             else:
                 early.add(tuple(pages))
 
-    transport = KVTransport(f"{name}-rank{rank}", pool, lanes, net_devices=net_devices, on_settled=settled)
+    try:
+        transport = KVTransport(f"{name}-rank{rank}", pool, lanes, net_devices=net_devices,
+                                on_settled=settled)  # fmt: skip
+    except Exception as exc:  # rank 0 names it, rather than waiting for an offer that never comes
+        store.set(f"kv/offer/{rank}", json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        return
     store.set(f"kv/offer/{rank}", json.dumps(transport.offer()))
     try:
         for n in itertools.count():
@@ -118,6 +123,10 @@ class RankTransport:
         followers = [f"kv/offer/{r}" for r in range(1, ranks)]
         self._store.wait(followers, datetime.timedelta(seconds=timeout_s))
         self._offers = [json.loads(self._store.get(key)) for key in followers]
+        for r, offer in enumerate(self._offers, start=1):
+            if "error" in offer:
+                self.own.close()
+                raise RuntimeError(f"tensor-parallel rank {r} cannot move KV: {offer['error']}")
         self._peers: dict[str, list[dict]] = {}  # a peer's followers' offers
         self._reads = itertools.count()
         self._read_lock = threading.Lock()  # one read at a time: the followers serve them in order
