@@ -154,6 +154,7 @@ def test_a_restarted_router_has_every_tenants_service_back_from_the_engines(tmp_
         before = served()
         router = stack.router_server()
         os.kill(router, signal.SIGKILL)
+
         def restarted() -> bool:
             try:
                 return stack.router_server() != router and bool(served())
