@@ -97,6 +97,13 @@ def test_a_page_freed_after_the_offer_is_never_decoded_from(pair):
     offer = handoff.offer("r", tokens)
     assert handoff.expire() == 1 and p.cache.num_locked_pages == 0
     p.scheduler.blocks.free(p.cache.evict(p.cache.num_evictable_pages))
+    a_stale_read_prefills_here(p, d, read, tokens, offer, aggregated)
+
+
+def a_stale_read_prefills_here(p: Engine, d: Engine, read, tokens: list[int], offer: dict,
+                               aggregated: list[int]) -> None:  # fmt: skip
+    """``offer``'s pages were freed on ``p``: the read is stale, ``d`` keeps none of its new
+    pages, prefills the prompt itself and answers ``aggregated``; every page is back."""
     free = d.pool.num_free
     received, result = take(Handoff(d.scheduler.blocks), tokens, offer, read)
     assert received == 0 and not result.ok and result.stale == offer["pages"]

@@ -17,7 +17,7 @@ from preble_backend.engine.engine import Engine
 from preble_backend.engine.scheduling.handoff import Handoff
 from preble_backend.engine_server.kv_exchange import transport_for
 from preble_backend.kv_transfer.nixl_transport import LATE, KVTransport
-from tests.test_kv_handoff import GREEDY, SEEDED, all_pages_back, prompt, take
+from tests.test_kv_handoff import GREEDY, SEEDED, a_stale_read_prefills_here, all_pages_back, prompt, take
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +81,7 @@ def test_tp2_a_page_freed_after_the_offer_is_never_decoded_from(tp_pair):
     offer = handoff.offer("r", tokens)
     assert handoff.expire() == 1
     p.scheduler.blocks.free(p.cache.evict(p.cache.num_evictable_pages))
-    free = d.pool.num_free
-    received, result = take(Handoff(d.scheduler.blocks), tokens, offer, reader(td, peer))
-    assert received == 0 and not result.ok and result.stale == offer["pages"]
-    assert d.pool.num_free == free and d.cache.cached_len(tokens) == 0
-    assert d.generate([tokens], GREEDY) == [aggregated]
-    all_pages_back(p)
-    all_pages_back(d)
+    a_stale_read_prefills_here(p, d, reader(td, peer), tokens, offer, aggregated)
 
 
 def test_tp2_a_rank_whose_read_stalls_holds_the_pages_until_it_has_ended(tp_pair):

@@ -59,7 +59,7 @@ class KVExchange:
             moved = dict(self.counts)
         seconds = moved["kv_transfer_s"]
         gbps = moved["kv_bytes_received"] / seconds / 1e9 if seconds else 0.0
-        ranks = getattr(self.transport, "ranks", 1)  # each holds a slice of every page
+        ranks = self.transport.ranks  # each holds a slice of every page
         per_token = 2 * lay.num_layers * lay.page_bytes // lay.page_size * ranks
         return {**moved, "kv_transfer_gbps": round(gbps, 3), "kv_leases": len(self.handoff.leases),
                 "kv_pages_held": self.transport.held_pages, "kv_ranks": ranks,

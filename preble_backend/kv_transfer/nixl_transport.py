@@ -83,6 +83,8 @@ class _LateRead:
 class KVTransport:
     """``lanes`` NIXL agents over one pool; ``offer`` is what a peer needs to read from it."""
 
+    ranks = 1  # its pool is every page whole (``RankTransport``: one slice per rank)
+
     def __init__(self, name: str, pool: KVPool, lanes: int = 2, passive_poll_s: float = 0.005,
                  on_notice: Callable[[str], None] | None = None,
                  net_devices: str = "lo",
@@ -239,8 +241,7 @@ class KVTransport:
                 self.disconnect(peer)  # most likely): forget it; a live one is learnt again (``connect``)
         seconds = time.perf_counter() - start
         ok = not error and not stale
-        if stale and not error:
-            error = f"{len(stale)} of {len(remote_pages)} pages were freed on {peer} while read"
+        error = error or freed_while_read(stale, remote_pages, peer)
         return TransferResult(ok, len(remote_pages), nbytes, seconds, len(src), stale, error, held)
 
     def check_stamps(self, peer: str, pages: list[int], stamps: list[int],
@@ -317,6 +318,11 @@ class KVTransport:
                 for agent in self.agents:
                     agent.get_new_notifs()
                 time.sleep(0.002)
+
+
+def freed_while_read(stale: list[int], pages: list[int], peer: str) -> str:
+    """The error of a read whose stamps found ``stale`` pages freed ("" when none were)."""
+    return f"{len(stale)} of {len(pages)} pages were freed on {peer} while read" if stale else ""
 
 
 def _shares(sizes: np.ndarray, lanes: int) -> list[tuple[int, int]]:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from preble_backend.kv_transfer.nixl_transport import LATE, KVTransport, TransferResult
+from preble_backend.kv_transfer.nixl_transport import LATE, KVTransport, TransferResult, freed_while_read
 from preble_backend.model.kv_pool import KVPool
 
 _POLL_S = 0.002  # how often rank 0 looks for its followers' answers
@@ -95,7 +95,7 @@ def follower_reads(rank: int, port: int, pool: KVPool, name: str, lanes: int, ne
                 else:
                     early.discard(tuple(result.held))
                     answers.set(f"kv/free/{rank}/{n}", b"1")
-                answer = {k: getattr(result, k) for k in ("ok", "bytes", "descriptors", "error", "held")}
+                answer = {k: getattr(result, k) for k in ("ok", "bytes", "descriptors", "error")}
                 answers.set(f"kv/done/{rank}/{n}", json.dumps(answer))
     finally:
         transport.close()
@@ -178,9 +178,8 @@ class RankTransport:
             stale: list[int] = []
             if not error and remote_pages:
                 error, stale = self.own.check_stamps(peer, remote_pages, stamps, timeout_s)
-                if stale:
-                    error = f"{len(stale)} of {len(remote_pages)} pages were freed on {peer} while read"
-            held = self._hold(n, local_pages, own.held, answers)
+                error = error or freed_while_read(stale, remote_pages, peer)
+            held = self._hold(n, local_pages, own.held)
         return TransferResult(
             not error, len(remote_pages), own.bytes + sum(a["bytes"] for a in answers),
             time.perf_counter() - start, own.descriptors + sum(a["descriptors"] for a in answers),
@@ -199,10 +198,10 @@ class RankTransport:
                         answers[r] = json.loads(self._store.get(key))
                         self._store.delete_key(key)
             time.sleep(_POLL_S)
-        none = {"ok": False, "bytes": 0, "descriptors": 0, "error": LATE, "held": []}
+        none = {"ok": False, "bytes": 0, "descriptors": 0, "error": LATE}
         return [answers.get(r, none) for r in range(1, self.ranks)]
 
-    def _hold(self, n: int, pages: list[int], own_held: list[int], answers: list[dict]) -> list[int]:
+    def _hold(self, n: int, pages: list[int], own_held: list[int]) -> list[int]:
         """The local pages some rank's read may still write: all of them, or none."""
         with self._lock:
             pending = {r for r in range(1, self.ranks) if not self._freed(r, n)}
@@ -224,22 +223,22 @@ class RankTransport:
 
     def _own_settled(self, pages: list[int]) -> None:
         with self._lock:
-            if not any(held[0] == pages and 0 in held[1] for held in self._held.values()):
+            n = next((n for n, (held, ranks) in self._held.items() if held == pages and 0 in ranks), None)
+            if n is None:
                 self._early.add(tuple(pages))  # its read has not returned yet (``_hold``)
                 return
-        self._settle(lambda n, held: held[0] == pages, 0)
+        self._settle(n, 0)
 
-    def _settle(self, which: Callable, rank: int) -> None:
-        free = []
+    def _settle(self, n: int, rank: int) -> None:
+        """Rank ``rank``'s read ``n`` can no longer write; its pages go back once no rank's can."""
         with self._lock:
-            for n, held in list(self._held.items()):
-                if which(n, held):
-                    held[1].discard(rank)
-                    if not held[1]:
-                        free.append(self._held.pop(n)[0])
-        for pages in free:
-            if self.on_settled is not None:
-                self.on_settled(pages)
+            pages, ranks = self._held.get(n, ([], set()))
+            ranks.discard(rank)
+            if ranks or n not in self._held:
+                return
+            del self._held[n]
+        if self.on_settled is not None:
+            self.on_settled(pages)
 
     def _watch(self) -> None:
         """Hand back held pages as the followers free them."""
@@ -248,7 +247,7 @@ class RankTransport:
                 held = [(n, r) for n, (_, ranks) in self._held.items() for r in ranks if r]
                 done = [(n, r) for n, r in held if self._freed(r, n)]
             for n, r in done:
-                self._settle(lambda m, _held, n=n: m == n, r)
+                self._settle(n, r)
 
     def close(self) -> None:
         with self._read_lock, self._lock:
