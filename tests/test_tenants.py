@@ -336,5 +336,15 @@ def test_two_routers_share_one_tokens_per_minute_through_the_engines():
     now[0] = 6.0
     late.admit("team-a", 600, 1)
     assert one.spent.service("team-a") == 650 and two.spent.service("team-a") == 650
+    for at in (6.0, 20.0):  # team-c spends 500 through router one twice; router two hears of it
+        now[0] = at
+        one.admit("team-c", 600, 500)
+        probe(one)
+        probe(two)
+    now[0] = 70.0  # router two's first team-c bucket: the spending at 6 s is over a minute old
+    two.admit("team-c", 600, 600)  # 600: the 500 at 20 s has refilled by 500 since
+    with pytest.raises(RateLimited) as refused:
+        two.admit("team-c", 600, 1)
+    assert retry_after(str(refused.value)) == "1"
     one.admit("team-b", 0, 10**6)  # no cap: nothing counted, nothing carried
     assert "team-b" not in one.spent.counts

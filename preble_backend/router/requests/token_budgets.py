@@ -63,8 +63,9 @@ class TokenBudgets:
         if bucket is None or bucket.per_minute != per_minute:  # a new cap (the keys file changed)
             bucket = self.buckets[tenant] = Bucket(float(per_minute), now - _MINUTE, per_minute)
             for when, tokens in self._early.pop(tenant, ()):
-                bucket.refill(when)
-                bucket.tokens -= tokens
+                if when >= bucket.at:  # older spending has refilled already
+                    bucket.refill(when)
+                    bucket.tokens -= tokens
         bucket.refill(now)
         return bucket
 
