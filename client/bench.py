@@ -241,11 +241,11 @@ def summarize(outcomes: list[Outcome], groups: list[str] | None = None) -> dict:
         "prompt_tokens": sum(o.input_tokens for o in done),
         "output_tokens": sum(o.output_tokens for o in done),
         "per_engine": dict(Counter(o.instance for o in done)),
-        **_new_group_fields(outcomes, groups),
+        **new_doc_fields(outcomes, groups),
     }
 
 
-def _new_group_fields(outcomes: list[Outcome], groups: list[str] | None) -> dict:
+def new_doc_fields(outcomes: list[Outcome], groups: list[str] | None) -> dict:
     tpot = new_group_tpot(outcomes, groups) if groups and any(groups) else []
     if not tpot:
         return {}

@@ -14,6 +14,7 @@ from client.workloads import Materializer, generate, poisson_arrivals
 from preble_backend.cli.cost_line import announce, engine_facts
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.keys import ADMIN_KEY_ENV, API_KEY_ENV
+from preble_backend.common.settings import check_roles
 from preble_backend.engine.config import EngineConfig
 from preble_backend.engine.engine import Engine
 from preble_backend.model.model_card import model_card
@@ -177,8 +178,11 @@ def bench_cmd(args: argparse.Namespace) -> int:
         cost = CostModel.load(args.cost_model).scaled(args.slowdown)
         sim = SimConfig.of(args.simulate, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens,
                            host_copy_ahead=args.host_copy_ahead)  # fmt: skip
-        records = replay(cfg, sim, cost)
+        roles = sim_roles(args.simulate, args.prefill_engines, args.decode_engines)
+        records = replay(cfg, sim, cost, roles=roles, kv_gbps=args.kv_gbps, tpot_slo_ms=args.tpot_slo_ms)
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
+        if roles:
+            cluster += f", {args.prefill_engines} P + {args.decode_engines} D at {args.kv_gbps:g} GB/s"
     else:
         cluster = describe_cluster(cfg.urls[0], cfg.model, cfg.api_key)
         if len(cfg.urls) > 1:
@@ -190,6 +194,19 @@ def bench_cmd(args: argparse.Namespace) -> int:
     data, image = write_bench(records, cfg, args.output, caption)
     print(f"wrote {data} and {image}")
     return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
+
+
+def sim_roles(instances: int, prefill: int, decode: int) -> tuple[str, ...]:
+    """The simulated instances' roles, as ``preble repo`` writes them: the first ``prefill``
+    prefill, the next ``decode`` decode, any others both; none without either."""
+    if not prefill and not decode:
+        return ()
+    if prefill < 0 or decode < 0 or prefill + decode > instances:
+        raise ValueError(f"--prefill-engines {prefill} and --decode-engines {decode} need that many of the "
+                         f"--simulate {instances} instances")  # fmt: skip
+    roles = ("prefill",) * prefill + ("decode",) * decode + ("both",) * (instances - prefill - decode)
+    check_roles(roles)
+    return roles
 
 
 def _served_tokenizer(model_path: str) -> str | None:

@@ -362,6 +362,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         help="--simulate: each instance's host tier (0: none), as engines with host_kv_tokens",
     )  # fmt: skip
     _copy_ahead_flag(p)
+    p.add_argument("--prefill-engines", type=int, default=0,
+                   help="--simulate: the first N instances prefill (with --decode-engines)")  # fmt: skip
+    p.add_argument("--decode-engines", type=int, default=0, help="--simulate: the next M instances decode")
+    p.add_argument("--kv-gbps", type=_positive(float), default=10.0,
+                   help="--simulate with roles: the KV link's GB/s (live: kv_transfer_gbps)")  # fmt: skip
+    p.add_argument("--tpot-slo-ms", type=float, default=0.0, help="--simulate: the router's tpot_slo_ms")
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG")
     p.set_defaults(func="commands.bench_cmd")
 

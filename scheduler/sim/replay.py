@@ -7,20 +7,33 @@ and the live stack compare number for number. Against emulated engines (``--comp
 emulated``) both sides run the same engine scheduler, radix cache and cost model: where
 their numbers part, one of them is wrong — or the live host, not the modelled GPUs, is
 the bottleneck.
+
+With roles (``--prefill-engines``/``--decode-engines``, as ``preble repo`` writes them)
+the policies that take roles pair engines as the live router does, and KV moves over a
+``KVLink`` of the served model's KV bytes per token; the records then carry the TPOT of
+requests decoding while a new document arrives, as the live bench's do.
 """
 
 from __future__ import annotations
 
-from client.bench import BenchConfig, build_trace, summary_line
+from client.bench import BenchConfig, build_trace, new_doc_fields, summary_line
+from client.bench_config import Outcome
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.progress import progress
+from preble_backend.model.model_card import model_card
+from scheduler.disagg import KVLink
+from scheduler.policies import policy_options
 from scheduler.sim.reference import REFERENCES, over_reference
-from scheduler.sim.simulator import SimConfig, SimRequest
+from scheduler.sim.simulator import SimConfig, SimRequest, SimResult
 from scheduler.sim.sweep import at_rate, run
 
+LINK_LATENCY_MS = 1.0  # the live router's per-transfer latency (``E2PD.link_latency_ms``)
 
-def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list[dict]:
-    """One record per policy and rate (the simulator is deterministic: no repeats)."""
+
+def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print, roles: tuple[str, ...] = (),
+           kv_gbps: float = 10.0, tpot_slo_ms: float = 0.0) -> list[dict]:  # fmt: skip
+    """One record per policy and rate (the simulator is deterministic: no repeats);
+    ``tpot_slo_ms``: the router's setting of that name."""
     from transformers import AutoTokenizer
 
     if not cfg.tokenizer:
@@ -33,12 +46,16 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list
                    after=None if r.after is None else f"r{r.after}")
         for i, r in enumerate(base)
     ]  # fmt: skip
+    groups = [r.group for r in base]
+    link = KVLink(kv_gbps, LINK_LATENCY_MS, kv_bytes_per_token(cfg.tokenizer, cost)) if roles else None
     records = []
     for rps in [None] if recorded else cfg.rates:
         requests = at_rate(timeline, 1.0, rps or 1.0)  # a recorded trace plays at its own times
         runs = [*cfg.policies, *REFERENCES]  # the references: what any router could do here
         for policy in progress(runs, desc=f"simulating @ {rps or 'trace'} rps", unit="policy"):
-            metrics = run(requests, policy, sim, cost)
+            given = {"roles": roles} if roles and _takes_roles(policy) else {}
+            metrics = run(requests, policy, sim, cost, link, lambda r: _pd_fields(r, groups),
+                          {"tpot_slo_ms": tpot_slo_ms}, **given)  # fmt: skip
             rec = {
                 "policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps, "repeat": 0,
                 "completed": metrics["num_requests"], "errors": {}, **metrics,
@@ -50,3 +67,27 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print) -> list
     for rec in records:
         log(summary_line(rec))
     return records
+
+
+def _takes_roles(policy: str) -> bool:
+    return policy not in REFERENCES and "roles" in policy_options(policy)
+
+
+def kv_bytes_per_token(model_dir: str, cost: CostModel) -> int:
+    """What one token's KV takes as the engines' pools hold it (what they report as
+    ``kv_bytes_per_token``): fp32 on a CPU, 16-bit on a GPU."""
+    device = "cpu" if cost.device == "cpu" else "cuda"
+    return model_card(model_dir, model_dir, device=device).kv_bytes_per_token
+
+
+def _pd_fields(result: SimResult, groups: list[str]) -> dict:
+    """The live bench's TPOT of requests decoding while a new document arrives, from the
+    simulated requests' times, and the KV tokens moved between instances."""
+    outcomes = []
+    for i in range(len(groups)):
+        r = result.records.get(f"r{i}")
+        done = r is not None and r.finish is not None
+        outcomes.append(Outcome(sent=r.arrival if r else 0.0, first_token=r.first_token if done else None,
+                                finished=r.finish if done else None, output_tokens=r.output_len if r else 0,
+                                error=None if done else "unfinished"))  # fmt: skip
+    return {**new_doc_fields(outcomes, groups), "moved_tokens": result.moved_tokens}

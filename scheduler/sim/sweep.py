@@ -14,6 +14,7 @@ import functools
 import gzip
 import json
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -22,9 +23,10 @@ from client.plots import latency_vs_rate
 from client.workloads import Materializer, WorkloadRequest, generate, poisson_arrivals
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.progress import progress
-from scheduler.policies import ALL_POLICIES, make_policy
+from scheduler.disagg import KVLink
+from scheduler.policies import ALL_POLICIES, make_policy, policy_options
 from scheduler.sim.reference import REFERENCES, over_reference, reference_metrics
-from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
+from scheduler.sim.simulator import SimConfig, SimRequest, SimResult, metrics, simulate
 
 
 def trace(workload: str, n: int, rps: float, seed: int = 0) -> list[SimRequest]:
@@ -55,18 +57,26 @@ def cluster_facts(cfg: SimConfig, cost: CostModel, clock) -> dict:
     }
 
 
-def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel, **options) -> dict:
-    """One policy's run, or a reference's (``reference.py``), as one record's metrics."""
+def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel, link: KVLink | None = None,
+        measure: Callable[[SimResult], dict] | None = None, facts: dict | None = None,
+        **options) -> dict:  # fmt: skip
+    """One policy's run, or a reference's (``reference.py``), as one record's metrics;
+    ``link``: what moving KV costs (told to a policy that pairs engines, as a live router
+    learns it from the engines); ``measure``: more figures of the policy's run; ``facts``:
+    cluster facts beyond the simulated cluster's own (an operator's setting, such as the
+    router's ``tpot_slo_ms``)."""
     followers = [r for r in requests if r.after is not None]
     if policy in REFERENCES:  # one instance, or none: no turn ever moves
         return {**reference_metrics(policy, requests, cfg, cost), "follower_moves": 0,
                 "followers": len(followers), "branches": {}, "per_engine": {}}  # fmt: skip
-    result = simulate(
-        requests,
-        lambda clock: make_policy(policy, cfg.num_instances, cluster_facts(cfg, cost, clock), **options),
-        cfg,
-        cost,
-    )
+    if link is not None and "link" in policy_options(policy):
+        options = {**options, "link": link}
+
+    def build(clock):
+        known = {**cluster_facts(cfg, cost, clock), **(facts or {})}
+        return make_policy(policy, cfg.num_instances, known, **options)
+
+    result = simulate(requests, build, cfg, cost, link)
     branches: dict[str, int] = {}
     per_engine: dict[str, int] = {}
     for record in result.records.values():
@@ -75,7 +85,8 @@ def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel
     records = result.records
     moved = sum(records[r.request_id].instance != records[r.after].instance for r in followers)
     return {**metrics(result), "follower_moves": moved, "followers": len(followers),
-            "branches": branches, "per_engine": dict(sorted(per_engine.items()))}  # fmt: skip
+            "branches": branches, "per_engine": dict(sorted(per_engine.items())),
+            **(measure(result) if measure else {})}  # fmt: skip
 
 
 def at_rate(requests: list[SimRequest], base_rps: float, rps: float) -> list[SimRequest]:
