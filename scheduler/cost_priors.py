@@ -76,7 +76,7 @@ def prior_for(facts: dict, named: str | None = None) -> Prior:
     emulated engine's fit and slowdown)."""
     if "emulated" in facts:  # the engine waits out this very model: it is its own truth
         fit = CostModel.load(facts["emulated"]).scaled(float(facts.get("slowdown", 1.0)))
-        if named is None:
+        if named is None or named == facts["emulated"]:  # named: as slowed down as the engine waits it out
             return Prior(fit, f"the emulated engine's own fit {facts['emulated']}", "matches")
         facts = {"model": fit.model, "device": fit.device, "tensor_parallel": fit.tensor_parallel}
     if named is not None:

@@ -27,6 +27,7 @@ measured). Only engines that move KV are paired; where none does, it is E2 exact
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 from preble_backend.common.settings import ROLES, check_roles
@@ -111,11 +112,12 @@ class EngineRoles:
 class E2PD(EngineRoles, E2):
     def __init__(self, num_instances: int, roles: tuple[str, ...] | list[str] = (),
                  link: KVLink | None = None, link_gbps: float = 10.0, link_latency_ms: float = 1.0,
-                 **e2_options) -> None:  # fmt: skip
+                 tpot_slo_ms: float = 0.0, **e2_options) -> None:  # fmt: skip
         super().__init__(num_instances, **e2_options)
         self._init_roles(num_instances, roles, link.kv_bytes_per_token if link else None)
         self.link = link
         self.link_gbps, self.link_latency_ms = link_gbps, link_latency_ms
+        self.tpot_slo_ms = tpot_slo_ms  # 0: none; else no local prefill that breaks it where a pair can serve
 
     def _grow(self) -> None:
         super()._grow()
@@ -152,6 +154,9 @@ class E2PD(EngineRoles, E2):
             self._record(request, aggregated.instance, match, now)
             return aggregated
         d = min(sorted(rest), key=rest.__getitem__)
+        slo = self.tpot_slo_ms
+        if slo and self.tpot_with_prefill(aggregated.instance, match, prompt_len, now) > slo:
+            agg_cost = math.inf  # its decodes would miss the SLO with the prompt prefilling there
         if leg[p] + rest[d] >= agg_cost:
             self._record(request, aggregated.instance, match, now)
             return aggregated
@@ -161,6 +166,25 @@ class E2PD(EngineRoles, E2):
 
     def _answers(self, request: RoutingRequest) -> bool:
         return not request.request_id.endswith(LEG)
+
+    def tpot_with_prefill(self, instance: int, match, prompt_len: int, now: float) -> float:
+        """The time per output token of the requests decoding on ``instance`` if this
+        prompt's missed tokens prefill there too (ms; 0 where none decodes or nothing is
+        missed): a decode step of its batch with the request in it, stretched by the share
+        of the instance's time that prefills take, the ones routed there within the window
+        and this one (chunked prefill runs them in the passes that decode)."""
+        h, cost = self.history[instance], self.costs[instance]
+        missed = prompt_len - match.cached_on(instance)
+        if not h.in_flight or missed <= 0:
+            return 0.0
+        d = max(1.0, self.decode_lengths.average(now))
+        b = len(h.in_flight) + 1
+        context = h.in_flight_tokens + prompt_len + b * d / 2
+        step = cost.base_ms + b * cost.decode_ms_per_request + cost.attention_ms_per_context_token * context
+        h.routed_in_window(now)  # drops what left the window
+        span_ms = 1000.0 * max(1.0, now - h.routed[0][0]) if h.routed else 1000.0
+        prefilling = (max(0.0, h.prefill_ms) + cost.prefill_time(missed)) / span_ms
+        return step / (1.0 - prefilling) if prefilling < 1.0 else math.inf
 
     def decode_leg_cost(self, instance: int, match, prompt_len: int, now: float) -> float:
         """The transfer of what ``instance`` lacks, then the request decoding in its batch

@@ -2,7 +2,8 @@
 
 A policy's own tunables are keyword arguments of its constructor; a name it does not take
 is refused. The cluster facts (``CLUSTER_FACTS``: the clock, the engines' page size, the
-cost model, the KV capacity) are offered to every policy and taken by those that use them.
+cost model, the KV capacity, the operator's TPOT SLO) are offered to every policy and taken
+by those that use them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ POLICIES: dict[str, str] = {
 }
 PD_RULES = ("dynamo_pd", "llmd_pd", "sglang_pd")
 ALL_POLICIES = tuple(p for p in POLICIES if p not in PD_RULES)  # E2 first, then the aggregated baselines
-CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens")
+CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens", "tpot_slo_ms")
 
 
 def policy_class(name: str) -> type[Policy]:

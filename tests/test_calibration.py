@@ -135,9 +135,11 @@ def test_the_prior_is_a_fit_of_this_model_and_device_else_an_estimate_else_named
     assert prior_for(tiny).kind == "matches" and prior_for(tiny).model == CostModel.load("tiny_cpu")
     assert prior_for({**tiny, "device": "H100"}).kind == "estimate"
     assert prior_for(tiny, "mistral7b_a6000").kind == "mismatch"
-    assert prior_for({"emulated": "mistral7b_a6000", "slowdown": 2.0}).model == CostModel.load(
-        "mistral7b_a6000"
-    ).scaled(2.0)
+    emulated = {"emulated": "mistral7b_a6000", "slowdown": 2.0}
+    assert prior_for(emulated).model == CostModel.load("mistral7b_a6000").scaled(2.0)
+    # the engine's own fit named in the router: the engine waits it out twice as slowly
+    assert prior_for(emulated, "mistral7b_a6000").model == prior_for(emulated).model
+    assert prior_for(emulated, "tiny_cpu").kind == "mismatch"
     # Mistral-7B's shape on one H100 in bf16, worked out from the device table by hand
     facts = {"model": "mistral L32 H4096 A32/8x128 I14336 V32000", "device": "H100", "tensor_parallel": 1,
              "dtype_bytes": 2, "parameters": 7_241_732_096, "kv_bytes_per_token": 131072}  # fmt: skip
@@ -206,6 +208,11 @@ def test_a_fixed_fit_says_whether_it_suits_the_engine(caplog):
     assert (fit.status, fit.prior_kind, fit.mismatch) == ("fixed", "mismatch", True)
     assert "another model's or device's timings" in caplog.text
     assert policy.costs[0] == CostModel.load("tiny_cpu")  # never learnt
+    # an emulated engine waiting out the fit named, 4x slower: priced as it waits, as the simulator does
+    policy = E2(1, "mistral7b_a6000")
+    policy.calibrate(0, {"cost_facts": {"emulated": "mistral7b_a6000", "slowdown": 4.0}})
+    assert policy.costs[0] == CostModel.load("mistral7b_a6000").scaled(4.0)
+    assert policy.cost_fits()[0].status == "fixed"
 
 
 def test_the_engine_reports_each_pass_and_what_it_serves():

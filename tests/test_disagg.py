@@ -94,6 +94,28 @@ def test_what_the_decode_instance_caches_is_not_moved_and_not_priced():
         assert policy.select(req(tokens), [InstanceLoad(), InstanceLoad()]).prefill == expected
 
 
+@pytest.mark.parametrize(
+    "b, m, slo_ms, expected",
+    [(1, 100, 0.0, None), (1, 100, 2.03, None), (1, 100, 2.02, 0), (1, 5000, 4.01, None), (1, 5000, 3.99, 0),
+     (0, 100, 0.001, None)],
+)  # fmt: skip
+def test_with_a_tpot_slo_e2_prefills_nothing_where_the_decodes_would_miss_it(b, m, slo_ms, expected):
+    """At b = 1, E2 alone keeps an uncached prompt on the decode instance (48 + 2m against
+    m + 2 + m + 48). Told a TPOT SLO, it first prices the TPOT of D's decodes with the
+    prompt prefilling there: a step of D's batch with it (b + 1 requests at 1 ms, no base,
+    no attention: 2 ms) stretched by the share of D's time prefills take within the window
+    (D's requests came 10 s ago, prefilling nothing; this one m ms): 2 / (1 - m / 10,000),
+    2.0202 ms at m = 100 and 4 ms at m = 5,000. Above the SLO the prompt prefills on P;
+    with nothing decoding on D no SLO is at stake."""
+    policy, clock = pd_pair(b)
+    policy.tpot_slo_ms = slo_ms
+    clock.t = 10.0
+    match = policy.tree.match(req(range(m)).chain(1))
+    if b:
+        assert policy.tpot_with_prefill(1, match, m, 10.0) == pytest.approx(2 / (1 - m / 10_000))
+    assert policy.select(req(range(m)), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
 def test_a_prefill_leg_does_not_shorten_the_average_decoding_length():
     policy, _ = pd_pair(3)
     r = req(range(100))
@@ -272,3 +294,15 @@ def test_live_the_anchors_rules_learn_roles_from_the_engines_and_pair_only_engin
     policy.instance_up(joined)
     policy.instance_down(2)
     assert policy.select(long, loads + [InstanceLoad()]) == Decision(joined, remote, prefill=0)
+
+
+def test_the_routers_tpot_slo_reaches_e2_and_only_the_policies_that_take_it():
+    """``tpot_slo_ms`` in the router's config.pbtxt is a cluster fact: the live e2 (and a
+    policy switched to at run time) is built with it; the anchors' rules ignore it."""
+    from preble_backend.router.config import RouterConfig
+    from scheduler.policies import make_policy
+
+    facts = RouterConfig.from_strings({"tpot_slo_ms": "40"}).policy_facts()
+    assert make_policy("e2", 2, facts).tpot_slo_ms == 40.0
+    assert make_policy("e2", 2, RouterConfig().policy_facts()).tpot_slo_ms == 0
+    assert isinstance(make_policy("dynamo_pd", 2, facts), DynamoPD)

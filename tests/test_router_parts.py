@@ -163,6 +163,8 @@ def test_router_config_names_each_bad_parameter():
         ({"max_queue": "many"}, "max_queue='many' is invalid: expected an integer"),
         ({"max_inflight": "0"}, "max_inflight=0 is invalid"),
         ({"health_interval_s": "0"}, "health_interval_s=0.0 is invalid"),
+        ({"tpot_slo_ms": "-5"}, "tpot_slo_ms=-5.0 is invalid: expected a number >= 0"),
+        ({"tpot_slo_ms": "nan"}, "tpot_slo_ms=nan is invalid"),
     ):
         with pytest.raises(ValueError, match=message):
             RouterConfig.from_strings(values)

@@ -42,6 +42,12 @@ class RouterConfig:
         doc="E2's PREFILLTIME/DECODETIME: auto (learnt online per engine from the best prior), "
         "auto:FIT (learnt from FIT), or FIT fixed (a shipped name such as tiny_cpu, or a JSON path)",
     )
+    tpot_slo_ms: float = setting(
+        0.0,
+        doc="prefill/decode roles: e2 prefills no prompt on an engine that decodes when the requests "
+        "decoding there would then take longer per output token (ms) and a prefill engine can take it "
+        "(0: no bound; e2 weighs latency alone)",
+    )
     page_size: int = setting(
         DEFAULT_PAGE_SIZE, doc="the engines' KV page size: prompts are matched per page (must equal theirs)"
     )
@@ -75,6 +81,8 @@ class RouterConfig:
         for key in ("page_size", "max_inflight", "max_input_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 1")
+        if not self.tpot_slo_ms >= 0:
+            raise ValueError(f"tpot_slo_ms={self.tpot_slo_ms!r} is invalid: expected a number >= 0 (0: none)")
         for key in ("max_queue", "migration_limit"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 0")
@@ -85,6 +93,10 @@ class RouterConfig:
                     "poison_ttl_s", "guided_compile_timeout_s"):  # fmt: skip
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected a number > 0")
+
+    def policy_facts(self) -> dict:
+        """The cluster facts of these settings every policy is offered (``scheduler.policies``)."""
+        return {"cost_model": self.cost_model, "page_size": self.page_size, "tpot_slo_ms": self.tpot_slo_ms}
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> RouterConfig:

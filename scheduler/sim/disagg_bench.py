@@ -15,9 +15,11 @@ and its completion notice), and moves the KV bytes per token of the model (70B: 
 × 8 KV heads × 128 × 2 × 2 bytes = 320 KiB; 8B: 32 layers, 128 KiB).
 
 Policies: ``e2`` (aggregated, every instance ``both``), ``e2_pd`` (E2 choosing per request
-with the P/D roles), ``e2_pd_flex`` (every instance ``both``: E2 may pair any two), and
-with the P/D roles ``dynamo_pd``, ``dynamo_pd_load`` (its prefill-load variant: local while
-every prefill worker has 2 requests in flight), ``llmd_pd`` and ``sglang_pd``. Rates: the
+with the P/D roles), ``e2_pd_slo`` (the same, told the TPOT SLO: no local prefill that would
+push a decode instance past it, ``E2PD.tpot_slo_ms``), ``e2_pd_flex`` (every instance
+``both``: E2 may pair any two), and with the P/D roles ``dynamo_pd``, ``dynamo_pd_load``
+(its prefill-load variant: local while every prefill worker has 2 requests in flight),
+``llmd_pd`` and ``sglang_pd``. Rates: the
 stress rate (round robin's p99 at 5× its light-load p99, ``sweep.find_stress_rps``) and half
 of it. SLOs for goodput: ``SLO``, per model.
 
@@ -45,7 +47,8 @@ from scheduler.sim.sweep import _cached_trace, at_rate, stress_rps, trace
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "multi_tenant",
              "agentic", "shifting_docs")  # fmt: skip
-POLICIES = ("e2", "e2_pd", "e2_pd_flex", "dynamo_pd", "dynamo_pd_load", "llmd_pd", "sglang_pd")
+POLICIES = ("e2", "e2_pd", "e2_pd_slo", "e2_pd_flex", "dynamo_pd", "dynamo_pd_load", "llmd_pd", "sglang_pd")
+OURS = ("e2_pd", "e2_pd_slo", "e2_pd_flex")
 KV_BYTES = {"70b": 80 * 8 * 128 * 2 * 2, "8b": 32 * 8 * 128 * 2 * 2}
 GBPS_PER_GPU = {"nvlink": 450.0, "ib": 50.0}
 LATENCY_MS = 0.5
@@ -78,8 +81,9 @@ def make(policy: str, name: str, link: KVLink, cfg: SimConfig, clock):
     e2 = dict(cost_model=cost, capacity_tokens=cfg.capacity_tokens, page_size=cfg.page_size, clock=clock)
     if policy == "e2":
         return E2(n, **e2)
-    if policy in ("e2_pd", "e2_pd_flex"):
-        return E2PD(n, roles if policy == "e2_pd" else ("both",) * n, link, **e2)
+    if policy in OURS:
+        slo_ms = 1000.0 * SLO[CLUSTERS[name][0]][1] if policy == "e2_pd_slo" else 0.0
+        return E2PD(n, roles if policy != "e2_pd_flex" else ("both",) * n, link, tpot_slo_ms=slo_ms, **e2)
     kw = dict(page_size=cfg.page_size, clock=clock)
     if policy.startswith("dynamo_pd"):
         return DynamoPD(n, roles, prefill_queue=2 if policy == "dynamo_pd_load" else None, **kw)
@@ -106,15 +110,14 @@ def stress_rate(job: tuple) -> float:
     return stress_rps(trace(workload, n, 1.0, 0), SimConfig.of(CLUSTERS[name][1]), cluster_cost(name))
 
 
-def bench(
-    clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0)
-) -> list[dict]:
+def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0),
+          policies=POLICIES) -> list[dict]:  # fmt: skip
     cells = [(name, workload, n) for name in clusters for workload in workloads]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
                                           unit="cell")))  # fmt: skip
         grid = [(name, link_kind, workload, n, seed, stress[name, workload, n] * f, policy, f)
-                for name, workload, _ in cells for f in fractions for policy in POLICIES
+                for name, workload, _ in cells for f in fractions for policy in policies
                 for seed in range(seeds)]  # fmt: skip
         runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
     cells_out: dict[tuple, dict] = {}
@@ -146,17 +149,19 @@ def summarize(cells: list[dict]) -> list[str]:
         }
         spread = {p: {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in KEYS}
                   for p, runs in c["policies"].items()}  # fmt: skip
-        others = [p for p in mean if p not in ("e2_pd", "e2_pd_flex")]
+        others = [p for p in mean if p not in OURS]
         best_good = max(others, key=lambda p: mean[p]["goodput"])
         best_tpot = min(others, key=lambda p: mean[p]["p99_tpot_s"])
-        e = mean["e2_pd"]
-        lines.append(
-            f"{c['cluster']:8s} {c['workload']:15s} x{c['fraction']:.1f} goodput e2_pd {e['goodput']:.3f} "
-            f"{spread['e2_pd']['goodput']} vs {best_good} {mean[best_good]['goodput']:.3f}; "
-            f"p99 TPOT e2_pd {e['p99_tpot_s'] * 1e3:.1f} ms "
-            f"vs {best_tpot} {mean[best_tpot]['p99_tpot_s'] * 1e3:.1f}; "
-            f"avg latency e2_pd/e2 {e['avg_latency_s'] / mean['e2']['avg_latency_s']:.3f}"
-        )
+        for ours in (p for p in ("e2_pd", "e2_pd_slo") if p in mean):
+            e = mean[ours]
+            lines.append(
+                f"{c['cluster']:8s} {c['workload']:15s} x{c['fraction']:.1f} "
+                f"goodput {ours} {e['goodput']:.3f} "
+                f"{spread[ours]['goodput']} vs {best_good} {mean[best_good]['goodput']:.3f}; "
+                f"p99 TPOT {ours} {e['p99_tpot_s'] * 1e3:.1f} ms "
+                f"vs {best_tpot} {mean[best_tpot]['p99_tpot_s'] * 1e3:.1f}; "
+                f"avg latency {ours}/e2 {e['avg_latency_s'] / mean['e2']['avg_latency_s']:.3f}"
+            )
     return lines
 
 
@@ -165,13 +170,14 @@ def main() -> None:
     ap.add_argument("--clusters", default=",".join(CLUSTERS))
     ap.add_argument("--link", default="nvlink", choices=sorted(GBPS_PER_GPU))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", default=None, help="a directory for disagg.json.gz")
     args = ap.parse_args()
     cells = bench(args.clusters.split(","), args.link, args.workloads.split(","), args.requests, args.seeds,
-                  args.jobs)  # fmt: skip
+                  args.jobs, policies=args.policies.split(","))  # fmt: skip
     for line in summarize(cells):
         print(line)
     if args.out:

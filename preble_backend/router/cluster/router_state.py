@@ -61,7 +61,7 @@ class RouterState:
 
     def policy_facts(self) -> dict:
         """What every policy is offered about the engines (``scheduler.policies``)."""
-        return {"cost_model": self.config.cost_model, "page_size": self.config.page_size}
+        return self.config.policy_facts()
 
     def _observe(self, engine: str, arrival: float, first_token_at: float | None, answer: Answer,
                  cached: int) -> None:  # fmt: skip
