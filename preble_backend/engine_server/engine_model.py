@@ -76,6 +76,9 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "kv_pages_received": "preble_engine_kv_pages_received_total",
     "kv_bytes_received": "preble_engine_kv_bytes_received_total",
     "kv_transfer_s": "preble_engine_kv_transfer_seconds_total",  # reads that succeeded
+    # compute emulated: the modelled device's time, and how far the host's own work ran past it
+    "emulated_model_s": "preble_engine_emulated_model_seconds_total",
+    "emulated_behind_s": "preble_engine_emulated_behind_seconds_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
