@@ -179,11 +179,8 @@ class E2PD(EngineRoles, E2):
             return 0.0
         d = max(1.0, self.decode_lengths.average(now))
         b = len(h.in_flight) + 1
-        context = h.in_flight_tokens + prompt_len + b * d / 2
-        step = cost.base_ms + b * cost.decode_ms_per_request + cost.attention_ms_per_context_token * context
-        h.routed_in_window(now)  # drops what left the window
-        span_ms = 1000.0 * max(1.0, now - h.routed[0][0]) if h.routed else 1000.0
-        prefilling = (max(0.0, h.prefill_ms) + cost.prefill_time(missed)) / span_ms
+        step = cost.iteration_time(0, b, round(h.in_flight_tokens + prompt_len + b * d / 2))
+        prefilling = h.prefill_share(now, cost.prefill_time(missed))
         return step / (1.0 - prefilling) if prefilling < 1.0 else math.inf
 
     def decode_leg_cost(self, instance: int, match, prompt_len: int, now: float) -> float:

@@ -113,6 +113,13 @@ class InstanceHistory:
             return self.in_flight_prefill_ms + len(self.in_flight) * decode_ms
         return max(0.0, self.prefill_ms) + len(self.routed) * decode_ms
 
+    def prefill_share(self, now: float, extra_ms: float = 0.0) -> float:
+        """The share of the instance's time the prefills routed here within the window take,
+        with ``extra_ms`` more: over the time since the oldest of them (at least 1 s)."""
+        self._expire(now)
+        span_ms = 1000.0 * max(1.0, now - self.routed[0][0]) if self.routed else 1000.0
+        return (max(0.0, self.prefill_ms) + extra_ms) / span_ms
+
     def decoding(self, decode_ms: float) -> float:
         """How many of the requests in flight are decoding rather than waiting for their
         prefill, expected from the shares of a request's time the two take: its prefill

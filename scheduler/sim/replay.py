@@ -22,7 +22,6 @@ from preble_backend.common.cost_model import CostModel
 from preble_backend.common.progress import progress
 from preble_backend.model.model_card import model_card
 from scheduler.disagg import KVLink
-from scheduler.policies import policy_options
 from scheduler.sim.reference import REFERENCES, over_reference
 from scheduler.sim.simulator import SimConfig, SimRequest, SimResult
 from scheduler.sim.sweep import at_rate, run
@@ -53,9 +52,8 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print, roles: 
         requests = at_rate(timeline, 1.0, rps or 1.0)  # a recorded trace plays at its own times
         runs = [*cfg.policies, *REFERENCES]  # the references: what any router could do here
         for policy in progress(runs, desc=f"simulating @ {rps or 'trace'} rps", unit="policy"):
-            given = {"roles": roles} if roles and _takes_roles(policy) else {}
             metrics = run(requests, policy, sim, cost, link, lambda r: _pd_fields(r, groups),
-                          {"tpot_slo_ms": tpot_slo_ms}, **given)  # fmt: skip
+                          {"tpot_slo_ms": tpot_slo_ms}, roles)  # fmt: skip
             rec = {
                 "policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps, "repeat": 0,
                 "completed": metrics["num_requests"], "errors": {}, **metrics,
@@ -69,10 +67,6 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print, roles: 
     return records
 
 
-def _takes_roles(policy: str) -> bool:
-    return policy not in REFERENCES and "roles" in policy_options(policy)
-
-
 def kv_bytes_per_token(model_dir: str, cost: CostModel) -> int:
     """What one token's KV takes as the engines' pools hold it (what they report as
     ``kv_bytes_per_token``): fp32 on a CPU, 16-bit on a GPU."""
@@ -83,11 +77,7 @@ def kv_bytes_per_token(model_dir: str, cost: CostModel) -> int:
 def _pd_fields(result: SimResult, groups: list[str]) -> dict:
     """The live bench's TPOT of requests decoding while a new document arrives, from the
     simulated requests' times, and the KV tokens moved between instances."""
-    outcomes = []
-    for i in range(len(groups)):
-        r = result.records.get(f"r{i}")
-        done = r is not None and r.finish is not None
-        outcomes.append(Outcome(sent=r.arrival if r else 0.0, first_token=r.first_token if done else None,
-                                finished=r.finish if done else None, output_tokens=r.output_len if r else 0,
-                                error=None if done else "unfinished"))  # fmt: skip
+    records = [result.records[f"r{i}"] for i in range(len(groups))]
+    outcomes = [Outcome(r.arrival, r.first_token, r.finish, r.output_len,
+                        error=None if r.finish is not None else "unfinished") for r in records]  # fmt: skip
     return {**new_doc_fields(outcomes, groups), "moved_tokens": result.moved_tokens}

@@ -59,18 +59,19 @@ def cluster_facts(cfg: SimConfig, cost: CostModel, clock) -> dict:
 
 def run(requests: list[SimRequest], policy: str, cfg: SimConfig, cost: CostModel, link: KVLink | None = None,
         measure: Callable[[SimResult], dict] | None = None, facts: dict | None = None,
-        **options) -> dict:  # fmt: skip
+        roles: tuple[str, ...] = (), **options) -> dict:  # fmt: skip
     """One policy's run, or a reference's (``reference.py``), as one record's metrics;
-    ``link``: what moving KV costs (told to a policy that pairs engines, as a live router
-    learns it from the engines); ``measure``: more figures of the policy's run; ``facts``:
+    ``link`` and ``roles``: what moving KV costs and the instances' roles (told to a policy
+    that pairs engines, as a live router learns them from the engines); ``measure``: more
+    figures of the policy's run; ``facts``:
     cluster facts beyond the simulated cluster's own (an operator's setting, such as the
     router's ``tpot_slo_ms``)."""
     followers = [r for r in requests if r.after is not None]
     if policy in REFERENCES:  # one instance, or none: no turn ever moves
         return {**reference_metrics(policy, requests, cfg, cost), "follower_moves": 0,
                 "followers": len(followers), "branches": {}, "per_engine": {}}  # fmt: skip
-    if link is not None and "link" in policy_options(policy):
-        options = {**options, "link": link}
+    takes = policy_options(policy)
+    options.update({k: v for k, v in (("link", link), ("roles", roles)) if v and k in takes})
 
     def build(clock):
         known = {**cluster_facts(cfg, cost, clock), **(facts or {})}
