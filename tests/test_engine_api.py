@@ -174,6 +174,8 @@ def test_finish_reasons_and_counts_stream_to_the_callback(engine):
     assert [o.finished for o in outputs] == [False] * 4 + [True]
     last = outputs[-1]
     assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens) == ("length", 10, 5)
+    # the engine's time to first token rides the output that carries that token, and no other
+    assert outputs[0].first_token_s > 0 and [o.first_token_s for o in outputs[1:]] == [None] * 4
 
 
 def test_abort_frees_pages_midway(engine):

@@ -289,7 +289,9 @@ def test_metrics_report_engines_and_routing(server, client):
     prompt = sum(v for _, v in _series(text, "preble_router_prompt_tokens_total"))
     cached = sum(v for _, v in _series(text, "preble_router_cached_prompt_tokens_total"))
     assert prompt >= 2 * len(PROMPT.split()) and 0 < cached < prompt  # the second request hit the cache
-    assert sum(v for _, v in _series(text, "preble_engine_request_queue_time_seconds_count")) >= 2
+    for name in ("request_queue_time_seconds", "time_to_first_token_seconds"):  # the engines', by tenant
+        counts = _series(text, f"preble_engine_{name}_count")
+        assert sum(v for _, v in counts) >= 2 and all('tenant="default"' in labels for labels, _ in counts)
 
 
 def test_every_metric_the_grafana_dashboard_queries_exists(server, client):

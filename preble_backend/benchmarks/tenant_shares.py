@@ -55,6 +55,7 @@ WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega rive
 class Router:
     process: subprocess.Popen
     http_port: int
+    metrics_port: int
 
     def url(self, path: str) -> str:
         return f"http://{LOOPBACK}:{self.http_port}{path}"
@@ -102,7 +103,7 @@ def start_cluster(run_dir: Path, fair_share: bool, max_running: int) -> Cluster:
                "--log-file", str(run_dir / f"router{i}.log")]  # fmt: skip
         env = {**os.environ, "PREBLE_ENGINE_KEY": engine_key}
         process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        routers.append(Router(process, http))
+        routers.append(Router(process, http, metrics))
     for router in routers:
         for line in router.process.stdout:
             if line.startswith("ready"):
@@ -114,16 +115,39 @@ def start_cluster(run_dir: Path, fair_share: bool, max_running: int) -> Cluster:
     return Cluster(supervisor, routers, metrics, keys)
 
 
-def engine_service(cluster: Cluster) -> dict[str, float]:
-    """Each tenant's service as the engines count it, summed over engines."""
+def scrape(urls: list[str], name: str, tenant: str | None = None) -> dict[str, float]:
+    """Each tenant's value of the series ``name`` (summed over ``urls`` and other labels);
+    only ``tenant``'s when named, and series without a tenant under ""."""
     total: dict[str, float] = {}
-    for url in cluster.engine_metrics:
+    for url in urls:
         with urllib.request.urlopen(url, timeout=10) as r:
             for line in r.read().decode().splitlines():
-                if line.startswith("preble_tenant_service_tokens_total{"):
-                    tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
-                    total[tenant] = total.get(tenant, 0.0) + float(line.rsplit(" ", 1)[1])
+                if not line.startswith((name + "{", name + " ")):
+                    continue
+                who = line.split('tenant="', 1)[1].split('"', 1)[0] if 'tenant="' in line else ""
+                if tenant is None or who == tenant:
+                    total[who] = total.get(who, 0.0) + float(line.rsplit(" ", 1)[1])
     return total
+
+
+def engine_service(cluster: Cluster) -> dict[str, float]:
+    """Each tenant's service as the engines count it, summed over engines."""
+    return scrape(cluster.engine_metrics, "preble_tenant_service_tokens_total")
+
+
+def layers(cluster: Cluster, tenant: str) -> dict[str, float]:
+    """Running totals, to subtract: ``tenant``'s TTFT sums and counts as the routers and the
+    engines measure it, and how far the emulated engines' host work ran past the modelled
+    device (this host's CPU, not the schedule)."""
+    routers = [f"http://{LOOPBACK}:{r.metrics_port}/metrics" for r in cluster.routers]
+    out = {}
+    for where, urls in (("router", routers), ("engine", cluster.engine_metrics)):
+        for part in ("sum", "count"):
+            name = f"preble_{where}_time_to_first_token_seconds_{part}"
+            out[f"{where}_{part}"] = sum(scrape(urls, name, tenant).values())
+    behind = scrape(cluster.engine_metrics, "preble_engine_emulated_behind_seconds_total")
+    out["behind_s"] = sum(behind.values())
+    return out
 
 
 @dataclass
@@ -222,14 +246,21 @@ def light_ttft_phase(cluster: Cluster, seconds: float, flood_clients: int) -> di
             for i in range(flood_clients):
                 clients.add(cluster.routers[i % 2], cluster.keys["heavy"], "heavy", 300, 32)
             time.sleep(10)
-        light = Clients()
+        light, before = Clients(), layers(cluster, "light")
         light.add(cluster.routers[0], cluster.keys["light"], "light", 300, 32)
         time.sleep(seconds)
         light.stop()
+        after = layers(cluster, "light")
         clients.stop()
         ttfts = [ttft for _tenant, _at, ttft, _prompt, _output in light.done]
-        out["flood" if flooding else "alone"] = {"requests": len(ttfts), "p50": percentile(ttfts, 0.5),
-                                                 "p99": percentile(ttfts, 0.99)}  # fmt: skip
+        d = {k: after[k] - before[k] for k in after}
+        out["flood" if flooding else "alone"] = {
+            "requests": len(ttfts), "p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99),
+            "mean": sum(ttfts) / max(len(ttfts), 1),
+            "router_mean": d["router_sum"] / max(d["router_count"], 1),
+            "engine_mean": d["engine_sum"] / max(d["engine_count"], 1),
+            "emulated_behind_s": d["behind_s"],
+        }  # fmt: skip
     out["p50_ratio"] = out["flood"]["p50"] / out["alone"]["p50"]
     out["p99_ratio"] = out["flood"]["p99"] / out["alone"]["p99"]
     return out
@@ -289,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
             line = ", ".join(f"{t} {v['share']:.3f}/{v['target']:.3f} ({v['error']:+.1%})"
                              for t, v in shares[source].items())  # fmt: skip
             print(f"{name}: shares ({source}) {line}")
+        for phase in ("alone", "flood"):
+            row = light[phase]
+            print(f"{name}: light TTFT {phase}, mean: client {row['mean']:.3f}s, "
+                  f"router {row['router_mean']:.3f}s, engine {row['engine_mean']:.3f}s; "
+                  f"emulated engines behind {row['emulated_behind_s']:.2f}s")  # fmt: skip
         print(f"{name}: light TTFT alone p50 {light['alone']['p50']:.3f}s p99 {light['alone']['p99']:.3f}s; "
               f"with a flood p50 {light['flood']['p50']:.3f}s p99 {light['flood']['p99']:.3f}s "
               f"(x{light['p50_ratio']:.2f}, x{light['p99_ratio']:.2f}); client errors {shares['errors']}",

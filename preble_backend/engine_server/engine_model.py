@@ -81,11 +81,17 @@ COUNTERS = {  # stats key -> counter name (Prometheus: counters end in _total)
     "emulated_behind_s": "preble_engine_emulated_behind_seconds_total",
 }
 QUEUE_TIME = "preble_engine_request_queue_time_seconds"
+FIRST_TOKEN = "preble_engine_time_to_first_token_seconds"
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 METRICS = [
     *(MetricSpec(name, "gauge", text) for name, text in GAUGES.values()),
     *(MetricSpec(name, "counter", key.replace("_", " ")) for key, name in COUNTERS.items()),
-    MetricSpec(QUEUE_TIME, "histogram", "arrival to admission out of the wait queue", QUEUE_BUCKETS),
+    MetricSpec(
+        QUEUE_TIME, "histogram", "arrival to admission out of the wait queue, by tenant", QUEUE_BUCKETS
+    ),
+    MetricSpec(
+        FIRST_TOKEN, "histogram", "arrival at this engine to its first output token, by tenant", QUEUE_BUCKETS
+    ),
     MetricSpec(
         SERVICE,
         "counter",
@@ -198,7 +204,9 @@ class TritonPythonModel:
             kv_offer = self.kv.offer(out.request_id, call.input_ids) if offer and out.error is None else None
             report = encode_report(self._stats(), self.engine.cache_events(call.events_since), kv_offer)
             if out.queue_time_s is not None:
-                self.metrics.observe(QUEUE_TIME, out.queue_time_s)
+                self.metrics.observe(QUEUE_TIME, out.queue_time_s, {"tenant": call.tenant})
+        if out.first_token_s is not None:
+            self.metrics.observe(FIRST_TOKEN, out.first_token_s, {"tenant": call.tenant})
         if self._held.add(out, report):
             self._put(TOKENS, out.request_id)
 

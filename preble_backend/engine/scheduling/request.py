@@ -34,6 +34,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when asked for
     queue_time_s: float | None = None  # arrival to first admission, once admitted
+    first_token_s: float | None = None  # arrival to first output token, on the output carrying it
 
 
 @dataclass(eq=False)
@@ -86,6 +87,7 @@ class Request:
         return self.num_tokens - self.num_computed
 
     def output(self, new_tokens: list[int], error: str | None = None) -> RequestOutput:
+        first = bool(new_tokens) and len(new_tokens) == len(self.output_ids)  # it carries the first token
         return RequestOutput(
             request_id=self.request_id,
             token_ids=new_tokens,
@@ -97,4 +99,5 @@ class Request:
             error=error,
             logprobs=None if self.logprobs is None else self.logprobs[len(self.logprobs) - len(new_tokens) :],
             queue_time_s=None if self.admitted is None else self.admitted - self.arrival,
+            first_token_s=time.monotonic() - self.arrival if first else None,
         )
