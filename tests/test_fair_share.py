@@ -212,6 +212,35 @@ def test_with_every_slot_taken_a_tenant_under_its_share_of_slots_takes_one_from_
     assert pool.num_free == pool.num_pages
 
 
+def test_a_light_tenants_prompt_takes_the_prefill_budget_before_a_heavy_tenants_running_prefill():
+    """An 8-token budget. The heavy tenant's 24-token prompt runs (8 computed); the light
+    tenant's 6-token prompt arrives. Without fair shares the running prefill took the whole
+    budget and the light prompt waited two passes; with them the light tenant (served less)
+    is admitted first with its 6 tokens, the heavy prefill gets the 2 left, and the next
+    pass the light decode runs first, the heavy prefill taking the other 7."""
+    shares = TenantShares()
+    pool = tiny_pool(64)
+    sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
+                           chunk_size=8, max_running_requests=4, shares=shares, source="e0")  # fmt: skip
+    heavy, light = make_request([10] * 24, "h0"), make_request([50] * 6, "l0")
+    heavy.tenant, light.tenant = "heavy", "light"
+    sched.add(heavy)
+    first = sched.schedule()
+    assert (first.requests, first.num_new_tokens) == ([heavy], [8])
+    sched.advance(first)
+    sched.add(light)
+    second = sched.schedule()
+    assert (second.requests, second.num_new_tokens) == ([light, heavy], [6, 2])
+    sched.advance(second)
+    light.output_ids.append(7)  # its first token, as the engine samples it
+    third = sched.schedule()
+    assert (third.requests, third.num_new_tokens) == ([light, heavy], [1, 7])
+    for req in (heavy, light):
+        sched.finish(req)
+    sched.blocks.free(sched.blocks.cache.reset())
+    assert pool.num_free == pool.num_pages
+
+
 def test_a_request_displaced_for_a_lighter_tenant_gives_the_same_tokens(tiny_model):
     """Greedy answers of the heavy tenant, with a light tenant taking a slot mid-decode
     (the displaced request resumes from its cached pages), equal those it gives alone."""
