@@ -213,29 +213,44 @@ def test_with_every_slot_taken_a_tenant_under_its_share_of_slots_takes_one_from_
 
 
 def test_a_light_tenants_prompt_takes_the_prefill_budget_before_a_heavy_tenants_running_prefill():
-    """An 8-token budget. The heavy tenant's 24-token prompt runs (8 computed); the light
-    tenant's 6-token prompt arrives. Without fair shares the running prefill took the whole
-    budget and the light prompt waited two passes; with them the light tenant (served less)
-    is admitted first with its 6 tokens, the heavy prefill gets the 2 left, and the next
-    pass the light decode runs first, the heavy prefill taking the other 7."""
+    """An 8-token budget. The heavy tenant's 40-token prompt has run three passes (24
+    computed), another waiting, when the light tenant's 20-token prompt arrives. Without
+    fair shares the running prefill took the whole budget and the light prompt waited
+    two passes, then shared the budget behind it. With them the light tenant (lifted to
+    the heavy one's 40, a tie it wins as served less in fact) is admitted first, and its
+    prompt takes the budget until done (8, 8, then 4 with the heavy prefill taking the
+    other 4); then the light decode runs first, the heavy prefill taking the 7 left.
+    Every page comes back."""
     shares = TenantShares()
     pool = tiny_pool(64)
     sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
                            chunk_size=8, max_running_requests=4, shares=shares, source="e0")  # fmt: skip
-    heavy, light = make_request([10] * 24, "h0"), make_request([50] * 6, "l0")
-    heavy.tenant, light.tenant = "heavy", "light"
+    heavy, queued, light = (
+        make_request([10] * 40, "h0"),
+        make_request([11] * 40, "h1"),
+        make_request([50] * 20, "l0"),
+    )
+    heavy.tenant, queued.tenant, light.tenant = "heavy", "heavy", "light"
     sched.add(heavy)
-    first = sched.schedule()
-    assert (first.requests, first.num_new_tokens) == ([heavy], [8])
-    sched.advance(first)
+    sched.add(queued)  # the heavy tenant stays backlogged: the light one is lifted to it
+    passes = []
+
+    def run_pass():
+        batch = sched.schedule()
+        passes.append((batch.requests, batch.num_new_tokens))
+        sched.advance(batch)
+
+    for _ in range(3):
+        run_pass()
     sched.add(light)
-    second = sched.schedule()
-    assert (second.requests, second.num_new_tokens) == ([light, heavy], [6, 2])
-    sched.advance(second)
+    run_pass()
+    run_pass()
+    run_pass()
     light.output_ids.append(7)  # its first token, as the engine samples it
-    third = sched.schedule()
-    assert (third.requests, third.num_new_tokens) == ([light, heavy], [1, 7])
-    for req in (heavy, light):
+    run_pass()
+    assert passes == [([heavy], [8])] * 3 + [([light], [8]), ([light], [8]), ([light, heavy], [4, 4]),
+                                             ([light, heavy], [1, 7])]  # fmt: skip
+    for req in (heavy, queued, light):
         sched.finish(req)
     sched.blocks.free(sched.blocks.cache.reset())
     assert pool.num_free == pool.num_pages
