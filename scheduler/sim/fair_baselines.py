@@ -21,6 +21,8 @@ from preble_backend.engine.scheduling.request import Request
 
 
 class RoundRobinQueue(FairWaitQueue):
+    orders_passes = False  # the anchors order admissions only: passes are the paper's
+
     def __init__(self, shares: TenantShares, num_groups: int = 10, quota_unit: int = 10) -> None:
         super().__init__(shares, num_groups, quota_unit)
         self.turns: list[str] = []  # tenants in the order they first arrived

@@ -42,6 +42,8 @@ def fair_victim(shares: TenantShares, req: Request, running: list[Request], slot
 
 
 class FairWaitQueue:
+    orders_passes = True  # the prefill budget follows the shares too (LocalScheduler._prefill_order)
+
     def __init__(self, shares: TenantShares, num_groups: int = 10, quota_unit: int = 10) -> None:
         self.shares = shares
         self.num_groups, self.quota_unit = num_groups, quota_unit

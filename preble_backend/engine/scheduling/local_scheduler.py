@@ -154,9 +154,9 @@ class LocalScheduler:
         half computed, holding pages, and cost ~1% of throughput at stress). A light tenant's prompt is
         not held behind a heavy tenant's running prefills (its TTFT was ~1.8x alone
         with a flood); decodes are one token and always run. Other rules for the wait
-        queue (the simulator's anchors) order admissions only."""
+        queue (the simulator's anchors: ``orders_passes`` false) order admissions only."""
         running = list(self.running)
-        if not running or not isinstance(self.waiting, FairWaitQueue):
+        if not running or not self.waiting.orders_passes:
             return running, []
         tenants = {r.tenant for r in running}
         head = self.waiting.turn_order()[:1] if len(self.waiting) else []

@@ -24,6 +24,8 @@ def priority_group(cached_tokens: int, prompt_tokens: int, num_groups: int) -> i
 
 
 class PriorityWaitQueue:
+    orders_passes = False  # no tenants: the running requests' chunks go oldest first
+
     def __init__(self, num_groups: int = 10, quota_unit: int = 10) -> None:
         if num_groups < 1 or quota_unit < 1:
             raise ValueError("priority_groups and the quota unit must be >= 1")
