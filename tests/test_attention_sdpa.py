@@ -1,5 +1,5 @@
-"""The CPU attention path (``sdpa``: decode queries batched into one SDPA call) against the
-kernels' torch reference, and the engine on it against the engine on the reference."""
+"""The CPU attention path (``sdpa``: decode queries batched into one SDPA call per group of
+like context lengths) against the kernels' torch reference, and the engine on it against the engine on the reference."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from test_kernels import paged_batch
 
 from kernels import reference as ref
 from preble_backend.model.attention import AttentionBatch
-from preble_backend.model.attention_sdpa import SdpaAttention
+from preble_backend.model.attention_sdpa import SdpaAttention, decode_groups
 
 
 @pytest.mark.parametrize("group", [1, 3, 4])
@@ -29,6 +29,31 @@ def test_sdpa_equals_the_reference_on_a_mixed_batch(group, page_size):
     assert torch.allclose(out, expect, rtol=1e-10, atol=1e-10)
     two_layers = SimpleNamespace(k_cache=[k, k], v_cache=[v, v])
     assert torch.equal(SdpaAttention().forward(1, q, new, new, batch, two_layers), out)  # plan reused
+
+
+def test_decode_requests_of_unlike_lengths_attend_in_groups():
+    """Shortest first; a group takes a length within twice its shortest, or 256 tokens of
+    it: seven 250-token contexts and one of 1,750 are two calls, not eight padded to 1,750."""
+    assert decode_groups([250] * 7 + [1750]) == [list(range(7)), [7]]
+    assert decode_groups([100, 5000, 300, 260]) == [[0, 3, 2], [1]]
+    assert decode_groups([1000, 1900, 2100]) == [[0, 1], [2]]
+    assert decode_groups([]) == []
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_decode_groups_attend_as_the_reference(window):
+    """Decode rows in three groups (21; 301 and 601; 701 and 1,401 positions) beside a
+    chunk, with and without a sliding window: each group's own padding and window mask."""
+    q_lens, prefix_lens = [1, 1, 1, 1, 1, 9], [20, 600, 300, 1400, 700, 40]
+    assert len(decode_groups([p + 1 for p in prefix_lens[:5]])) == 3
+    q, k, v, table = paged_batch(q_lens, prefix_lens, 8, 4, 32, 16, seed=3)
+    batch = AttentionBatch(q_lens, prefix_lens, torch.full((sum(q_lens),), -1), table, 16, [])
+    pool = SimpleNamespace(k_cache=[k], v_cache=[v])
+    new = torch.zeros((sum(q_lens), 4, 32), dtype=q.dtype)
+    out = SdpaAttention().forward(0, q, new, new, batch, pool, window=window)
+    expect, _ = ref.extend_attention_ref(q, k, v, table, q_lens, prefix_lens, 16, with_lse=False,
+                                         window=window)  # fmt: skip
+    assert torch.allclose(out, expect, rtol=1e-10, atol=1e-10)
 
 
 def test_the_engine_on_sdpa_answers_as_on_the_reference(any_model, make_engine):

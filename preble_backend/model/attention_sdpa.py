@@ -3,9 +3,10 @@
 The reference (``kernels/reference.py``, backend ``torch``) loops over requests in Python,
 gathers each one's K/V, repeats them for grouped-query attention and builds a mask per
 request; at a decode batch of 8 that loop was a third of the engine's time. Here the
-forward's plan (built by layer 0, reused by every layer) holds one slot matrix and one
-padding mask for all decode requests; each layer gathers their K/V in one indexing op and
-runs one SDPA call, grouped-query attention by SDPA's ``enable_gqa`` (no repeated K/V).
+forward's plan (built by layer 0, reused by every layer) holds a slot matrix and a padding
+mask per group of decode requests of similar context length (``decode_groups``); each
+layer gathers a group's K/V in one indexing op and runs one SDPA call for it, grouped-query
+attention by SDPA's ``enable_gqa`` (no repeated K/V).
 Prefill and extend chunks go one request at a time, also in one SDPA call each: their
 cost is the matmuls, not the loop. ``tests/test_kernels.py`` checks it against the reference.
 """
@@ -56,7 +57,7 @@ class DecodePlan:
 
 @dataclass
 class Plan:
-    decode: DecodePlan | None
+    decode: list[DecodePlan]  # one per group of similar context lengths (``decode_groups``)
     extends: list[tuple[int, int, int, int]]  # (request, first row, q_len, prefix_len) of the others
 
 
@@ -70,8 +71,7 @@ class SdpaAttention(AttentionBackend):
             batch.plan = self.plan(batch, q.device)
         plan, scale = batch.plan, scale or q.shape[-1] ** -0.5
         out = torch.empty_like(q)
-        d = plan.decode
-        if d is not None:
+        for d in plan.decode:
             keys = k_cache[d.slots].to(q.dtype).permute(0, 2, 1, 3)  # [Bd, Hkv, L, D]
             values = v_cache[d.slots].to(q.dtype).permute(0, 2, 1, 3)
             queries = q[d.rows].unsqueeze(2)  # [Bd, H, 1, D]
@@ -121,9 +121,29 @@ class SdpaAttention(AttentionBackend):
             starts.append(row)
             row += n
         members = [b for b, n in enumerate(batch.q_lens) if n == 1]
-        decode = DecodePlan.build(batch, members, starts, device) if members else None
+        lens = [batch.prefix_lens[b] + 1 for b in members]
+        decode = [DecodePlan.build(batch, [members[i] for i in group], starts, device)
+                  for group in decode_groups(lens)]  # fmt: skip
         extends = [(b, starts[b], n, batch.prefix_lens[b]) for b, n in enumerate(batch.q_lens) if n != 1]
         return Plan(decode, extends)
+
+
+def decode_groups(lens: list[int], spread: float = 2.0, least: int = 256) -> list[list[int]]:
+    """The decode requests (their context lengths) split into groups, shortest first, each
+    attending in one SDPA call: a group's requests are padded to its longest, so one call
+    for a batch of 250- and 1,750-token contexts attended 8 x 1,750 positions where the
+    requests have 3,500, and the pass cost more than eight 1,000-token ones (SmolLM2 on one
+    core: 344-356 ms against 261-276). A group takes the next length while it is within
+    ``spread`` times its shortest (or ``least`` tokens of it): at most ~half of what a group
+    attends is padding, and a call per layer per group is cheap beside it."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lens[i] <= max(spread * lens[groups[-1][0]], lens[groups[-1][0]] + least):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def with_sink(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor):
