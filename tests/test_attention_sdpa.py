@@ -1,5 +1,6 @@
 """The CPU attention path (``sdpa``: decode queries batched into one SDPA call per group of
-like context lengths) against the kernels' torch reference, and the engine on it against the engine on the reference."""
+like context lengths) against the kernels' torch reference, and the engine on it against the
+engine on the reference."""
 
 from __future__ import annotations
 
