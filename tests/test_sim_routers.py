@@ -12,9 +12,9 @@ import pytest
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.fair_share import TenantShares
 from scheduler.policies import make_policy
-from scheduler.sim.fairness_bench import max_min_allocation, max_min_index, served_by
+from scheduler.sim.fairness_bench import max_min_allocation, max_min_index, mean_tpot, served_by, tpot_floor
 from scheduler.sim.router_tier import RouterTier, SimRouter
-from scheduler.sim.simulator import SimConfig, SimRequest, simulate
+from scheduler.sim.simulator import RequestRecord, SimConfig, SimRequest, simulate
 from scheduler.sim.sweep import cluster_facts
 
 
@@ -79,3 +79,20 @@ def test_max_min_shares_owe_a_light_tenant_what_it_asks_and_split_the_rest_alike
     assert max_min_allocation(demand, 60.0) == {"light": 10.0, "mid": 25.0, "heavy": 25.0}
     assert max_min_index({"light": 10.0, "mid": 25.0, "heavy": 25.0}, demand) == pytest.approx(1.0)
     assert max_min_index({"light": 5.0, "mid": 25.0, "heavy": 30.0}, demand) < 0.95
+
+
+def test_the_tpot_floor_is_the_least_mean_pass_at_the_work_served():
+    """Base 10 ms, 1 ms per prompt or output token. Over a 1 s span instance 0 computed 380
+    prompt tokens (20 more cached) and 50 output: 430 ms of per-token work, so at most
+    (1000 - 430) / 10 = 57 passes, a mean pass of at least 10 / 0.57 = 17.5 ms; instance 1
+    computed 150 output tokens: 10 / 0.85 = 11.8 ms. Light tokens decoded 50 on the first
+    and 150 on the second: (17.5 * 50 + 11.8 * 150) / 200. The light requests' own mean
+    time per token after the first: (0.49 s / 49 + 0.298 s / 149) / 2."""
+    cost = CostModel(base_ms=10.0, prefill_ms_per_token=1.0, decode_ms_per_request=1.0,
+                     attention_ms_per_context_token=0.0, decode_step_ms=10.0)  # fmt: skip
+    busy = RequestRecord(0.0, instance=0, first_token=0.1, finish=0.59, prompt_len=400, cached_tokens=20,
+                         output_len=50)  # fmt: skip
+    other = RequestRecord(0.0, instance=1, first_token=0.2, finish=0.498, prompt_len=0, output_len=150)
+    floor = tpot_floor([busy, other], [busy, other], 2, cost, span=1.0)
+    assert floor == pytest.approx((10 / 0.57 * 50 + 10 / 0.85 * 150) / 200 / 1000)
+    assert mean_tpot([(busy, 50), (other, 150)]) == pytest.approx((0.49 / 49 + 0.298 / 149) / 2)
