@@ -95,4 +95,4 @@ def test_the_tpot_floor_is_the_least_mean_pass_at_the_work_served():
     other = RequestRecord(0.0, instance=1, first_token=0.2, finish=0.498, prompt_len=0, output_len=150)
     floor = tpot_floor([busy, other], [busy, other], 2, cost, span=1.0)
     assert floor == pytest.approx((10 / 0.57 * 50 + 10 / 0.85 * 150) / 200 / 1000)
-    assert mean_tpot([(busy, 50), (other, 150)]) == pytest.approx((0.49 / 49 + 0.298 / 149) / 2)
+    assert mean_tpot([busy, other]) == pytest.approx((0.49 / 49 + 0.298 / 149) / 2)

@@ -115,38 +115,45 @@ def start_cluster(run_dir: Path, fair_share: bool, max_running: int) -> Cluster:
     return Cluster(supervisor, routers, metrics, keys)
 
 
-def scrape(urls: list[str], name: str, tenant: str | None = None) -> dict[str, float]:
-    """Each tenant's value of the series ``name`` (summed over ``urls`` and other labels);
-    only ``tenant``'s when named, and series without a tenant under ""."""
-    total: dict[str, float] = {}
+def fetch(urls: list[str]) -> list[str]:
+    """Each endpoint's Prometheus text, read once."""
+    texts = []
     for url in urls:
         with urllib.request.urlopen(url, timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                if not line.startswith((name + "{", name + " ")):
-                    continue
-                who = line.split('tenant="', 1)[1].split('"', 1)[0] if 'tenant="' in line else ""
-                if tenant is None or who == tenant:
-                    total[who] = total.get(who, 0.0) + float(line.rsplit(" ", 1)[1])
+            texts.append(r.read().decode())
+    return texts
+
+
+def scrape(texts: list[str], name: str, tenant: str | None = None) -> dict[str, float]:
+    """Each tenant's value of the series ``name`` (summed over ``texts`` and other labels);
+    only ``tenant``'s when named, and series without a tenant under ""."""
+    total: dict[str, float] = {}
+    for line in (line for text in texts for line in text.splitlines()):
+        if not line.startswith((name + "{", name + " ")):
+            continue
+        who = line.split('tenant="', 1)[1].split('"', 1)[0] if 'tenant="' in line else ""
+        if tenant is None or who == tenant:
+            total[who] = total.get(who, 0.0) + float(line.rsplit(" ", 1)[1])
     return total
 
 
 def engine_service(cluster: Cluster) -> dict[str, float]:
     """Each tenant's service as the engines count it, summed over engines."""
-    return scrape(cluster.engine_metrics, "preble_tenant_service_tokens_total")
+    return scrape(fetch(cluster.engine_metrics), "preble_tenant_service_tokens_total")
 
 
 def layers(cluster: Cluster, tenant: str) -> dict[str, float]:
     """Running totals, to subtract: ``tenant``'s TTFT sums and counts as the routers and the
     engines measure it, and how far the emulated engines' host work ran past the modelled
     device (this host's CPU, not the schedule)."""
-    routers = [f"http://{LOOPBACK}:{r.metrics_port}/metrics" for r in cluster.routers]
+    routers = fetch([f"http://{LOOPBACK}:{r.metrics_port}/metrics" for r in cluster.routers])
+    engines = fetch(cluster.engine_metrics)
     out = {}
-    for where, urls in (("router", routers), ("engine", cluster.engine_metrics)):
+    for where, texts in (("router", routers), ("engine", engines)):
         for part in ("sum", "count"):
             name = f"preble_{where}_time_to_first_token_seconds_{part}"
-            out[f"{where}_{part}"] = sum(scrape(urls, name, tenant).values())
-    behind = scrape(cluster.engine_metrics, "preble_engine_emulated_behind_seconds_total")
-    out["behind_s"] = sum(behind.values())
+            out[f"{where}_{part}"] = sum(scrape(texts, name, tenant).values())
+    out["behind_s"] = sum(scrape(engines, "preble_engine_emulated_behind_seconds_total").values())
     return out
 
 

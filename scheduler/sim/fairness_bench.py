@@ -47,7 +47,7 @@ from preble_backend.common.fair_share import ServiceWeights, TenantShares, jain_
 from scheduler.policies import make_policy
 from scheduler.sim.fair_baselines import DeficitQueue, RoundRobinQueue
 from scheduler.sim.router_tier import RULES, RouterTier
-from scheduler.sim.simulator import SimConfig, SimRequest, simulate
+from scheduler.sim.simulator import SimConfig, SimRequest, simulate, tpot
 from scheduler.sim.sweep import cluster_facts
 
 VARIANTS = ("fcfs", "vtc", "vtc_local", "vtc_basic", "rr", "drr", "light_first")
@@ -131,22 +131,22 @@ def run(requests: list[SimRequest], variant: str, instances: int, cost: CostMode
         row["service"] += served_by(rec, outputs[rid], last_arrival)
     done = [r for r in result.records.values() if r.finish is not None]
     span = max(r.finish for r in done) - min(r.arrival for r in done)
-    light = [(rec, outputs[rid]) for rid, rec in result.records.items() if tenant_of[rid] in LIGHT]
+    light = [rec for rid, rec in result.records.items() if tenant_of[rid] in LIGHT]
     return {
         "variant": variant,
         "throughput_rps": len(done) / span,
         "p99_latency_s": {t: float(np.percentile(v["latency"], 99)) for t, v in per.items() if v["latency"]},
         "light_tpot_s": mean_tpot(light),
-        "tpot_floor_s": tpot_floor(result.records.values(), [rec for rec, _ in light], instances, cost, span),
+        "tpot_floor_s": tpot_floor(result.records.values(), light, instances, cost, span),
         "service": {t: v["service"] for t, v in per.items()},
         "demand": {t: v["demand"] for t, v in per.items()},
         "backlogged": sorted(t for t, v in per.items() if v["backlogged"]),
     }
 
 
-def mean_tpot(requests: list) -> float:
-    """The mean time per output token after the first, over (record, output length) pairs."""
-    gaps = [(r.finish - r.first_token) / (n - 1) for r, n in requests if r.finish is not None and n > 1]
+def mean_tpot(records: list) -> float:
+    """The mean time per output token after the first, over the finished records."""
+    gaps = [tpot(r) for r in records if r.finish is not None and r.output_len > 1]
     return float(np.mean(gaps)) if gaps else float("nan")
 
 

@@ -317,7 +317,7 @@ def metrics(result: SimResult, after: int = 0, slo: tuple[float, float] | None =
     recs = recs[after:]
     lat = np.array([r.finish - r.arrival for r in recs])
     ttft = np.array([r.first_token - r.arrival for r in recs])
-    tpot = np.array([_tpot(r) for r in recs if r.output_len > 1] or [0.0])
+    tpots = np.array([tpot(r) for r in recs if r.output_len > 1] or [0.0])
     span = max(r.finish for r in recs) - min(r.arrival for r in recs)
     out = {
         "num_requests": len(recs),
@@ -326,17 +326,17 @@ def metrics(result: SimResult, after: int = 0, slo: tuple[float, float] | None =
         "p99_latency_s": float(np.percentile(lat, 99)),
         "avg_ttft_s": float(ttft.mean()),
         "p99_ttft_s": float(np.percentile(ttft, 99)),
-        "avg_tpot_s": float(tpot.mean()),
-        "p99_tpot_s": float(np.percentile(tpot, 99)),
+        "avg_tpot_s": float(tpots.mean()),
+        "p99_tpot_s": float(np.percentile(tpots, 99)),
         "throughput_rps": len(recs) / span if span > 0 else 0.0,
         "cache_hit_ratio": sum(r.cached_tokens for r in recs) / max(1, sum(r.prompt_len for r in recs)),
     }
     if slo is not None:
-        good = sum(r.first_token - r.arrival <= slo[0] and _tpot(r) <= slo[1] for r in recs)
+        good = sum(r.first_token - r.arrival <= slo[0] and tpot(r) <= slo[1] for r in recs)
         out["goodput"] = good / len(recs)
         out["goodput_rps"] = good / span if span > 0 else 0.0
     return out
 
 
-def _tpot(r: RequestRecord) -> float:
+def tpot(r: RequestRecord) -> float:
     return (r.finish - r.first_token) / (r.output_len - 1) if r.output_len > 1 else 0.0

@@ -158,15 +158,17 @@ class LocalScheduler:
         running = list(self.running)
         if not running or not self.waiting.orders_passes:
             return running, []
-        tenants = {r.tenant for r in running}
         head = self.waiting.turn_order()[:1] if len(self.waiting) else []
-        rank = {t: i for i, t in enumerate(self.shares.order(tenants | set(head)))}
-        running.sort(key=lambda r: rank[r.tenant])  # stable: oldest first within a tenant
-        if not head:
+        tenants = {r.tenant for r in running} | set(head)
+        if len(tenants) == 1:  # one tenant (the usual case): the paper's order, nothing to rank
             return running, []
-        ahead = rank[head[0]]
-        later = [r for r in running if r.num_uncomputed > 1 and rank[r.tenant] > ahead]
-        return [r for r in running if not (r.num_uncomputed > 1 and rank[r.tenant] > ahead)], later
+        rank = {t: i for i, t in enumerate(self.shares.order(tenants))}
+        running.sort(key=lambda r: rank[r.tenant])  # stable: oldest first within a tenant
+        ahead = rank[head[0]] if head else len(rank)
+        first, later = [], []
+        for r in running:
+            (later if r.num_uncomputed > 1 and rank[r.tenant] > ahead else first).append(r)
+        return first, later
 
     def _compute(self, batch: ScheduledBatch, req: Request, budget: int, kept: int) -> int:
         """Put a running request's next tokens into ``batch`` (a decode always, a prefill
