@@ -2,7 +2,8 @@
 engine reports (``preble_backend/common/pass_costs.py``).
 
 Each engine's fit is a non-negative least-squares fit (``cost_model.nnls``) of its passes'
-wall times on the cost model's terms, over
+wall times on the cost model's terms, in relative errors (the engine sums each pass divided
+by its time: a fit in milliseconds is set by the longest prefills), over
 
 - a **window**: the router takes differences of the engine's cumulative sums between
   reports and forgets old passes exponentially, ``window_passes`` passes deep, so a host
@@ -104,10 +105,10 @@ class _Window:
         return max(0.0, self.yty - 2 * float(beta @ self.b) + float(beta @ self.a @ beta))
 
     def relative_error(self, beta: np.ndarray) -> float | None:
-        """RMS residual over the mean pass time."""
-        if self.w <= 0 or self.b[0] <= 0:
+        """RMS relative residual (the engine's sums are of passes divided by their times)."""
+        if self.w <= 0:
             return None
-        return math.sqrt(self.sse(beta) / self.w) / (self.b[0] / self.w)
+        return math.sqrt(self.sse(beta) / self.w)
 
 
 class OnlineCost:
@@ -124,7 +125,7 @@ class OnlineCost:
         self.min_passes, self.refit_passes = min_passes, refit_passes
         self.windows = {"eager": _Window(), "graph": _Window()}
         self.prior_passes = prior_passes
-        self._grid = _pseudo_passes(prior.model, 1.0)
+        self._grid = _pseudo_passes(prior.model)
         self._since_fit = 0
         self.outliers = 0
         self.fit = CostFit(prior.model, "prior", prior.label, prior.kind, "no passes yet")
@@ -188,10 +189,10 @@ class OnlineCost:
         return self._nnls(window, prior, g, GRID_PASSES * trust)
 
     def _nnls(self, window: _Window, prior: np.ndarray, g: float, grid: float) -> np.ndarray:
-        a0, b0, yty0 = self._grid
-        a = window.a * (1 + g) + grid * a0
-        b = window.b + g * window.a @ prior + grid * b0
-        yty = window.yty + g * float(prior @ window.a @ prior) + grid * yty0
+        a0, b0, yty0 = _relative(*self._grid, window, grid)
+        a = window.a * (1 + g) + a0
+        b = window.b + g * window.a @ prior + b0
+        yty = window.yty + g * float(prior @ window.a @ prior) + yty0
         beta, _ = nnls(a, b, yty)
         dead = np.diag(a) <= 0
         beta[dead] = prior[dead]
@@ -207,16 +208,24 @@ def _scale(window: _Window, prior: np.ndarray) -> float:
     return max(0.01, float(prior @ window.b) / predicted) if predicted > 0 else 1.0
 
 
-def _pseudo_passes(prior: CostModel, weight: float) -> tuple[np.ndarray, np.ndarray, float]:
-    """The prior as ``weight`` passes over a grid of prefills and decode batches (and a copy
-    between tiers where it prices one), timed by the prior."""
+def _pseudo_passes(prior: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """The prior's passes over a grid of prefills and decode batches (and a copy between
+    tiers where it prices one): their rows and the times the prior gives them."""
     rows = [row(n, 0, n, 0, prior.num_experts, prior.experts_per_token) for n in PRIOR_PREFILLS]
     rows += [row(0, b, b * c, 0, prior.num_experts, prior.experts_per_token) for b, c in PRIOR_DECODES]
     if prior.load_ms_per_token:
         rows.append(row(0, 16, 16 * 512, 1024, prior.num_experts, prior.experts_per_token))
     x = np.array(rows)
-    y = x @ np.array(prior.terms())
-    w = weight / len(rows)
+    return x, x @ np.array(prior.terms())
+
+
+def _relative(x: np.ndarray, y: np.ndarray, window: _Window, weight: float) -> tuple:
+    """The grid as ``weight`` passes, each divided by its time as the engines' passes are
+    (``pass_costs``), but by no less than the window's typical pass: a prior 10x off that
+    prices a decode at 0.05 ms would otherwise make that row a thousand passes."""
+    typical = window.w / window.b[0] if window.b[0] > 0 else 1.0  # Σw / Σw·y/s² ≈ harmonic mean
+    scale = np.maximum(y, typical)
+    x, y, w = x / scale[:, None], y / scale, weight / len(y)
     return w * x.T @ x, w * x.T @ y, w * float(y @ y)
 
 

@@ -4,16 +4,23 @@ engine's side of E2's online cost model, ``scheduler/calibration.py``).
 Each pass is a row ``x`` of the cost model's terms (``TERMS``: one, prefill tokens,
 decoding requests, context tokens attended, tokens copied between tiers, and for a
 mixture the expected share of its experts the batch's tokens read) and its wall time
-``y`` in milliseconds. The engine keeps ``Σ w·x·xᵀ``, ``Σ w·x·y``, ``Σ w·y²`` and
-``Σ w`` since it started, per kind of pass (``eager``, or a decode that replayed a CUDA
-graph: a replay skips the launches, so its base differs); a least-squares fit needs
+``y`` in milliseconds, both divided by the pass's scale ``s`` (below). The engine keeps
+``Σ w·x·xᵀ/s²``, ``Σ w·x·y/s²``, ``Σ w·y²/s²`` and ``Σ w`` since it started, per kind
+of pass (``eager``, or a decode that replayed a CUDA graph: a replay skips the
+launches, so its base differs); a least-squares fit needs
 nothing else, and a report is ~35 numbers per kind whatever the traffic. Cumulative
 sums let a router that missed reports, or several routers, read the same numbers; each
 takes differences between its reports.
 
+Relative: each pass enters divided by its time as predicted by the engine's running fit
+(its measured time before there is one, and never below half or above twice it), so the
+fit minimizes relative errors. In milliseconds an 8 s prefill outweighs every 100 ms
+decode: the absolute fit of SmolLM2's served passes on one core came out with base 0 and
+priced one-request decodes 26–79% low (``benchmarks/calibration.md``).
+
 Robust: after a burn-in, each pass is weighed against the engine's own running fit: a
-pass whose residual is beyond ``HUBER`` × the fit's RMS residual (and beyond ``RELATIVE``
-of its prediction) counts with weight ``(bound / |residual|)²``, which fades faster than
+pass whose relative residual is beyond ``HUBER`` × the fit's RMS one (and beyond
+``RELATIVE``) counts with weight ``(bound / |residual|)²``, which fades faster than
 Huber's ``bound / |residual|`` (2% of passes at 10x moved the fitted base 10% under Huber's,
 0.5% under this: test_calibration), so a pause of the host (a collection, a page-fault storm) moves no
 coefficient far. Those passes are counted (``outliers``).
@@ -54,15 +61,17 @@ class PassSums:
         self._bound = math.inf
 
     def add(self, x: tuple, ms: float) -> None:
-        w = 1.0
-        if self._beta is not None:
-            predicted = sum(b * v for b, v in zip(self._beta, x))
-            residual = abs(ms - predicted)
-            bound = max(self._bound, RELATIVE * abs(predicted))
+        weight, scale = 1.0, ms
+        predicted = sum(b * v for b, v in zip(self._beta, x)) if self._beta is not None else 0.0
+        if predicted > 0:
+            scale = min(2 * ms, max(ms / 2, predicted))
+            residual = abs(ms - predicted) / predicted
+            bound = max(self._bound, RELATIVE)
             if residual > bound:
-                w, self.outliers = (bound / residual) ** 2, self.outliers + 1
+                weight, self.outliers = (bound / residual) ** 2, self.outliers + 1
         self.passes += 1
-        self.weight += w
+        self.weight += weight
+        w = weight / max(scale, 1e-9) ** 2
         self.yty += w * ms * ms
         for k, (i, j) in enumerate(UPPER):
             self.xtx[k] += w * x[i] * x[j]
@@ -81,7 +90,7 @@ class PassSums:
         beta = np.linalg.lstsq(a, b, rcond=None)[0]
         sse = yty - 2 * beta @ b + beta @ a @ beta
         self._beta = [float(v) for v in beta]
-        self._bound = HUBER * math.sqrt(max(float(sse), 0.0) / max(self.weight, 1e-9))
+        self._bound = HUBER * math.sqrt(max(float(sse), 0.0) / max(self.weight, 1e-9))  # relative
 
     def report(self) -> dict:
         return {"n": self.passes, "w": self.weight, "xtx": list(self.xtx), "xty": list(self.xty),
