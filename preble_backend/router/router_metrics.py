@@ -50,7 +50,7 @@ METRICS = [  # as vLLM names its request metrics; per request, labelled by polic
                "1 while E2 prices the engine with another model's or device's fit (a fixed one, or a prior "
                "until the online fit takes over), or before the engine said what it serves"),
     MetricSpec("preble_router_cost_fit_error", "gauge",
-               "the fit in use: RMS error over the mean pass time, over the engine's recent passes"),
+               "the fit in use: RMS relative error over the engine's recent passes"),
     MetricSpec("preble_router_cost_fit_passes", "gauge", "the engine's recent passes the fit weighs"),
     MetricSpec("preble_router_cost_ms", "gauge",
                "the fit in use, by term: base, prefill per token, decode per request, attention per "
