@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from client.bench_config import BenchConfig, BenchRequest, Outcome
-from client.bench_transports import TRANSPORTS, GrpcEngine, Spread
+from client.bench_transports import TRANSPORTS, GrpcEngine, Spread, flush_engine
 from client.plots import latency_vs_rate
 from client.triton_client import PrebleClient
 from client.workloads import Materializer, generate, poisson_arrivals
@@ -261,16 +261,15 @@ def bench(cfg: BenchConfig, log=print) -> list[dict]:
     rates = [None] if recorded else cfg.rates
     records = []
     order = list(cfg.policies) + (["direct"] if cfg.direct else [])
+    if cfg.direct:  # an engine this server does not host fails now, not after the policies' runs
+        flush_engine(cfg.urls[0], cfg.direct)
     for repeat in range(cfg.repeats):
         for rps in rates:
             for policy in order:
-                requests = (
-                    base
-                    if rps is None
-                    else [replace(r, arrival=r.arrival / rps, think_s=r.think_s / rps) for r in base]
-                )
+                speed = 1.0 if rps is None else rps  # a recorded trace plays as recorded
+                requests = [replace(r, arrival=r.arrival / speed, think_s=r.think_s / speed) for r in base]
                 if policy == "direct":
-                    PrebleClient(grpc_url=cfg.urls[0]).engine_control(cfg.direct, "flush_cache")
+                    flush_engine(cfg.urls[0], cfg.direct)
                     make = functools.partial(GrpcEngine, replace(cfg, url=cfg.urls[0], model=cfg.direct))
                 else:
                     for url in cfg.urls:

@@ -15,6 +15,25 @@ from client.triton_client import infer_inputs
 from preble_backend.common.keys import bearer, grpc_bearer
 
 
+def flush_engine(url: str, engine: str) -> None:
+    """Empty ``engine``'s prefix cache before a direct run. A server that does not host it
+    is named as such: ``preble serve`` runs each engine on a tritonserver of its own,
+    behind the stack's engine key, which no client holds."""
+    from client.triton_client import PrebleClient
+
+    try:
+        PrebleClient(grpc_url=url).engine_control(engine, "flush_cache")
+    except Exception as exc:
+        if "Request for unknown model" not in str(exc):
+            raise
+        raise ValueError(
+            f"--direct {engine}: the server at {url} does not host that engine model. A `preble serve` "
+            "stack runs each engine on a tritonserver of its own, behind the stack's engine key, out of a "
+            "client's reach; --direct needs a server that hosts the engine model beside the router "
+            "(tritonserver --model-repository over a `preble repo` directory)"
+        ) from exc
+
+
 def _sampling(req: BenchRequest) -> str:
     return json.dumps({"max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True})
 

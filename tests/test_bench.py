@@ -80,7 +80,7 @@ def test_bench_replays_a_workload_for_each_policy(tmp_path, tiny_model, capsys):
         server.stop()
 
 
-def test_bench_runs_against_the_server_preble_serve_starts(tmp_path, tiny_model):
+def test_bench_runs_against_the_server_preble_serve_starts(tmp_path, tiny_model, capsys):
     """The default ``preble serve`` (no option for bench's sake): bench switches policies
     with the admin key serve left for its port, and every request is answered."""
     repo = write_test_repository(tmp_path / "repo", compute="emulated", cost_model="mistral7b_a6000",
@@ -95,6 +95,15 @@ def test_bench_runs_against_the_server_preble_serve_starts(tmp_path, tiny_model)
         assert [r["policy"] for r in runs] == ["round_robin", "e2"]
         assert all(r["completed"] == 12 and not r["errors"] for r in runs)
         assert set(runs[0]["per_engine"].values()) == {6}  # round robin: the switch took
+        # Its engines run on servers of their own: --direct is refused by name, before any run.
+        code = main(["bench", "--url", f"127.0.0.1:{stack.ports.grpc}", "--workload", "toolbench",
+                     "--requests", "12", "--rates", "8", "--policies", "round_robin", "--scale", "0.1",
+                     "--direct", "preble_engine_0", "--tokenizer", tiny_model,
+                     "--output", str(tmp_path / "direct")])  # fmt: skip
+        assert code != 0 and not (tmp_path / "direct").exists()
+        err = capsys.readouterr().err
+        assert "--direct preble_engine_0: the server at 127.0.0.1:" in err
+        assert "tritonserver of its own" in err
     finally:
         stack.stop()
 
