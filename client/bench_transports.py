@@ -11,7 +11,7 @@ import time
 import numpy as np
 
 from client.bench_config import BenchConfig, BenchRequest, Outcome
-from client.triton_client import infer_inputs
+from client.triton_client import PrebleClient, infer_inputs
 from preble_backend.common.keys import bearer, grpc_bearer
 
 
@@ -19,8 +19,6 @@ def flush_engine(url: str, engine: str) -> None:
     """Empty ``engine``'s prefix cache before a direct run. A server that does not host it
     is named as such: ``preble serve`` runs each engine on a tritonserver of its own,
     behind the stack's engine key, which no client holds."""
-    from client.triton_client import PrebleClient
-
     try:
         PrebleClient(grpc_url=url).engine_control(engine, "flush_cache")
     except Exception as exc:
