@@ -107,6 +107,29 @@ def test_out_of_pages_preempts_the_newest_request():
         sched.finish(r)
 
 
+def test_a_prompt_is_admitted_only_when_all_of_it_fits():
+    """12 pages of 4 tokens, a 16-token budget. A's 28-token prompt (7 pages) runs two
+    passes; in the second, 4 tokens of budget are left for B's 24-token prompt (6 pages),
+    but only 5 pages are free and none evictable (A holds its own). Admitted on its first
+    chunk's page, B would run the pool dry halfway and one of the two would be preempted;
+    so B waits, and is admitted whole once A lets go of its pages."""
+    sched = make_scheduler(chunk_size=16, num_pages=12)
+    a, b = make_request(list(range(100, 128)), "a"), make_request(list(range(200, 224)), "b")
+    sched.add(a)
+    sched.advance(sched.schedule())
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.requests == [a] and batch.num_new_tokens == [12] and b in list(sched.waiting)
+    sched.advance(batch)
+    sched.finish(a)  # its pages go to the cache, evictable
+    batch = sched.schedule()
+    assert batch.requests == [b] and batch.num_new_tokens == [16]
+    assert sched.stats.num_preemptions == 0
+    sched.finish(b)
+    sched.blocks.free(sched.blocks.cache.reset())
+    assert sched.blocks.pool.num_free == 12
+
+
 @pytest.mark.parametrize("waiting", [True, False])
 def test_eviction_spares_the_prefix_a_waiting_request_will_reuse(waiting):
     """Two cached documents, A older than B, and a fresh prompt's chunked prefill that

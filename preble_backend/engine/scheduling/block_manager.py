@@ -89,6 +89,10 @@ class BlockManager:
         req.num_computed = len(pages) * self.page_size
         return req.num_computed
 
+    def room(self) -> int:
+        """The pages a reservation could have now: free ones and the evictable cache."""
+        return self.pool.num_free + (self.cache.num_evictable_pages if self.cache is not None else 0)
+
     def pages_needed(self, req: Request, num_new_tokens: int) -> int:
         total = KVPool.pages_for(req.num_computed + num_new_tokens, self.page_size)
         return max(0, total - len(req.page_table))

@@ -7,11 +7,12 @@ lacks at most a page of it is admitted next, ahead of the wait queue: its prefil
 elsewhere, and a running chunked prefill that took the whole budget held it for that
 prefill's length (up to a second per 30k-token document, where its first token had been
 priced at milliseconds). Then waiting requests are admitted from the priority wait queue
-while budget, pages and the running cap allow; one whose prefix comes back from the host tier while
-others are in the batch is loaded beside their pass and computes from the next. When
-pages run out, unreferenced cache is evicted (what waiting requests would reuse last); if
-that is not enough, the newest running request is preempted: its computed pages go to
-the cache, and it waits at the front of its group to be recomputed.
+while budget, pages (for the whole prompt) and the running cap allow; one whose prefix
+comes back from the host tier while others are in the batch is loaded beside their pass
+and computes from the next. When pages run out, unreferenced cache is evicted (what
+waiting requests would reuse last); if that is not enough, the newest running request is
+preempted: its computed pages go to the cache, and it waits at the front of its group to
+be recomputed.
 """
 
 from __future__ import annotations
@@ -192,8 +193,14 @@ class LocalScheduler:
         return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int, candidates: Iterable[Request]) -> int:
-        """Admit ``candidates`` in order until one cannot be; returns the budget left."""
+        """Admit ``candidates`` in order until one cannot be; returns the budget left. One
+        is admitted only when its whole prompt fits (free pages and evictable cache) beside
+        what the running requests still need for theirs, as SGLang admits: admitted on its
+        first chunk's pages alone, prompts ran the pool dry halfway at overload and
+        preempted one another, recomputing 4-10% of the prompt tokens computed (the
+        simulator's tenant mix at stress)."""
         made_room = False
+        owed = sum(self._prompt_pages_owed(r) for r in self.running)
         for req in candidates:
             if budget <= 0:
                 return budget
@@ -218,9 +225,11 @@ class LocalScheduler:
             if beside:
                 batch.loaded_beside_tokens += loaded
             n = min(req.num_uncomputed, budget)
-            if not self.blocks.reserve(req, n):
+            fits = not self.running or owed + self._prompt_pages_owed(req) <= self.blocks.room()
+            if not fits or not self.blocks.reserve(req, n):
                 self.blocks.release(req)
                 return budget
+            owed += self._prompt_pages_owed(req)
             self.waiting.take(req)
             if req in self.ready:
                 self.ready.remove(req)
@@ -240,6 +249,11 @@ class LocalScheduler:
             batch.add(req, n)
             budget -= n
         return budget
+
+    def _prompt_pages_owed(self, req: Request) -> int:
+        """The pages ``req`` still needs beyond those it holds for the tokens it has (its
+        prompt, and a resumed request's output so far)."""
+        return max(0, KVPool.pages_for(req.num_tokens, self.blocks.page_size) - len(req.page_table))
 
     def _keep_waiting_prefixes(self) -> None:
         """Before an iteration's first eviction, mark the cached prefixes of the requests
