@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import make_request, random_prompts, tiny_pool
 
+from preble_backend.engine.cache.host_tier import HostTier
 from preble_backend.engine.cache.radix_cache import RadixCache
 from preble_backend.engine.scheduling.block_manager import BlockManager
 from preble_backend.engine.scheduling.local_scheduler import LocalScheduler
@@ -128,6 +129,43 @@ def test_a_prompt_is_admitted_only_when_all_of_it_fits():
     sched.finish(b)
     sched.blocks.free(sched.blocks.cache.reset())
     assert sched.blocks.pool.num_free == 12
+
+
+def test_a_prefix_on_the_host_is_not_loaded_back_for_a_prompt_that_would_not_fit():
+    """12 device pages of 4 tokens. A 16-token document went down to the host tier; a
+    request decodes holding 6 pages; a 5-token budget. A reader of the document with 12
+    tokens more needs 7 pages: its first chunk's page and the 4 it loads back would fit in
+    the 6 free, the whole prompt would not, so nothing is loaded or evicted for it and it
+    waits; once the other finishes it is admitted, its document loaded back."""
+    device, host = tiny_pool(12), tiny_pool(12)
+    blocks = BlockManager(device, RadixCache(device.page_size, HostTier(device, host)))
+    sched = LocalScheduler(blocks, PriorityWaitQueue(10, 10), chunk_size=5, max_running_requests=8)
+    doc = list(range(100, 116))
+    first = make_request(doc + [1], "first")
+    sched.add(first)
+    while first.num_computed < first.num_tokens:
+        sched.advance(sched.schedule())
+    sched.finish(first)
+    blocks.free(blocks.cache.evict(blocks.cache.num_evictable_pages))  # down to the host
+    big = make_request(list(range(300, 322)), "big")  # 22 tokens: 6 pages
+    sched.add(big)
+    while big.num_computed < big.num_tokens:
+        sched.advance(sched.schedule())
+    big.output_ids.append(7)  # it decodes now
+    stats = blocks.cache.host.stats
+    moved = (stats.pages_loaded, stats.pages_offloaded)
+    reader = make_request(doc + list(range(400, 412)), "reader")
+    sched.add(reader)
+    batch = sched.schedule()
+    assert batch.requests == [big] and reader in list(sched.waiting)
+    assert (stats.pages_loaded, stats.pages_offloaded) == moved and device.num_free == 6
+    sched.advance(batch)
+    sched.finish(big)
+    batch = sched.schedule()
+    assert batch.requests == [reader] and stats.pages_loaded == moved[0] + 4
+    sched.finish(reader)
+    blocks.free(blocks.cache.reset())
+    assert device.num_free == 12
 
 
 @pytest.mark.parametrize("waiting", [True, False])

@@ -56,13 +56,15 @@ class BlockManager:
         return self.cache.copy_ahead(window) * self.page_size
 
     def admit(
-        self, req: Request, first_chunk: int = 0, wait: bool = False, beside: bool = False
+        self, req: Request, first_chunk: int = 0, wait: bool = False, beside: bool = False, owed: int = 0
     ) -> int | None:
         """Attach the cached prefix; return how many tokens it saves. At least one token is
         always left to compute, since sampling needs its logits. What the host tier holds
         of it comes back leaving room for the pages of its ``first_chunk`` tokens after it;
-        with ``wait``, all of it or (None: not admitted, nothing touched) none; with
-        ``beside``, copied beside the next forward pass (the request joins the one after)."""
+        with ``wait`` (others running), room for the rest of its prompt and the ``owed``
+        pages the running requests still need (the local scheduler admits only then), and
+        all of it or (None: not admitted, nothing touched) none; with ``beside``, copied
+        beside the next forward pass (the request joins the one after)."""
         if self.cache is None:
             return 0
         tokens = req.tokens(0, req.num_tokens - 1)
@@ -71,7 +73,10 @@ class BlockManager:
         ps = self.page_size
 
         def keep(loaded: int) -> int:  # the first chunk starts where the load-back ends
-            return KVPool.pages_for(min(first_chunk, req.num_tokens - pos - loaded * ps), ps)
+            rest = req.num_tokens - pos - loaded * ps
+            if wait:
+                return KVPool.pages_for(rest, ps) + owed
+            return KVPool.pages_for(min(first_chunk, rest), ps)
 
         back = self.cache.load_back(tokens, node, pos, self.pool, keep, wait, beside)
         if back is None:

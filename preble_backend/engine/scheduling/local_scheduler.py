@@ -218,7 +218,7 @@ class LocalScheduler:
             # the next one
             beside = bool(batch)
             loaded = self.blocks.tier_traffic()[0]
-            cached = self.blocks.admit(req, budget, wait=bool(self.running), beside=beside)
+            cached = self.blocks.admit(req, budget, wait=bool(self.running), beside=beside, owed=owed)
             if cached is None:
                 return budget
             loaded = self.blocks.tier_traffic()[0] - loaded
