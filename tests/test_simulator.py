@@ -169,3 +169,26 @@ def test_the_70b_fits_are_consistent_with_their_own_derivation(gpus):
     assert weights_ms < fit.base_ms < weights_ms + 5
     per_token = 2 * 70.6e9 / (gpus * 500e12) * 1000  # ms at ~500 TFLOPS per GPU
     assert per_token < fit.prefill_ms_per_token < per_token * 1.2  # plus the all-reduce traffic
+
+
+def test_a_trace_too_short_to_stress_the_cluster_is_said_so_and_grown():
+    """Round robin's p99 at five times its light-load p99 is the stress rate, but a short
+    trace on a big cluster only gets there (if at all) when delivered as a burst: 12
+    ToolBench requests on two instances, at 1,669 requests a second. The search says so,
+    ``stress_rps`` refuses it, and a bench's cell doubles the trace until it stresses the
+    cluster as a load (40 requests on one instance: 160, every request not in at once)."""
+    from scheduler.sim.sweep import StressNotReached, find_stress_rps, light_rate, stress_rps, stress_trace
+
+    def search(requests, n):
+        return find_stress_rps(requests, 1.0, SimConfig.of(n), cost, light_rate(requests, cost, n))
+
+    cost = CostModel.load("mistral7b_a6000")
+    short = trace("toolbench", 12, 1.0, 0)
+    assert not search(short, 2)[4]
+    with pytest.raises(StressNotReached, match="12 requests are too few to stress this cluster as a load"):
+        stress_rps(short, SimConfig.of(2), cost)
+    rps, size = stress_trace("toolbench", 40, SimConfig.of(1), cost)
+    grown = trace("toolbench", size, 1.0, 0)
+    _, light, found, p99, reached = search(grown, 1)
+    assert size == 160 and reached and found == rps and p99 >= 5 * light
+    assert (max(r.arrival for r in grown) - min(r.arrival for r in grown)) / rps >= 5 * light

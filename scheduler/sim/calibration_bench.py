@@ -41,7 +41,7 @@ from scheduler.cost_priors import TYPICAL_DECODE, with_decode_step
 from scheduler.e2 import E2
 from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, stress_rps, trace
+from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, stress_trace
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "shifting_docs")
 SCENARIOS = ("mixed", "off10", "smollm2_from_tiny", "tiny_from_smollm2")
@@ -123,12 +123,14 @@ def _run(job: tuple) -> dict:
     return record
 
 
-def stress_rate(job: tuple) -> float:
+def stress_rate(job: tuple) -> tuple[float, int]:
     """Where round robin's p99 is 5x its light-load p99 (``sweep.find_stress_rps``), found on
-    the first trace; a top-level function of ``(workload, scenario, requests)`` for a pool."""
+    the first trace, and the requests a trace needs to get there (more than asked where so
+    few cannot stress the cluster: ``sweep.stress_trace``); a top-level function of
+    ``(workload, scenario, requests)`` for a pool."""
     workload, name, n = job
     truth, _ = scenario(name)
-    return stress_rps(trace(workload, n, 1.0, 0), SimConfig.of(INSTANCES), truth)
+    return stress_trace(workload, n, SimConfig.of(INSTANCES), truth)
 
 
 def bench(
@@ -142,20 +144,21 @@ def bench(
         grid = []
         for workload, name, _ in cells:
             policies = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
+            rate, size = stress[workload, name, n]
             for fraction in fractions:
-                rps = stress[workload, name, n] * fraction
                 grid += [
-                    (workload, n, seed, rps, name, p, after, fraction)
+                    (workload, size, seed, rate * fraction, name, p, after, fraction)
                     for p in policies
                     for seed in range(seeds)
                 ]
         work = pool.map(_run, [g[:7] for g in grid])
         runs = list(progress(work, total=len(grid), desc="calibration", unit="run"))
     records: dict[tuple, dict] = {}
-    for (workload, _, _, rps, name, policy, _, fraction), run in zip(grid, runs):
+    for (workload, size, _, rps, name, policy, _, fraction), run in zip(grid, runs):
         key = (name, workload, fraction, policy)
-        rec = records.setdefault(key, {"scenario": name, "workload": workload, "stress_fraction": fraction,
-                                       "rps": rps, "policy": policy, "per_seed": []})  # fmt: skip
+        fresh = {"scenario": name, "workload": workload, "stress_fraction": fraction, "rps": rps,
+                 "requests": size, "policy": policy, "per_seed": []}  # fmt: skip
+        rec = records.setdefault(key, fresh)
         rec["per_seed"].append(run)
     for rec in records.values():
         for k in ("avg_latency_s", "p99_latency_s", "cache_hit_ratio"):

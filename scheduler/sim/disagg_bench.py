@@ -43,7 +43,7 @@ from scheduler.disagg import E2PD, KVLink
 from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
 from scheduler.e2 import E2
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, stress_rps, trace
+from scheduler.sim.sweep import _cached_trace, at_rate, stress_trace
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "multi_tenant",
              "agentic", "shifting_docs")  # fmt: skip
@@ -105,9 +105,11 @@ def _run(job: tuple) -> dict:
     return {**metrics(result, slo=slo), "branches": branches, "moved_tokens": result.moved_tokens}
 
 
-def stress_rate(job: tuple) -> float:
+def stress_rate(job: tuple) -> tuple[float, int]:
+    """(stress rps, requests): more requests than asked where so few cannot stress the
+    cluster (``sweep.stress_trace``)."""
     name, workload, n = job
-    return stress_rps(trace(workload, n, 1.0, 0), SimConfig.of(CLUSTERS[name][1]), cluster_cost(name))
+    return stress_trace(workload, n, SimConfig.of(CLUSTERS[name][1]), cluster_cost(name))
 
 
 def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0),
@@ -116,19 +118,20 @@ def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fr
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
                                           unit="cell")))  # fmt: skip
-        grid = [(name, link_kind, workload, n, seed, stress[name, workload, n] * f, policy, f)
-                for name, workload, _ in cells for f in fractions for policy in policies
+        grid = [(name, link_kind, workload, stress[cell][1], seed, stress[cell][0] * f, policy, f)
+                for cell in cells for name, workload, _ in [cell] for f in fractions for policy in policies
                 for seed in range(seeds)]  # fmt: skip
         runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
     cells_out: dict[tuple, dict] = {}
     for g, record in zip(grid, runs):
-        name, _, workload, _, seed, rps, policy, f = g
+        name, _, workload, size, seed, rps, policy, f = g
         fresh = {
             "cluster": name,
             "link": link_kind,
             "workload": workload,
             "fraction": f,
             "rps": rps,
+            "requests": size,
             "policies": {},
         }
         cell = cells_out.setdefault((name, workload, f), fresh)

@@ -106,8 +106,14 @@ def light_rate(requests: list[SimRequest], cost: CostModel, instances: int) -> f
 def find_stress_rps(
     requests, base_rps, cfg, cost, start_rps: float, factor: float = 5.0, max_steps: int = 24
 ):
-    """(light rps, light RR p99, stress rps, stress RR p99): round robin's p99 at
-    ``start_rps``, then at rates 1.5x apart until it is ``factor`` times that."""
+    """(light rps, light RR p99, stress rps, stress RR p99, reached): round robin's p99 at
+    ``start_rps``, then at rates 1.5x apart until it is ``factor`` times that. ``reached``
+    is false where the trace is too short to stress the cluster as a sustained load: no
+    rate got there (its p99 is bounded by the time the cluster takes to serve all of it,
+    and the last rate tried delivers it at once), or the rate that did delivered all of it
+    in less time than that p99 (a burst, not a load). Benches that took such a rate for
+    stress measured bursts (8B P/D cells at 18k requests a second), so callers say so."""
+    span = max(r.arrival for r in requests) - min(r.arrival for r in requests)  # at base_rps
     with progress(total=max_steps + 1, desc="finding the stress rate", unit="run") as bar:
         light = run(at_rate(requests, base_rps, start_rps), "round_robin", cfg, cost)["p99_latency_s"]
         bar.update(1)
@@ -118,15 +124,46 @@ def find_stress_rps(
             bar.update(1)
             bar.set_postfix_str(f"{rps:.2f} rps: p99 {p99:.2f}s (stress at {factor * light:.2f}s)")
             if p99 >= factor * light:
-                break
-    return start_rps, light, rps, p99
+                return start_rps, light, rps, p99, span * base_rps / rps >= factor * light
+    return start_rps, light, rps, p99, False
+
+
+def not_stressed(what: str, n: int, rps: float, ratio: float) -> str:
+    """What a search that never reached stress found, for the log and the record."""
+    return (f"{what}: {n} requests are too few to stress this cluster as a load: round robin's p99 "
+            f"came to {ratio:.1f}x its light-load p99 at {rps:.0f} rps, which delivers them in about "
+            f"{n / rps:.2f} s, a burst; use more requests")  # fmt: skip
 
 
 def stress_rps(requests: list[SimRequest], cfg: SimConfig, cost: CostModel | list[CostModel]) -> float:
     """The stress rate of a trace laid out at 1 rps: ``find_stress_rps`` from ``light_rate``
-    (of the first instance's costs, where each has its own)."""
+    (of the first instance's costs, where each has its own). Raises where the trace cannot
+    stress the cluster: a bench would otherwise measure a burst and call it stress."""
     first = cost[0] if isinstance(cost, list) else cost
-    return find_stress_rps(requests, 1.0, cfg, cost, light_rate(requests, first, cfg.num_instances))[2]
+    _, light, rps, p99, reached = find_stress_rps(requests, 1.0, cfg, cost,
+                                                  light_rate(requests, first, cfg.num_instances))  # fmt: skip
+    if not reached:
+        what = f"{cfg.num_instances} instances"
+        raise StressNotReached(not_stressed(what, len(requests), rps, p99 / light))
+    return rps
+
+
+class StressNotReached(ValueError):
+    """A trace too short to stress its cluster: no stress rate to run at."""
+
+
+def stress_trace(workload: str, n: int, cfg: SimConfig, cost, grow: int = 8) -> tuple[float, int]:
+    """(stress rps, requests) for a bench's cell: ``stress_rps`` on the first trace of ``n``
+    requests, doubled while it is too short to stress the cluster (up to ``grow`` times);
+    raises ``StressNotReached`` past that."""
+    size = n
+    while True:
+        try:
+            return stress_rps(trace(workload, size, 1.0, 0), cfg, cost), size
+        except StressNotReached:
+            if size * 2 > n * grow:
+                raise
+            size *= 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -175,11 +212,14 @@ def sweep(
         requests = trace(workload, n, base_rps, seed)
         if start_rps is None:
             start_rps = light_rate(requests, cost, instances)
-        light, light_p99, stress, stress_p99 = find_stress_rps(requests, base_rps, cfg, cost, start_rps)
+        search = find_stress_rps(requests, base_rps, cfg, cost, start_rps)
+        light, light_p99, stress, stress_p99, reached = search
         log(
             f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "
             f"stress {stress:.2f} rps (RR p99 {stress_p99:.2f}s)"
         )
+        if not reached:
+            log("warning: " + not_stressed(f"{workload} x{instances}", n, stress, stress_p99 / light_p99))
         extra = {light}
     else:
         stress, extra = stress_rps, set()
