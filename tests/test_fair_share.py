@@ -212,6 +212,23 @@ def test_with_every_slot_taken_a_tenant_under_its_share_of_slots_takes_one_from_
     assert pool.num_free == pool.num_pages
 
 
+def heavy_prompt_and_light_one(num_pages: int):
+    """A fair-share scheduler over ``num_pages`` pages of 4 tokens, an 8-token budget, with
+    the heavy tenant's two 40-token prompts queued (one to run, one to keep the tenant
+    backlogged, so the light one is lifted to it) and the light tenant's 20-token prompt
+    not yet added."""
+    shares = TenantShares()
+    pool = tiny_pool(num_pages)
+    sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
+                           chunk_size=8, max_running_requests=4, shares=shares, source="e0")  # fmt: skip
+    requests = make_request([10] * 40, "h0"), make_request([11] * 40, "h1"), make_request([50] * 20, "l0")
+    for req, tenant in zip(requests, ("heavy", "heavy", "light")):
+        req.tenant = tenant
+    sched.add(requests[0])
+    sched.add(requests[1])
+    return sched, pool, requests
+
+
 def test_a_light_tenants_prompt_takes_the_prefill_budget_before_a_heavy_tenants_running_prefill():
     """An 8-token budget. The heavy tenant's 40-token prompt has run three passes (24
     computed), another waiting, when the light tenant's 20-token prompt arrives. Without
@@ -221,18 +238,7 @@ def test_a_light_tenants_prompt_takes_the_prefill_budget_before_a_heavy_tenants_
     prompt takes the budget until done (8, 8, then 4 with the heavy prefill taking the
     other 4); then the light decode runs first, the heavy prefill taking the 7 left.
     Every page comes back."""
-    shares = TenantShares()
-    pool = tiny_pool(64)
-    sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
-                           chunk_size=8, max_running_requests=4, shares=shares, source="e0")  # fmt: skip
-    heavy, queued, light = (
-        make_request([10] * 40, "h0"),
-        make_request([11] * 40, "h1"),
-        make_request([50] * 20, "l0"),
-    )
-    heavy.tenant, queued.tenant, light.tenant = "heavy", "heavy", "light"
-    sched.add(heavy)
-    sched.add(queued)  # the heavy tenant stays backlogged: the light one is lifted to it
+    sched, pool, (heavy, queued, light) = heavy_prompt_and_light_one(64)
     passes = []
 
     def run_pass():
@@ -265,18 +271,7 @@ def test_a_light_prompt_goes_ahead_only_if_it_fits_beside_the_heavy_prompt_it_ov
     of the throughput went to such prompts preempting one another), so the heavy prefill
     runs on, and the light prompt is admitted once the heavy request lets its pages go. No
     one is preempted."""
-    shares = TenantShares()
-    pool = tiny_pool(num_pages)
-    sched = LocalScheduler(BlockManager(pool, RadixCache(pool.page_size)), FairWaitQueue(shares, 10, 10),
-                           chunk_size=8, max_running_requests=4, shares=shares, source="e0")  # fmt: skip
-    heavy, queued, light = (
-        make_request([10] * 40, "h0"),
-        make_request([11] * 40, "h1"),
-        make_request([50] * 20, "l0"),
-    )
-    heavy.tenant, queued.tenant, light.tenant = "heavy", "heavy", "light"
-    sched.add(heavy)
-    sched.add(queued)
+    sched, pool, (heavy, queued, light) = heavy_prompt_and_light_one(num_pages)
     for _ in range(3):
         sched.advance(sched.schedule())
     sched.add(light)

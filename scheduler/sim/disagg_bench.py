@@ -118,9 +118,9 @@ def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fr
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
                                           unit="cell")))  # fmt: skip
-        grid = [(name, link_kind, workload, stress[cell][1], seed, stress[cell][0] * f, policy, f)
-                for cell in cells for name, workload, _ in [cell] for f in fractions for policy in policies
-                for seed in range(seeds)]  # fmt: skip
+        grid = [(name, link_kind, workload, size, seed, rate * f, policy, f)
+                for (name, workload, _), (rate, size) in stress.items() for f in fractions
+                for policy in policies for seed in range(seeds)]  # fmt: skip
         runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
     cells_out: dict[tuple, dict] = {}
     for g, record in zip(grid, runs):

@@ -135,6 +135,10 @@ def not_stressed(what: str, n: int, rps: float, ratio: float) -> str:
             f"{n / rps:.2f} s, a burst; use more requests")  # fmt: skip
 
 
+class StressNotReached(ValueError):
+    """A trace too short to stress its cluster: no stress rate to run at."""
+
+
 def stress_rps(requests: list[SimRequest], cfg: SimConfig, cost: CostModel | list[CostModel]) -> float:
     """The stress rate of a trace laid out at 1 rps: ``find_stress_rps`` from ``light_rate``
     (of the first instance's costs, where each has its own). Raises where the trace cannot
@@ -146,10 +150,6 @@ def stress_rps(requests: list[SimRequest], cfg: SimConfig, cost: CostModel | lis
         what = f"{cfg.num_instances} instances"
         raise StressNotReached(not_stressed(what, len(requests), rps, p99 / light))
     return rps
-
-
-class StressNotReached(ValueError):
-    """A trace too short to stress its cluster: no stress rate to run at."""
 
 
 def stress_trace(workload: str, n: int, cfg: SimConfig, cost, grow: int = 8) -> tuple[float, int]:
@@ -212,8 +212,9 @@ def sweep(
         requests = trace(workload, n, base_rps, seed)
         if start_rps is None:
             start_rps = light_rate(requests, cost, instances)
-        search = find_stress_rps(requests, base_rps, cfg, cost, start_rps)
-        light, light_p99, stress, stress_p99, reached = search
+        light, light_p99, stress, stress_p99, reached = find_stress_rps(
+            requests, base_rps, cfg, cost, start_rps
+        )
         log(
             f"{workload} x{instances}: light {light:.2f} rps (RR p99 {light_p99:.2f}s), "
             f"stress {stress:.2f} rps (RR p99 {stress_p99:.2f}s)"

@@ -199,11 +199,12 @@ class LocalScheduler:
         first chunk's pages alone, prompts ran the pool dry halfway at overload and
         preempted one another, recomputing 4-10% of the prompt tokens computed (the
         simulator's tenant mix at stress)."""
-        made_room = False
-        owed = sum(self._prompt_pages_owed(r) for r in self.running)
+        made_room, owed = False, None
         for req in candidates:
             if budget <= 0:
                 return budget
+            if owed is None:  # counted once a candidate gets here: not on passes that admit none
+                owed = sum(self._prompt_pages_owed(r) for r in self.running)
             if len(self.running) >= self.max_running:  # fair shares: a tenant under its share of slots
                 fair = self.shares is not None and not made_room  # takes one, at most one per pass
                 victim = fair_victim(self.shares, req, self.running, self.max_running) if fair else None
