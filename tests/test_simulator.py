@@ -177,6 +177,7 @@ def test_a_trace_too_short_to_stress_the_cluster_is_said_so_and_grown():
     ToolBench requests on two instances, at 1,669 requests a second. The search says so,
     ``stress_rps`` refuses it, and a bench's cell doubles the trace until it stresses the
     cluster as a load (40 requests on one instance: 160, every request not in at once)."""
+    from scheduler.sim import sweep
     from scheduler.sim.sweep import StressNotReached, find_stress_rps, light_rate, stress_rps, stress_trace
 
     def search(requests, n):
@@ -187,6 +188,9 @@ def test_a_trace_too_short_to_stress_the_cluster_is_said_so_and_grown():
     assert not search(short, 2)[4]
     with pytest.raises(StressNotReached, match="12 requests are too few to stress this cluster as a load"):
         stress_rps(short, SimConfig.of(2), cost)
+    # a bench's grid reports such a cell as not run, and runs the others
+    rate, size, why = sweep.stress_or_why("toolbench", 12, SimConfig.of(2), cost, grow=1)
+    assert rate is None and size == 12 and "12 requests are too few to stress this cluster" in why
     rps, size = stress_trace("toolbench", 40, SimConfig.of(1), cost)
     grown = trace("toolbench", size, 1.0, 0)
     _, light, found, p99, reached = search(grown, 1)

@@ -41,7 +41,7 @@ from scheduler.cost_priors import TYPICAL_DECODE, with_decode_step
 from scheduler.e2 import E2
 from scheduler.policies import make_policy
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, stress_trace
+from scheduler.sim.sweep import _cached_trace, at_rate, cluster_facts, stress_or_why
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "shifting_docs")
 SCENARIOS = ("mixed", "off10", "smollm2_from_tiny", "tiny_from_smollm2")
@@ -123,14 +123,15 @@ def _run(job: tuple) -> dict:
     return record
 
 
-def stress_rate(job: tuple) -> tuple[float, int]:
+def stress_rate(job: tuple) -> tuple[float | None, int, str]:
     """Where round robin's p99 is 5x its light-load p99 (``sweep.find_stress_rps``), found on
     the first trace, and the requests a trace needs to get there (more than asked where so
-    few cannot stress the cluster: ``sweep.stress_trace``); a top-level function of
-    ``(workload, scenario, requests)`` for a pool."""
+    few cannot stress the cluster; None and why where no trace the bench grows can:
+    ``sweep.stress_or_why``); a top-level function of ``(workload, scenario, requests)``
+    for a pool."""
     workload, name, n = job
     truth, _ = scenario(name)
-    return stress_trace(workload, n, SimConfig.of(INSTANCES), truth)
+    return stress_or_why(workload, n, SimConfig.of(INSTANCES), truth)
 
 
 def bench(
@@ -144,7 +145,9 @@ def bench(
         grid = []
         for workload, name, _ in cells:
             policies = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
-            rate, size = stress[workload, name, n]
+            rate, size, _ = stress[workload, name, n]
+            if rate is None:
+                continue
             for fraction in fractions:
                 grid += [
                     (workload, size, seed, rate * fraction, name, p, after, fraction)
@@ -164,7 +167,9 @@ def bench(
         for k in ("avg_latency_s", "p99_latency_s", "cache_hit_ratio"):
             rec[k] = statistics.fmean(r[k] for r in rec["per_seed"])
             rec[k + "_all"] = statistics.fmean(r["all"][k] for r in rec["per_seed"])
-    return list(records.values())
+    skipped = [{"scenario": name, "workload": workload, "requests": size, "not_run": why}
+               for (workload, name, _), (rate, size, why) in stress.items() if rate is None]  # fmt: skip
+    return list(records.values()) + skipped
 
 
 def summarize(records: list[dict]) -> list[str]:
@@ -172,7 +177,8 @@ def summarize(records: list[dict]) -> list[str]:
     the true costs (average, p99, after the first requests), the best baseline's, and the
     decisions' agreement."""
     cells: dict[tuple, dict[str, dict]] = {}
-    for rec in records:
+    not_run = [f"{r['scenario']} {r['workload']} not run: {r['not_run']}" for r in records if "not_run" in r]
+    for rec in (r for r in records if "not_run" not in r):
         cells.setdefault((rec["scenario"], rec["workload"], rec["stress_fraction"]), {})[rec["policy"]] = rec
     head = ("scenario", "workload", "load", "online/true avg", "online/true p99", "prior/true avg",
             "prior/true p99", "hit online / true / prior", "agreement after", "agree from",
@@ -190,7 +196,7 @@ def summarize(records: list[dict]) -> list[str]:
             f"| {prior['p99_latency_s'] / true['p99_latency_s']:.3f} | {hits} "
             f"| {statistics.fmean(agree) if agree else float('nan'):.2f} | {starts} | {behind(online, by)} |"
         )
-    return lines
+    return lines + not_run
 
 
 def behind(online: dict, by: dict[str, dict]) -> str:

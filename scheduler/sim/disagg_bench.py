@@ -43,7 +43,7 @@ from scheduler.disagg import E2PD, KVLink
 from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
 from scheduler.e2 import E2
 from scheduler.sim.simulator import SimConfig, metrics, simulate
-from scheduler.sim.sweep import _cached_trace, at_rate, stress_trace
+from scheduler.sim.sweep import _cached_trace, at_rate, stress_or_why
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "multi_tenant",
              "agentic", "shifting_docs")  # fmt: skip
@@ -105,22 +105,23 @@ def _run(job: tuple) -> dict:
     return {**metrics(result, slo=slo), "branches": branches, "moved_tokens": result.moved_tokens}
 
 
-def stress_rate(job: tuple) -> tuple[float, int]:
-    """(stress rps, requests): more requests than asked where so few cannot stress the
-    cluster (``sweep.stress_trace``)."""
-    name, workload, n = job
-    return stress_trace(workload, n, SimConfig.of(CLUSTERS[name][1]), cluster_cost(name))
+def stress_rate(job: tuple) -> tuple[float | None, int, str]:
+    """(stress rps, requests, ""): more requests than asked where so few cannot stress the
+    cluster; (None, requests, why) where no trace the bench grows can
+    (``sweep.stress_or_why``)."""
+    name, workload, n, grow = job
+    return stress_or_why(workload, n, SimConfig.of(CLUSTERS[name][1]), cluster_cost(name), grow)
 
 
 def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0),
-          policies=POLICIES) -> list[dict]:  # fmt: skip
-    cells = [(name, workload, n) for name in clusters for workload in workloads]
+          policies=POLICIES, grow: int = 8) -> list[dict]:  # fmt: skip
+    cells = [(name, workload, n, grow) for name in clusters for workload in workloads]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
                                           unit="cell")))  # fmt: skip
         grid = [(name, link_kind, workload, size, seed, rate * f, policy, f)
-                for (name, workload, _), (rate, size) in stress.items() for f in fractions
-                for policy in policies for seed in range(seeds)]  # fmt: skip
+                for (name, workload, _, _), (rate, size, _) in stress.items() if rate is not None
+                for f in fractions for policy in policies for seed in range(seeds)]  # fmt: skip
         runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
     cells_out: dict[tuple, dict] = {}
     for g, record in zip(grid, runs):
@@ -136,7 +137,9 @@ def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fr
         }
         cell = cells_out.setdefault((name, workload, f), fresh)
         cell["policies"].setdefault(policy, []).append(record)
-    return list(cells_out.values())
+    skipped = [{"cluster": name, "link": link_kind, "workload": workload, "requests": size, "not_run": why}
+               for (name, workload, _, _), (rate, size, why) in stress.items() if rate is None]  # fmt: skip
+    return list(cells_out.values()) + skipped
 
 
 KEYS = ("avg_latency_s", "p99_latency_s", "avg_ttft_s", "p99_ttft_s", "avg_tpot_s", "p99_tpot_s", "goodput",
@@ -151,6 +154,9 @@ def summarize(cells: list[dict]) -> list[str]:
     that serves fewer requests a second than arrive decodes in smaller batches."""
     lines = []
     for c in cells:
+        if "not_run" in c:
+            lines.append(f"{c['cluster']:8s} {c['workload']:15s} not run: {c['not_run']}")
+            continue
         mean = {
             p: {k: statistics.mean(r[k] for r in runs) for k in KEYS} for p, runs in c["policies"].items()
         }
@@ -186,10 +192,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--grow", type=int, default=8, help="traces grow to at most this × --requests")
     ap.add_argument("--out", default=None, help="a directory for disagg.json.gz")
     args = ap.parse_args()
     cells = bench(args.clusters.split(","), args.link, args.workloads.split(","), args.requests, args.seeds,
-                  args.jobs, policies=args.policies.split(","))  # fmt: skip
+                  args.jobs, policies=args.policies.split(","), grow=args.grow)  # fmt: skip
     for line in summarize(cells):
         print(line)
     if args.out:

@@ -166,6 +166,18 @@ def stress_trace(workload: str, n: int, cfg: SimConfig, cost, grow: int = 8) -> 
             size *= 2
 
 
+def stress_or_why(
+    workload: str, n: int, cfg: SimConfig, cost, grow: int = 8
+) -> tuple[float | None, int, str]:
+    """``stress_trace`` for a bench's grid: (stress rps, requests, "") or, where even
+    ``grow`` times ``n`` requests cannot stress the cluster, (None, the requests tried, why):
+    the bench reports that cell as not run instead of losing every other cell's runs."""
+    try:
+        return (*stress_trace(workload, n, cfg, cost, grow), "")
+    except StressNotReached as e:
+        return None, n * grow, str(e)
+
+
 @functools.lru_cache(maxsize=1)
 def _cached_trace(workload: str, n: int, seed: int) -> list[SimRequest]:
     """A worker builds a trace once for the run of jobs on it (the jobs come trace by
