@@ -21,7 +21,9 @@ push a decode instance past it, ``E2PD.tpot_slo_ms``), ``e2_pd_flex`` (every ins
 (its prefill-load variant: local while every prefill worker has 2 requests in flight),
 ``llmd_pd`` and ``sglang_pd``. Rates: the
 stress rate (round robin's p99 at 5× its light-load p99, ``sweep.find_stress_rps``) and half
-of it. SLOs for goodput: ``SLO``, per model.
+of it, on a trace doubled until that rate is a load and not a burst (up to ``--grow`` times
+``--requests``; a cell that never gets there is reported as not run). SLOs for goodput:
+``SLO``, per model.
 
     python -m scheduler.sim.disagg_bench --clusters 8b,70b_tp2 --seeds 3 --requests 300 --jobs 2
 """
