@@ -175,7 +175,10 @@ def stress_or_why(
     try:
         return (*stress_trace(workload, n, cfg, cost, grow), "")
     except StressNotReached as e:
-        return None, n * grow, str(e)
+        longest = n
+        while longest * 2 <= n * grow:  # the last trace ``stress_trace`` tried
+            longest *= 2
+        return None, longest, str(e)
 
 
 @functools.lru_cache(maxsize=1)
