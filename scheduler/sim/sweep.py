@@ -138,6 +138,10 @@ def not_stressed(what: str, n: int, rps: float, ratio: float) -> str:
 class StressNotReached(ValueError):
     """A trace too short to stress its cluster: no stress rate to run at."""
 
+    def __init__(self, message: str, requests: int) -> None:
+        super().__init__(message)
+        self.requests = requests  # the trace's length
+
 
 def stress_rps(requests: list[SimRequest], cfg: SimConfig, cost: CostModel | list[CostModel]) -> float:
     """The stress rate of a trace laid out at 1 rps: ``find_stress_rps`` from ``light_rate``
@@ -148,7 +152,7 @@ def stress_rps(requests: list[SimRequest], cfg: SimConfig, cost: CostModel | lis
                                                   light_rate(requests, first, cfg.num_instances))  # fmt: skip
     if not reached:
         what = f"{cfg.num_instances} instances"
-        raise StressNotReached(not_stressed(what, len(requests), rps, p99 / light))
+        raise StressNotReached(not_stressed(what, len(requests), rps, p99 / light), len(requests))
     return rps
 
 
@@ -175,10 +179,7 @@ def stress_or_why(
     try:
         return (*stress_trace(workload, n, cfg, cost, grow), "")
     except StressNotReached as e:
-        longest = n
-        while longest * 2 <= n * grow:  # the last trace ``stress_trace`` tried
-            longest *= 2
-        return None, longest, str(e)
+        return None, e.requests, str(e)
 
 
 @functools.lru_cache(maxsize=1)
