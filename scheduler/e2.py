@@ -255,7 +255,7 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         cost = self.costs[instance]
         hosted = match.hosted_on(instance) if match.hosted else 0  # loaded back, not recomputed
         missed = prompt_len - match.cached_on(instance) - hosted
-        prefill = cost.prefill_time(missed) + (cost.load_time(hosted) if hosted else 0.0)
+        prefill = self.prefill_time(instance, missed) + (cost.load_time(hosted) if hosted else 0.0)
         need = self.tree.held_tokens[instance] + missed + hosted - self.capacity[instance]
         evicted, per_user = 0.0, self.load_model == "serial"  # M on L's scale
         if need > 0:
@@ -266,6 +266,11 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         d = self.decode_lengths.average(now) if decode_len is None else decode_len
         decoding = self.history[instance].decoding(cost.decode_time(d))
         return self._batch_load(instance, match, prompt_len, now, d) + prefill * (1 + decoding) + evicted
+
+    def prefill_time(self, instance: int, tokens: int) -> float:
+        """PREFILLTIME of ``tokens`` on ``instance``, by its cost model (``disagg.E2PD``
+        prices a prefill-only instance's passes)."""
+        return self.costs[instance].prefill_time(tokens)
 
     def _batch_load(self, instance: int, match: Match, prompt_len: int, now: float, d: float) -> float:
         """``load_cost.batch_load`` of the instance at decoding length ``d``. Where its
@@ -299,7 +304,7 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         hosted = match.hosted_on(instance) if match.hosted and not received else 0
         cached = prompt_len if received else match.cached_on(instance) + hosted
         cost = self.costs[instance]
-        prefill = cost.prefill_time(prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
+        prefill = self.prefill_time(instance, prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
         self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the

@@ -4,6 +4,8 @@ choice computed by hand."""
 
 from __future__ import annotations
 
+from math import ceil
+
 import pytest
 from test_e2 import Clock, req
 from test_e2_batch import BATCH
@@ -54,16 +56,16 @@ def pd_pair(b: int) -> tuple[E2PD, Clock]:
 
 @pytest.mark.parametrize(
     "b, m, expected",
-    [(0, 100, "aggregated"), (1, 100, "aggregated"), (2, 2, "aggregated"), (2, 3, "disaggregate"),
-     (3, 100, "disaggregate")],
+    [(0, 100, "aggregated"), (1, 100, "aggregated"), (2, 100, "aggregated"), (3, 2, "aggregated"),
+     (3, 3, "disaggregate"), (4, 100, "disaggregate")],
 )  # fmt: skip
 def test_e2_disaggregates_when_the_prefill_would_cost_the_decodes_more_than_the_transfer(b, m, expected):
     """A prompt of ``m`` tokens nobody caches. Aggregated on the decode instance it costs
     48·b (its batch: 32 steps each b ms longer, and 16 of theirs it lengthens by 1 ms
     each, ``test_e2_batch``) + m·(1 + b) (its prefill, waited for by the b decoding).
-    Disaggregated: m on the idle prefill instance, the transfer 2 + m, and the same 48·b
-    on the decode instance. So it moves when 2 + m < m·b: never at b ≤ 1; at b = 2 from
-    m = 3 (a tie at m = 2 stays)."""
+    Disaggregated: m on the idle prefill instance, the transfer 2 + m, the same 48·b on
+    the decode instance, and m for the copy it leaves there. So it moves when 2 + 2m < m·b:
+    never at b ≤ 2; at b = 3 from m = 3 (a tie at m = 2 stays)."""
     policy, _ = pd_pair(b)
     r = req(range(m))
     decision = policy.select(r, [InstanceLoad(), InstanceLoad()])
@@ -79,19 +81,43 @@ def test_e2_disaggregates_when_the_prefill_would_cost_the_decodes_more_than_the_
 
 
 def test_what_the_decode_instance_caches_is_not_moved_and_not_priced():
-    """D already holds 80 of a 100-token prompt and runs 2 requests: aggregated costs
-    48·2 + 20·3 = 156; disaggregated 100 (P holds nothing) + 2 + 20 (only what D lacks
-    moves) + 96 = 218, so it stays; with P holding it too, 20 + 22 + 96 = 138 < 156."""
+    """D already holds 80 of a 100-token prompt and runs 3 requests: aggregated costs
+    48·3 + 20·4 = 224; disaggregated 100 (P holds nothing) + 2 + 20 (only what D lacks
+    moves) + 144 + 20 (the copy of what it lacks) = 286, so it stays; with P holding it
+    too, 20 + 22 + 144 + 20 = 206 < 224."""
     tokens = list(range(100))
     for p_holds, expected in ((False, None), (True, 0)):
-        policy, _ = pd_pair(2)
+        policy, _ = pd_pair(3)
         policy.tree.apply_events(1, [CacheEvent.of("stored", tokens[:80], 0, 1)])
         if p_holds:
             policy.tree.apply_events(0, [CacheEvent.of("stored", tokens[:80], 0, 1)])
         match = policy.tree.match(req(tokens).chain(1))
-        assert policy.load_cost(1, match, 100, 0.0) == 156
-        assert policy.decode_leg_cost(1, match, 100, 0.0) == 22 + 96
+        assert policy.load_cost(1, match, 100, 0.0) == 224
+        assert policy.decode_leg_cost(1, match, 100, 0.0) == 22 + 144 + 20
         assert policy.select(req(tokens), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
+def test_a_prefill_only_instance_pays_the_base_of_every_chunk_s_pass():
+    """With nothing decoding beside them, a prefill instance runs each ``chunk_size``
+    tokens of a prompt as a pass of its own, each paying the base (5 ms here): 250 tokens
+    in chunks of 100 take 3 passes, 15 + 250 ms. Where requests decode, the chunks share
+    their passes and PREFILLTIME is the cost model's, one base. The chunk is the engine's
+    own, from its report; P's queue counts the leg at that price."""
+    cost = CostModel(base_ms=5, prefill_ms_per_token=1, decode_ms_per_request=1,
+                     attention_ms_per_context_token=0, decode_step_ms=10)  # fmt: skip
+    policy = E2PD(2, ("prefill", "decode"), SLOW_LINK, cost_model=cost, capacity_tokens=10_000,
+                  clock=Clock(), page_size=1)  # fmt: skip
+    assert policy.prefill_time(0, 250) == 5 * ceil(250 / 512) + 250  # until it reports its chunk
+    for i in (0, 1):
+        policy.learn(i, {"kv_pages_total": 10_000, "page_size": 1, "chunk_size": 100})
+    assert policy.prefill_time(0, 250) == 15 + 250
+    assert policy.prefill_time(0, 100) == 5 + 100
+    assert policy.prefill_time(1, 250) == 5 + 250
+    for k in range(4):  # D decodes 4 fully cached requests: the 250-token prompt moves
+        policy.history[1].add(f"busy{k}", 0.0, 0.0, 1.0, 1000)
+    r = req(range(250))
+    assert policy.select(r, [InstanceLoad(), InstanceLoad()]).prefill == 0
+    assert policy.history[0].in_flight[r.request_id + LEG][0] == 265
 
 
 @pytest.mark.parametrize(

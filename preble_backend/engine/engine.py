@@ -366,6 +366,7 @@ class Engine:
         s, cache = self.scheduler.stats, self.cache
         return {
             **device_facts(self.runner.device), "page_size": self.pool.page_size,
+            "chunk_size": self.config.chunk_size,
             "kv_pages_total": self.pool.num_pages, "kv_pages_used": self.pool.num_used,
             "kv_pages_free": self.pool.num_free,
             "kv_pages_cached": cache.num_pages if cache else 0,

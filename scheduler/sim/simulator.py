@@ -150,6 +150,7 @@ class SimInstance:
     def stats(self) -> dict:
         return {
             "page_size": self.pool.page_size,
+            "chunk_size": self.scheduler.chunk_size,
             "kv_pages_total": self.pool.num_pages,
             "kv_pages_used": self.pool.num_used,
             "waiting": len(self.scheduler.waiting),
