@@ -51,6 +51,7 @@ def test_shared_prefix_preemption_and_abort(arch_model, make_engine, hf_referenc
     assert engine.generate(prompts[:1], {**GREEDY, "max_tokens": 12}) == expect[:1]
     assert engine.generate(prompts[1:], {**GREEDY, "max_tokens": 12}) == expect[1:]
     assert engine.stats()["prompt_tokens_cached"] == 3 * 40
+    assert engine.stats()["chunk_size"] == 16  # a router prices a prefill engine's passes by it
     small = make_engine(arch_model, page_size=8, chunk_size=16, max_num_tokens=96)
     outputs = generate_aborting(small, [*prompts, prefix], {**GREEDY, "max_tokens": 12}, "r4", 5)
     assert [outputs[f"r{i}"] for i in range(4)] == expect and len(outputs.get("r4", [])) < 12
