@@ -201,11 +201,11 @@ class E2PD(EngineRoles, E2):
 
     def decode_leg_cost(self, instance: int, match, prompt_len: int, now: float) -> float:
         """The transfer of what ``instance`` lacks, then the request decoding in its batch
-        (L), the room its received KV takes (M), and that KV's PREFILLTIME: the copy stays
-        cached beside P's for as long as it is used, and the room it holds is cache that
-        later requests recompute (M prices only what is evicted now, each node once).
-        Measured without it, pairs made the cluster compute 21% more prompt tokens than
-        aggregated E2 (docs/benchmarks/disagg.md, "What a pair's copy costs")."""
+        (L), the room its received KV takes now (M), and that KV's PREFILLTIME: the copy
+        stays cached beside P's for as long as it is used, holding room that later
+        requests would otherwise cache (M prices only the nodes evicted for it now, each
+        once). Without it a pair won on a few milliseconds of decode-batch relief and its
+        prompt waited in P's queue (docs/benchmarks/disagg.md, "What a pair's copy costs")."""
         lacking = prompt_len - match.cached_on(instance)
         d = self.decode_lengths.average(now)
         cost = self.costs[instance]
