@@ -26,6 +26,8 @@ of it, on a trace doubled until that rate is a load and not a burst (up to ``--g
 ``SLO``, per model.
 
     python -m scheduler.sim.disagg_bench --clusters 8b,70b_tp2 --seeds 3 --requests 300 --jobs 2
+
+``--stress-from`` an earlier record runs its cells at the rates and trace lengths it found.
 """
 
 from __future__ import annotations
@@ -115,12 +117,31 @@ def stress_rate(job: tuple) -> tuple[float | None, int, str]:
     return stress_or_why(workload, n, SimConfig.of(CLUSTERS[name][1]), cluster_cost(name), grow)
 
 
+def stress_of(path: str | Path) -> dict[tuple[str, str], tuple[float | None, int, str]]:
+    """The stress rates an earlier record ran at: (cluster, workload) -> what ``stress_rate``
+    returns. The search is deterministic, so this is what it would find again, without its
+    runs (a quarter of the 8B table's time), and a change is compared at the same loads."""
+    with gzip.open(path, "rt") as f:
+        cells = json.load(f)["cells"]
+    found = {}
+    for c in cells:
+        if "not_run" in c:
+            found[c["cluster"], c["workload"]] = (None, c["requests"], c["not_run"])
+        elif c["fraction"] == 1.0:
+            found[c["cluster"], c["workload"]] = (c["rps"], c["requests"], "")
+    return found
+
+
 def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0),
-          policies=POLICIES, grow: int = 8) -> list[dict]:  # fmt: skip
+          policies=POLICIES, grow: int = 8, known: dict | None = None) -> list[dict]:  # fmt: skip
+    """``known``: stress rates already found (``stress_of``); the other cells are searched."""
+    known = known or {}
     cells = [(name, workload, n, grow) for name in clusters for workload in workloads]
+    search = [c for c in cells if c[:2] not in known]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
-                                          unit="cell")))  # fmt: skip
+        searched = pool.map(stress_rate, search)
+        found = dict(zip(search, progress(searched, total=len(search), desc="stress rates", unit="cell")))
+        stress = {c: known[c[:2]] if c[:2] in known else found[c] for c in cells}
         grid = [(name, link_kind, workload, size, seed, rate * f, policy, f)
                 for (name, workload, _, _), (rate, size, _) in stress.items() if rate is not None
                 for f in fractions for policy in policies for seed in range(seeds)]  # fmt: skip
@@ -193,9 +214,13 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--grow", type=int, default=8, help="traces grow to at most this × --requests")
     ap.add_argument("--out", default=None, help="a directory for disagg.json.gz")
+    ap.add_argument("--stress-from", default=None,
+                    help="an earlier record (disagg_*.json.gz) whose cells' stress rates and trace lengths "
+                         "to run at instead of searching for them again")  # fmt: skip
     args = ap.parse_args()
+    known = stress_of(args.stress_from) if args.stress_from else None
     cells = bench(args.clusters.split(","), args.link, args.workloads.split(","), args.requests, args.seeds,
-                  args.jobs, policies=args.policies.split(","), grow=args.grow)  # fmt: skip
+                  args.jobs, policies=args.policies.split(","), grow=args.grow, known=known)  # fmt: skip
     for line in summarize(cells):
         print(line)
     if args.out:
