@@ -71,7 +71,7 @@ def test_a_noisy_fit_is_flagged_poor():
     assert quality.poor and quality.r2 < 0.9
 
 
-def test_profile_times_the_tiny_model_and_reports_its_fit(tiny_model, monkeypatch):
+def test_profile_times_the_tiny_model_and_reports_its_fit(tiny_model, monkeypatch, tmp_path):
     """The measuring and the fit, on a grid of seven configurations (the shipped grid's 19
     took 13 s of the quick loop): three prefills and four decode batches still pin all four
     coefficients."""
@@ -87,3 +87,12 @@ def test_profile_times_the_tiny_model_and_reports_its_fit(tiny_model, monkeypatc
     rest = (model.base_ms, model.decode_ms_per_request, model.attention_ms_per_context_token)
     assert all(v >= 0 for v in rest)
     assert quality.r2 <= 1.0 and quality.max_error >= quality.median_error >= 0
+    # it names what it measured, so a router given this fit for this engine says it matches
+    from preble_backend.model.model_card import model_card
+    from scheduler.cost_priors import prior_for
+
+    facts = model_card(tiny_model, tiny_model).cost_facts("cpu")
+    assert (model.model, model.device, model.tensor_parallel) == (facts["model"], "cpu", 1)
+    path = tmp_path / "fit.json"
+    model.save(path)
+    assert prior_for(facts, str(path)).kind == "matches"

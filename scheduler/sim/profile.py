@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -83,4 +84,9 @@ def profile(
             log(f"decode batch {batch:3d} context {context:5d}: {ms:8.2f} ms (median of {repeats})")
     bar.close()
     model = fit(samples, step, source=f"preble profile of {model_path} on {device}")
+    # what it was measured for, as the engine tells a router: a fit without them is
+    # "another model's or device's" wherever a repository names it (cost_priors.matches)
+    facts = engine.cost_facts
+    what = {key: facts[key] for key in ("model", "device", "tensor_parallel")}
+    model = replace(model, **what)
     return model, fit_quality(samples, model)
