@@ -8,7 +8,8 @@ Engines serve as ``prefill``, ``decode`` or ``both``. For each request, ``E2PD``
 - **disaggregated**: the best prefill instance P, at L + M + P with the request leaving P
   after one token (its queue and its miss cost there), plus the transfer of the KV the
   decode instance D lacks (``KVLink``: bytes over a measured bandwidth, plus a latency),
-  plus D's L (the request decoding in D's batch) and M (room for the received KV).
+  plus D's L (the request decoding in D's batch), M (room for the received KV now) and the
+  received KV's PREFILLTIME (the copy holds that room for as long as it stays cached).
 
 The pair's cost splits into a term of P and a term of D, so the best pair is the best P
 with the best D: O(instances), not O(P × D). The cheaper of the two wins; a tie stays
@@ -19,6 +20,7 @@ and its finish report are counted as any other request's.
 
 This is the router's ``e2``. Given ``roles`` and a ``link`` (the simulator, the tests), it
 pairs any instances. Live, it learns both from the engines' reports: an engine's role,
+its prefill tokens per pass (``chunk_size``: a prefill-only engine pays a pass per chunk),
 whether it can move KV at all (a prefill or decode engine reports ``kv_bytes_per_token``),
 and the bandwidth its reads reached (``kv_transfer_gbps``; ``link_gbps`` until one is
 measured). Only engines that move KV are paired; where none does, it is E2 exactly.
