@@ -32,8 +32,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from preble_backend.common.settings import ROLES, check_roles
-from preble_backend.engine.config import EngineConfig
+from preble_backend.common.settings import DEFAULT_CHUNK_SIZE, ROLES, check_roles
 from scheduler.e2 import E2
 from scheduler.load_cost import memory_cost
 from scheduler.policy import Decision, InstanceLoad, RoutingRequest
@@ -41,7 +40,6 @@ from scheduler.policy import Decision, InstanceLoad, RoutingRequest
 log = logging.getLogger("preble.e2")
 
 LEG = "#prefill"  # a prefill leg's request id: the request's, with this after it
-CHUNK = EngineConfig.chunk_size  # an engine's prefill tokens per pass, until it reports its own
 
 
 @dataclass(frozen=True)
@@ -122,12 +120,12 @@ class E2PD(EngineRoles, E2):
         self.link = link
         self.link_gbps, self.link_latency_ms = link_gbps, link_latency_ms
         self.tpot_slo_ms = tpot_slo_ms  # 0: none; else no local prefill that breaks it where a pair can serve
-        self.chunk = [CHUNK] * num_instances  # each engine's prefill tokens per pass
+        self.chunk = [DEFAULT_CHUNK_SIZE] * num_instances  # each engine's prefill tokens per pass
 
     def _grow(self) -> None:
         super()._grow()
         self.roles.append("both")
-        self.chunk.append(CHUNK)
+        self.chunk.append(DEFAULT_CHUNK_SIZE)
 
     def learn(self, instance: int, load: dict) -> None:
         """An engine's role, its prefill tokens per pass, and what moving its KV costs, from

@@ -1,5 +1,5 @@
-"""What every configuration shares: the KV page size engines and routers agree on by
-default, settings declared once with their documentation (``setting``), and parsing
+"""What every configuration shares: the KV page size and prefill chunk engines and routers
+agree on by default, settings declared once with their documentation (``setting``), and parsing
 ``config.pbtxt`` string parameters into a config dataclass."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import MISSING, Field, field, fields
 from pathlib import Path
 
 DEFAULT_PAGE_SIZE = 16  # tokens per KV page: the engines' paging and the routers' matching unit
+DEFAULT_CHUNK_SIZE = 512  # prefill tokens per engine pass: E2 P/D prices a prefill engine's passes by it
 ATTENTION_BACKENDS = ("auto", "torch", "sdpa", "triton", "flashinfer")
 ROLES = ("prefill", "decode", "both")  # what an engine serves in prefill/decode disaggregation
 DEFAULT_REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"  # what preble serve serves

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import (
     ATTENTION_BACKENDS,
+    DEFAULT_CHUNK_SIZE,
     DEFAULT_PAGE_SIZE,
     ROLES,
     parse_strings,
@@ -50,7 +51,7 @@ class EngineConfig:
         doc="host tier: beside each forward pass, copy down the chunk_size tokens the device evicts "
         "next, so their eviction waits for no copy (false: each eviction copies in line)",
     )
-    chunk_size: int = setting(512, doc="prefill token budget per iteration (chunked prefill)")
+    chunk_size: int = setting(DEFAULT_CHUNK_SIZE, doc="prefill token budget per iteration (chunked prefill)")
     max_running_requests: int = setting(256, doc="cap on requests in the running batch")
     priority_groups: int = setting(10, doc="P of the priority wait queue")
     priority_quota: int = setting(10, doc="k: group g admits (g + 1) * k requests per round")
