@@ -64,6 +64,7 @@ class InstanceLoad:
 
     in_flight: int = 0
     reported: dict = field(default_factory=dict)
+    probed: dict = field(default_factory=dict)  # its last health answer: its role, KV and costs
 
     @property
     def queued(self) -> int:

@@ -113,12 +113,7 @@ print("ok")
 
 
 def test_probes_reach_the_policy_routing_now_and_a_fresh_policy_starts_from_the_last_reports(tmp_path):
-    (tmp_path / "triton_python_backend_utils.py").write_text(STAND_IN)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    done = subprocess.run(
-        [sys.executable, "-c", SCENARIO], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    run_scenario(tmp_path, SCENARIO)
 
 
 CALIBRATION = """
@@ -156,9 +151,48 @@ def test_probes_calibrate_the_policy_and_the_fit_in_use_is_exported(tmp_path):
     """The router's probe thread hands each answer to the policy's fit and exports it: from
     the matching prior, to the learnt fit once passes come; a fixed fit of another model is
     a mismatch for as long as it is used."""
+    run_scenario(tmp_path, CALIBRATION)
+
+
+SWITCH = """
+from types import SimpleNamespace
+from preble_backend.common.cost_model import CostModel
+from preble_backend.common.sampling_params import SamplingParams
+from preble_backend.router.cluster.admin_control import AdminControl
+from preble_backend.router.engines.event_feed import EventFeed
+from scheduler.policies import make_policy
+from scheduler.policy import InstanceLoad, RoutingRequest
+
+facts = {"capacity_tokens": 4096, "page_size": 16, "cost_model": "mistral7b_a6000"}
+router = SimpleNamespace(engines=[None, None], feeds=[EventFeed(), EventFeed()], gauge_cached=id,
+                         policy_facts=lambda: facts, policy=make_policy("e2", 2, facts))
+router.loads = [InstanceLoad(), InstanceLoad()]
+emulated = {"emulated": "mistral7b_a6000", "slowdown": 10.0}
+for slot, role in enumerate(("prefill", "decode")):  # probes answered; no request has finished yet
+    router.loads[slot].probed = {"kv_pages_total": 256, "page_size": 16, "role": role, "chunk_size": 512,
+                                 "kv_bytes_per_token": 46080, "cost_facts": emulated}
+AdminControl(router).fresh_policy("e2")  # what preble bench does before each run
+policy = router.policy
+assert policy.roles == ["prefill", "decode"] and policy.movable == {0, 1}
+assert policy.costs == [CostModel.load("mistral7b_a6000").scaled(10.0)] * 2
+prompt = RoutingRequest("r0", list(range(1600)), SamplingParams())
+decision = policy.select(prompt, [InstanceLoad(), InstanceLoad()])
+assert decision.instance == 1, decision  # decoded where requests decode, never on the prefill engine
+print("ok")
+"""
+
+
+def test_a_policy_switched_in_knows_each_engine_s_role_and_costs_before_its_next_probe(tmp_path):
+    """The admin switch (``preble bench`` makes one before every run) used to start from the
+    engines' last final reports alone: on a fresh stack there were none, so until the next
+    probe E2 took a prefill engine for one that decodes whole requests (a run's first
+    request decoded there, at twice its TPOT) and priced emulated engines with the named
+    fit unscaled."""
+    run_scenario(tmp_path, SWITCH)
+
+
+def run_scenario(tmp_path: Path, code: str) -> None:
     (tmp_path / "triton_python_backend_utils.py").write_text(STAND_IN)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
-    done = subprocess.run(
-        [sys.executable, "-c", CALIBRATION], capture_output=True, text=True, env=env, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -73,13 +73,19 @@ class AdminControl:
 
     def fresh_policy(self, name: str) -> None:
         """A new policy of ``name`` over the same slots, live as the old one's, knowing no
-        cache: every engine's next report starts from a snapshot."""
+        cache: every engine's next report starts from a snapshot. It knows what each engine
+        is (role, KV, costs) from its last probe and report before it routes: learnt from
+        the next probe instead, the requests of the first second after a switch went to a
+        prefill engine as whole requests and were priced with the named fit unscaled
+        (docs/benchmarks/disagg.md, "The request a policy switch sent to P")."""
         r = self.router
-        live = set(r.policy.live)
-        r.policy = make_policy(name, len(r.engines), r.policy_facts())
-        r.policy.live = live
-        for slot, load in enumerate(r.loads):  # what each engine is, until its next probe says so
-            r.policy.learn(slot, load.reported)
+        policy = make_policy(name, len(r.engines), r.policy_facts())
+        policy.live = set(r.policy.live)
+        for slot, load in enumerate(r.loads):
+            policy.learn(slot, {**load.probed, **load.reported})
+            if load.probed:  # before it is published: the probe thread calibrates only r.policy
+                policy.calibrate(slot, load.probed)
+        r.policy = policy
         for slot, feed in enumerate(r.feeds):
             feed.reset()
             r.gauge_cached(slot)

@@ -170,7 +170,8 @@ class RouterState:
 
     def _engine_load(self, instance: int, load: dict) -> None:
         """A health probe's answer: what the engine is (its KV, its host tier), for
-        whichever policy routes now."""
+        whichever policy routes now, and for one that replaces it (``AdminControl.fresh_policy``)."""
+        self.loads[instance].probed = load
         self.policy.learn(instance, load)
         self.first_probes.settled(instance)
         self.tenant_shares.learn(instance, load)
