@@ -186,7 +186,7 @@ def test_a_policy_switched_in_knows_each_engine_s_role_and_costs_before_its_next
     """The admin switch (``preble bench`` makes one before every run) used to start from the
     engines' last final reports alone: on a fresh stack there were none, so until the next
     probe E2 took a prefill engine for one that decodes whole requests (a run's first
-    request decoded there, at twice its TPOT) and priced emulated engines with the named
+    request decoded there, at three times its TPOT) and priced emulated engines with the named
     fit unscaled."""
     run_scenario(tmp_path, SWITCH)
 

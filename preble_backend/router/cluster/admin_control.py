@@ -73,11 +73,11 @@ class AdminControl:
 
     def fresh_policy(self, name: str) -> None:
         """A new policy of ``name`` over the same slots, live as the old one's, knowing no
-        cache: every engine's next report starts from a snapshot. It knows what each engine
-        is (role, KV, costs) from its last probe and report before it routes: learnt from
-        the next probe instead, the requests of the first second after a switch went to a
-        prefill engine as whole requests and were priced with the named fit unscaled
-        (docs/benchmarks/disagg.md, "The request a policy switch sent to P")."""
+        cache: every engine's next report starts from a snapshot. What each engine is (role,
+        KV, costs) it learns from the engine's last probe and report before it routes, not
+        from the next probe: a fresh stack has no report, and the first second's requests
+        went to the prefill engine whole (docs/benchmarks/disagg.md, "The request a policy
+        switch sent to P")."""
         r = self.router
         policy = make_policy(name, len(r.engines), r.policy_facts())
         policy.live = set(r.policy.live)
