@@ -295,17 +295,25 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
     def record(self, request: RoutingRequest, instance: int) -> None:
         self._record(request, instance, self.tree.match(request.chain(self.page_size)), self.clock())
 
-    def _record(
+    def _record(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
+        """Count the request in the instance's load and route it in the tree."""
+        self._count(request, instance, match, now)
+        self._route(request, instance, match, now)
+
+    def _count(
         self, request: RoutingRequest, instance: int, match: Match, now: float, received: bool = False
     ) -> None:
-        """Count the request in the instance's load and route it in the tree; ``received``:
-        its prompt's KV arrives from a prefill instance, so it prefills nothing here."""
+        """Count the request in the instance's load; ``received``: its prompt's KV arrives
+        from a prefill instance, so it prefills nothing here."""
         prompt_len = len(request.input_ids)
         hosted = match.hosted_on(instance) if match.hosted and not received else 0
         cached = prompt_len if received else match.cached_on(instance) + hosted
         cost = self.costs[instance]
         prefill = self.prefill_time(instance, prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
         self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
+
+    def _route(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
+        """Route the request in the tree: its prompt is held (pending) on ``instance``."""
         # Routing splits a node the prompt ends or branches off inside (only the last
         # matched node can be matched in part), and a split keeps the old object for the
         # lower half: the key portion is then its new parent.

@@ -13,7 +13,7 @@ from test_e2_batch import BATCH
 from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import check_roles
-from scheduler.disagg import E2PD, LEG, KVLink
+from scheduler.disagg import E2PD, LEG, KVLink, prefill_leg
 from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
 from scheduler.policy import Decision, FinishInfo, InstanceLoad
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
@@ -95,6 +95,31 @@ def test_what_the_decode_instance_caches_is_not_moved_and_not_priced():
         assert policy.load_cost(1, match, 100, 0.0) == 224
         assert policy.decode_leg_cost(1, match, 100, 0.0) == 22 + 144 + 20
         assert policy.select(req(tokens), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
+def test_d_holds_a_disaggregated_prompt_from_its_leg_s_end_so_followers_are_not_sent_to_recompute_it():
+    """D runs 4 requests; a 100-token prompt nobody caches disaggregates (P 0, D 1). Until
+    its leg ends only P holds the prompt: a second request with it, priced on D as a miss
+    (100 · 6 for its prefill, waited for by the five decoding there, + 48 · 5 = 840, where
+    with D counted as holding it 240 won and D computed it again), goes to P's cache too.
+    The leg's end routes the first on D; a request that ends before its leg is uncounted."""
+    policy, _ = pd_pair(4)
+    first, second = req(range(100)), req(range(100))
+    assert policy.select(first, [InstanceLoad(), InstanceLoad()]) == Decision(1, "disaggregate", prefill=0)
+    match = policy.tree.match(first.chain(1))
+    assert (match.cached_on(0), match.cached_on(1)) == (100, 0)
+    assert policy.history[1].in_flight[first.request_id] == (0.0, 1.0, 100)  # its decode counts on D now
+    assert policy.load_cost(1, match, 100, 0.0) == 840
+    assert policy.select(second, [InstanceLoad(), InstanceLoad()]) == Decision(1, "disaggregate", prefill=0)
+    policy.on_finish(0, prefill_leg(first), FinishInfo())
+    assert policy.tree.match(first.chain(1)).cached_on(1) == 100
+    policy.on_finish(1, first, FinishInfo())
+    assert first.request_id not in policy.history[1].in_flight
+    policy.on_finish(1, second, FinishInfo())  # it ended (cancelled) before its leg did
+    assert second.request_id not in policy.history[1].in_flight
+    policy.on_finish(0, prefill_leg(second), FinishInfo())
+    assert not policy.history[0].in_flight and not policy._arriving
+    assert policy.tree.match(first.chain(1)).cached_on(1) == 0  # nothing pending, nothing stored
 
 
 def test_a_prefill_only_instance_pays_the_base_of_every_chunk_s_pass():
