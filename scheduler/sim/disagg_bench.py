@@ -184,6 +184,10 @@ def summarize(cells: list[dict]) -> list[str]:
         spread = {p: {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in KEYS}
                   for p, runs in c["policies"].items()}  # fmt: skip
         others = [p for p in mean if p not in OURS]
+        if not others or "e2" not in mean:
+            lines.append(f"{c['cluster']:8s} {c['workload']:15s} x{c['fraction']:.1f}: no aggregated E2 "
+                         "or rule ran beside ours (merge the record with one that has them)")  # fmt: skip
+            continue
         best_good = max(others, key=lambda p: mean[p]["goodput"])
         best_tpot = min(others, key=lambda p: mean[p]["p99_tpot_s"])
         lines_for = ("e2_pd", "e2_pd_slo")
@@ -221,14 +225,14 @@ def main() -> None:
     known = stress_of(args.stress_from) if args.stress_from else None
     cells = bench(args.clusters.split(","), args.link, args.workloads.split(","), args.requests, args.seeds,
                   args.jobs, policies=args.policies.split(","), grow=args.grow, known=known)  # fmt: skip
-    for line in summarize(cells):
-        print(line)
-    if args.out:
+    if args.out:  # before the summary: a run of ours alone (no rule to compare with) keeps its record
         path = Path(args.out) / f"disagg_{args.link}.json.gz"
         path.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(path, "wt") as f:
             json.dump({"args": vars(args), "cells": cells}, f)
         print(f"wrote {path}")
+    for line in summarize(cells):
+        print(line)
 
 
 if __name__ == "__main__":
