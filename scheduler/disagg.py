@@ -180,13 +180,14 @@ class E2PD(EngineRoles, E2):
         (70B, programming at stress: 32% more tokens computed, docs/benchmarks/disagg.md,
         "Followers of a prompt still on P")."""
         super().on_finish(instance, request, info)
-        rid = request.request_id
-        if rid.endswith(LEG):
-            if (arriving := self._arriving.pop(rid[: -len(LEG)], None)) is not None:
-                whole, d = arriving
-                self._route(whole, d, self.tree.match(whole.chain(self.page_size)), self.clock())
-        elif (arriving := self._arriving.pop(rid, None)) is not None:  # it ended before its leg did
-            self.history[arriving[1]].finish(rid)
+        arriving = self._arriving.pop(request.request_id.removesuffix(LEG), None)
+        if arriving is None:
+            return
+        whole, d = arriving
+        if self._answers(request):  # the request itself ended before its leg did
+            self.history[d].finish(whole.request_id)
+        else:
+            self._route(whole, d, self.tree.match(whole.chain(self.page_size)), self.clock())
 
     def _answers(self, request: RoutingRequest) -> bool:
         return not request.request_id.endswith(LEG)
