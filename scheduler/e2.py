@@ -251,7 +251,8 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         paper's), L is a DECODETIME per request and P the request's own prefill. Prompt
         tokens the instance's host tier holds cost their load-back, not a prefill.
         ``decode_len``: the request's own decoding length where it is known (a prefill
-        that leaves after one token, ``disagg.py``), else the window's average."""
+        that leaves after one token, ``disagg.py``), else the window's average; the
+        requests decoding beside it decode the window's average either way."""
         cost = self.costs[instance]
         hosted = match.hosted_on(instance) if match.hosted else 0  # loaded back, not recomputed
         missed = prompt_len - match.cached_on(instance) - hosted
@@ -263,8 +264,9 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
             evicted = memory_cost(self.tree, instance, need, match, now, cost, host, per_user)
         if self.load_model == "serial":
             return self.load(instance, now, self.load_signal) + prefill + evicted
-        d = self.decode_lengths.average(now) if decode_len is None else decode_len
-        decoding = self.history[instance].decoding(cost.decode_time(d))
+        average = self.decode_lengths.average(now)
+        d = average if decode_len is None else decode_len
+        decoding = self.history[instance].decoding(cost.decode_time(average))  # the batch's, not d
         return self._batch_load(instance, match, prompt_len, now, d) + prefill * (1 + decoding) + evicted
 
     def prefill_time(self, instance: int, tokens: int) -> float:
@@ -310,7 +312,8 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         cached = prompt_len if received else match.cached_on(instance) + hosted
         cost = self.costs[instance]
         prefill = self.prefill_time(instance, prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
-        self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len)
+        decodes = request.params.max_tokens != 1  # (a prefill leg leaves after its first token)
+        self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len, decodes)
 
     def _route(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
         """Route the request in the tree: its prompt is held (pending) on ``instance``."""

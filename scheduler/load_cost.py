@@ -58,20 +58,26 @@ class InstanceHistory:
         self.window_s = window_s
         self.routed: deque[tuple[float, float]] = deque()  # (time, prefill ms)
         self.prefill_ms = 0.0
-        self.in_flight: dict[str, tuple[float, float, int]] = {}  # id -> (prefill ms, cached share, tokens)
-        self.in_flight_prefill_ms = 0.0
+        self.in_flight: dict[str, tuple[float, float, int, bool]] = {}  # id -> (prefill ms, cached share,
+        self.in_flight_prefill_ms = 0.0  # tokens, whether it decodes)
+        self.in_flight_legs, self.legs_prefill_ms = 0, 0.0  # those that leave after one token, their prefill
         self.in_flight_cached = 0.0  # Σ cached fraction
         self.in_flight_tokens = 0  # Σ prompt tokens: what the batch's attention reads
         self.backlog_ms, self.backlog_at = 0.0, 0.0  # prefill still queued, as of a time
 
-    def add(self, request_id: str, now: float, prefill_ms: float, cached: float, tokens: int) -> None:
-        """A request routed here: its prefill time, the fraction of its prompt cached and
-        its prompt's length."""
+    def add(self, request_id: str, now: float, prefill_ms: float, cached: float, tokens: int,
+            decodes: bool = True) -> None:  # fmt: skip
+        """A request routed here: its prefill time, the fraction of its prompt cached, its
+        prompt's length, and whether it decodes here (not a prefill leg that leaves after
+        one token, ``disagg.py``)."""
         queued = self.queued_prefill(now)  # capped by what was in flight before this request
         self.routed.append((now, prefill_ms))
         self.prefill_ms += prefill_ms
-        self.in_flight[request_id] = (prefill_ms, cached, tokens)
+        self.in_flight[request_id] = (prefill_ms, cached, tokens, decodes)
         self.in_flight_prefill_ms += prefill_ms
+        if not decodes:
+            self.in_flight_legs += 1
+            self.legs_prefill_ms += prefill_ms
         self.in_flight_cached += cached
         self.in_flight_tokens += tokens
         self.backlog_ms, self.backlog_at = queued + prefill_ms, now
@@ -90,8 +96,11 @@ class InstanceHistory:
             self.in_flight_prefill_ms -= entry[0]
             self.in_flight_cached -= entry[1]
             self.in_flight_tokens -= entry[2]
+            if not entry[3]:
+                self.in_flight_legs -= 1
+                self.legs_prefill_ms -= entry[0]
         if not self.in_flight:  # no rounding drift survives an idle moment
-            self.in_flight_prefill_ms = self.in_flight_cached = self.backlog_ms = 0.0
+            self.in_flight_prefill_ms = self.in_flight_cached = self.backlog_ms = self.legs_prefill_ms = 0.0
 
     def routed_in_window(self, now: float) -> int:
         self._expire(now)
@@ -123,11 +132,11 @@ class InstanceHistory:
     def decoding(self, decode_ms: float) -> float:
         """How many of the requests in flight are decoding rather than waiting for their
         prefill, expected from the shares of a request's time the two take: its prefill
-        (the mean in flight) and ``decode_ms``."""
-        b = len(self.in_flight)
-        if not b or decode_ms <= 0:
+        (the mean in flight) and ``decode_ms``. Prefill legs never decode."""
+        b = len(self.in_flight) - self.in_flight_legs
+        if b <= 0 or decode_ms <= 0:
             return 0.0
-        return b * decode_ms / (decode_ms + max(0.0, self.in_flight_prefill_ms) / b)
+        return b * decode_ms / (decode_ms + max(0.0, self.in_flight_prefill_ms - self.legs_prefill_ms) / b)
 
     def queued(self, decode_len: float, prompt_len: int, capacity: int) -> float:
         """How many requests a new one of ``prompt_len`` tokens would wait behind: those in

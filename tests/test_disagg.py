@@ -76,8 +76,10 @@ def test_e2_disaggregates_when_the_prefill_would_cost_the_decodes_more_than_the_
         return
     assert (decision.branch, decision.prefill) == ("disaggregate", 0)
     # the prefill is counted on P (m ms), the decode on D with nothing to prefill there
-    assert policy.history[0].in_flight == {r.request_id + LEG: (m, 0.0, m)}
-    assert policy.history[1].in_flight[r.request_id] == (0.0, 1.0, m)
+    assert policy.history[0].in_flight == {
+        r.request_id + LEG: (m, 0.0, m, False)
+    }  # a leg: it does not decode
+    assert policy.history[1].in_flight[r.request_id] == (0.0, 1.0, m, True)
 
 
 def test_what_the_decode_instance_caches_is_not_moved_and_not_priced():
@@ -108,7 +110,12 @@ def test_d_holds_a_disaggregated_prompt_from_its_leg_s_end_so_followers_are_not_
     assert policy.select(first, [InstanceLoad(), InstanceLoad()]) == Decision(1, "disaggregate", prefill=0)
     match = policy.tree.match(first.chain(1))
     assert (match.cached_on(0), match.cached_on(1)) == (100, 0)
-    assert policy.history[1].in_flight[first.request_id] == (0.0, 1.0, 100)  # its decode counts on D now
+    assert policy.history[1].in_flight[first.request_id] == (
+        0.0,
+        1.0,
+        100,
+        True,
+    )  # its decode counts on D now
     assert policy.load_cost(1, match, 100, 0.0) == 840
     assert policy.select(second, [InstanceLoad(), InstanceLoad()]) == Decision(1, "disaggregate", prefill=0)
     policy.on_finish(0, prefill_leg(first), FinishInfo())
@@ -120,6 +127,42 @@ def test_d_holds_a_disaggregated_prompt_from_its_leg_s_end_so_followers_are_not_
     policy.on_finish(0, prefill_leg(second), FinishInfo())
     assert not policy.history[0].in_flight and not policy._arriving
     assert policy.tree.match(first.chain(1)).cached_on(1) == 0  # nothing pending, nothing stored
+
+
+def test_a_prefill_leg_is_paid_for_by_the_requests_decoding_where_it_prefills():
+    """Every instance ``both``. Instance 0 runs 8 requests whose prefills (100 ms each) are
+    in flight, instance 1 runs 6 fully cached. A 300-token prompt nobody caches:
+    aggregated on 1 costs 48·6 + 300·7 = 2,388 (on 0, 1,184 + 300·(1 + 6.095) = 3,313). Of
+    0's 8 requests 8·320 / (320 + 100) = 6.095 are expected to decode (DECODETIME of the
+    window's 32 tokens against their mean prefill), and they wait for a leg's prefill there
+    as for any other's: a leg on 0 costs 800 queued + 8 + 4 (its one step) + 300·7.095 =
+    2,941, so P is instance 1 (2,109) and the pair, with D = 0 (1,786), costs more than
+    aggregated. Priced at the leg's own one-token DECODETIME, 0's decoders looked like
+    8·10 / (10 + 100) = 0.73 requests, the leg 1,330, and the prompt prefilled on 0 beside
+    its decodes (70B, flexible roles, multi-tenant at stress: their TPOT went from 67 to
+    101 ms against a 100 ms bound, docs/benchmarks/disagg.md, "A leg's price on an
+    instance that decodes")."""
+    policy = E2PD(2, ("both", "both"), SLOW_LINK, cost_model=BATCH, capacity_tokens=10_000,
+                  clock=Clock(), page_size=1)  # fmt: skip
+    for k in range(8):
+        policy.history[0].add(f"prefilling{k}", 0.0, 100.0, 0.0, 1000)
+    for k in range(6):
+        policy.history[1].add(f"busy{k}", 0.0, 0.0, 1.0, 1000)
+    r = req(range(300))
+    match = policy.tree.match(r.chain(1))
+    assert policy.history[0].decoding(320) == pytest.approx(8 * 320 / 420)
+    assert [policy.load_cost(i, match, 300, 0.0) for i in (0, 1)] == pytest.approx(
+        [1184 + 300 * (1 + 8 * 320 / 420), 2388]
+    )
+    assert policy.load_cost(0, match, 300, 0.0, decode_len=1.0) == pytest.approx(
+        812 + 300 * (1 + 8 * 320 / 420)
+    )
+    assert policy.load_cost(1, match, 300, 0.0, decode_len=1.0) == 9 + 300 * 7
+    assert policy.decode_leg_cost(0, match, 300, 0.0) == 2 + 300 + 1184 + 300
+    assert policy.select(r, [InstanceLoad(), InstanceLoad()]) == Decision(1, "explore")
+    decoding = policy.history[1].decoding(320)  # its 6 and the request
+    policy.history[1].add("another" + LEG, 0.0, 300.0, 0.0, 300, decodes=False)
+    assert policy.history[1].decoding(320) == decoding  # a leg in flight never decodes
 
 
 def test_a_prefill_only_instance_pays_the_base_of_every_chunk_s_pass():
