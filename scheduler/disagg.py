@@ -155,15 +155,19 @@ class E2PD(EngineRoles, E2):
             aggregated = self.choose(request, loads, match, now)
         agg_cost = self.load_cost(aggregated.instance, match, prompt_len, now)
         leg = {i: self.load_cost(i, match, prompt_len, now, decode_len=1.0) for i in prefillers}
+        slo = self.tpot_slo_ms
+        if slo:  # no prefill, local or a leg, where the requests decoding would miss the SLO with it
+            if self.tpot_with_prefill(aggregated.instance, match, prompt_len, now) > slo:
+                agg_cost = math.inf
+            for i in leg:  # (an instance that prefills only has none decoding)
+                if self.tpot_with_prefill(i, match, prompt_len, now, joins=False) > slo:
+                    leg[i] = math.inf
         p = min(sorted(leg), key=leg.__getitem__)
         rest = {i: self.decode_leg_cost(i, match, prompt_len, now) for i in (decoders & self.movable) - {p}}
         if not rest:
             self._record(request, aggregated.instance, match, now)
             return aggregated
         d = min(sorted(rest), key=rest.__getitem__)
-        slo = self.tpot_slo_ms
-        if slo and self.tpot_with_prefill(aggregated.instance, match, prompt_len, now) > slo:
-            agg_cost = math.inf  # its decodes would miss the SLO with the prompt prefilling there
         if leg[p] + rest[d] >= agg_cost:
             self._record(request, aggregated.instance, match, now)
             return aggregated
@@ -192,18 +196,22 @@ class E2PD(EngineRoles, E2):
     def _answers(self, request: RoutingRequest) -> bool:
         return not request.request_id.endswith(LEG)
 
-    def tpot_with_prefill(self, instance: int, match, prompt_len: int, now: float) -> float:
+    def tpot_with_prefill(
+        self, instance: int, match, prompt_len: int, now: float, joins: bool = True
+    ) -> float:
         """The time per output token of the requests decoding on ``instance`` if this
         prompt's missed tokens prefill there too (ms; 0 where none decodes or nothing is
-        missed): a decode step of its batch with the request in it, stretched by the share
-        of the instance's time that prefills take, the ones routed there within the window
-        and this one (chunked prefill runs them in the passes that decode)."""
+        missed): a decode step of its batch with the request in it (``joins``; a leg leaves
+        after its prefill), stretched by the share of the instance's time that prefills
+        take, the ones routed there within the window and this one (chunked prefill runs
+        them in the passes that decode). Legs in flight there do not decode."""
         h, cost = self.history[instance], self.costs[instance]
         missed = prompt_len - match.cached_on(instance)
-        if not h.in_flight or missed <= 0:
+        decoding = len(h.in_flight) - h.in_flight_legs
+        if decoding <= 0 or missed <= 0:
             return 0.0
         d = max(1.0, self.decode_lengths.average(now))
-        b = len(h.in_flight) + 1
+        b = decoding + joins
         step = cost.iteration_time(0, b, round(h.in_flight_tokens + prompt_len + b * d / 2))
         prefilling = h.prefill_share(now, cost.prefill_time(missed))
         return step / (1.0 - prefilling) if prefilling < 1.0 else math.inf

@@ -1,6 +1,6 @@
-"""Prefill/decode disaggregation priced as a whole (``scheduler/disagg.py``), the anchors'
-rules beside it (``disagg_baselines.py``) and the simulator's P/D model: every expected
-choice computed by hand."""
+"""Prefill/decode disaggregation priced as a whole (``scheduler/disagg.py``) and the
+simulator's P/D model: every expected choice computed by hand (the anchors' rules:
+``test_disagg_baselines.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from preble_backend.common.cache_event import CacheEvent
 from preble_backend.common.cost_model import CostModel
 from preble_backend.common.settings import check_roles
 from scheduler.disagg import E2PD, LEG, KVLink, prefill_leg
-from scheduler.disagg_baselines import DynamoPD, LlmdPD, SGLangPD
+from scheduler.disagg_baselines import DynamoPD, SGLangPD
 from scheduler.policy import Decision, FinishInfo, InstanceLoad
 from scheduler.sim.simulator import SimConfig, SimRequest, metrics, simulate
 
@@ -210,6 +210,28 @@ def test_with_a_tpot_slo_e2_prefills_nothing_where_the_decodes_would_miss_it(b, 
     assert policy.select(req(range(m)), [InstanceLoad(), InstanceLoad()]).prefill == expected
 
 
+@pytest.mark.parametrize("slo_ms, expected", [(0.0, None), (2.02, 0), (1.0, None)])
+def test_with_a_tpot_slo_no_leg_prefills_where_the_decodes_would_miss_it(slo_ms, expected):
+    """Every instance ``both``; 1 request decodes on 0, 3 on 1 (fully cached, 10 s ago); a
+    100-token prompt nobody caches. Aggregated on 0 costs 48 + 100·2 = 248; the pair (a leg
+    on 0, 1.5 + 100·2, and on 1 2 + 100 + 48·3 + 100) 547.5. Told a TPOT SLO, E2 prices the
+    TPOT of the decodes beside each prefill: on 0 with the request in its batch 2 / (1 -
+    100/10,000) = 2.02 ms, with a leg that leaves 1.01 ms; a leg on 1 3.03 ms. At 2.02 the
+    aggregated choice misses it and the leg on 0 does not: the pair. At 1.0 both miss it,
+    and the request stays aggregated: no prefill meets the bound, so the price decides."""
+    policy = E2PD(2, ("both", "both"), SLOW_LINK, cost_model=BATCH, capacity_tokens=10_000, clock=Clock(),
+                  page_size=1, tpot_slo_ms=slo_ms)  # fmt: skip
+    for i, b in ((0, 1), (1, 3)):
+        for k in range(b):
+            policy.history[i].add(f"busy{i}-{k}", 0.0, 0.0, 1.0, 1000)
+    policy.clock.t = 10.0
+    match = policy.tree.match(req(range(100)).chain(1))
+    assert policy.tpot_with_prefill(0, match, 100, 10.0) == pytest.approx(2 / 0.99)
+    assert policy.tpot_with_prefill(0, match, 100, 10.0, joins=False) == pytest.approx(1 / 0.99)
+    decision = policy.select(req(range(100)), [InstanceLoad(), InstanceLoad()])
+    assert (decision.instance, decision.prefill) == ((1, 0) if expected == 0 else (0, None))
+
+
 def test_a_prefill_leg_does_not_shorten_the_average_decoding_length():
     policy, _ = pd_pair(3)
     r = req(range(100))
@@ -217,50 +239,6 @@ def test_a_prefill_leg_does_not_shorten_the_average_decoding_length():
     leg = next(iter(policy.history[0].in_flight))
     policy.on_finish(0, type(r)(leg, r.input_ids, r.params), FinishInfo(num_output_tokens=1))
     assert not policy.history[0].in_flight and policy.decode_lengths.average(0.0) == 32  # the default still
-
-
-def loads(n: int, in_flight=()) -> list[InstanceLoad]:
-    out = [InstanceLoad() for _ in range(n)]
-    for i, k in in_flight:
-        out[i].in_flight = k
-    return out
-
-
-@pytest.mark.parametrize(
-    "prompt, cached, expected",
-    [(1000, 400, "local"), (1000, 0, "remote"), (5000, 4000, "local"), (5000, 2000, "remote")],
-)
-def test_dynamo_keeps_a_prefill_local_only_when_its_uncached_part_is_short(prompt, cached, expected):
-    """Local when fewer than 2,048 tokens are uncached and they are under 70% of the
-    prompt: 600 of 1,000 (60%) and 1,000 of 5,000 stay; 1,000 of 1,000 and 3,000 go."""
-    policy = DynamoPD(3, ("prefill", "decode", "decode"), page_size=1, clock=Clock())
-    tokens = list(range(prompt))
-    policy.router.tree.apply_events(1, [CacheEvent.of("stored", tokens[:cached], 0, 1)] if cached else [])
-    decision = policy.select(req(tokens), loads(3))
-    assert decision.instance == 1 and decision.branch == expected  # (it holds the cached part, or ties first)
-    assert decision.prefill == (0 if expected == "remote" else None)
-
-
-def test_dynamos_prefill_load_variant_keeps_it_local_while_every_prefill_worker_is_busy():
-    policy = DynamoPD(3, ("prefill", "decode", "decode"), prefill_queue=2, page_size=1, clock=Clock())
-    assert policy.select(req(range(3000)), loads(3, [(0, 2)])).branch == "local_busy"
-    assert policy.select(req(range(3000)), loads(3, [(0, 1)])).branch == "remote"
-
-
-def test_llmd_picks_the_decode_pod_first_then_disaggregates_above_its_threshold():
-    """Pod 2 holds 500 of the prompt: score 0.5 + 1 against pod 1's 0 + 1; from pod 2,
-    500 tokens are uncached (≤ 512: local); a 1,100-token prompt leaves 600 (remote)."""
-    policy = LlmdPD(3, ("prefill", "decode", "decode"), page_size=1, clock=Clock())
-    policy.tree.apply_events(2, [CacheEvent.of("stored", list(range(500)), 0, 1)])
-    assert policy.select(req(range(1000)), loads(3)) == Decision(2, "local")
-    decision = policy.select(req(range(1100)), loads(3))
-    assert (decision.instance, decision.branch, decision.prefill) == (2, "remote", 0)
-
-
-def test_sglang_picks_prefill_and_decode_workers_apart_and_always_disaggregates():
-    policy = SGLangPD(4, ("prefill", "prefill", "decode", "decode"), page_size=1, clock=Clock())
-    decision = policy.select(req(range(10)), loads(4, [(0, 3)]))
-    assert decision.branch == "pd" and decision.prefill == 1 and decision.instance in (2, 3)
 
 
 COST = CostModel(base_ms=1, prefill_ms_per_token=0.1, decode_ms_per_request=0.2,
@@ -321,7 +299,8 @@ def test_live_the_router_s_e2_learns_roles_and_pairs_only_engines_that_move_kv()
 @pytest.mark.parametrize(
     "overrides, message",
     [({"role": "decoder"}, "role='decoder' is invalid"),
-     ({"role": "decode", "enable_prefix_caching": False}, "without the prefix cache")],
+     ({"role": "decode", "enable_prefix_caching": False}, "without the prefix cache"),
+     ({"kv_transfer": True, "enable_prefix_caching": False}, "kv_transfer=true is invalid without")],
 )  # fmt: skip
 def test_an_engine_role_the_handoff_cannot_serve_is_refused_at_load(overrides, message):
     from preble_backend.engine.config import EngineConfig
@@ -329,6 +308,37 @@ def test_an_engine_role_the_handoff_cannot_serve_is_refused_at_load(overrides, m
     with pytest.raises(ValueError, match=message):
         EngineConfig(model_path="tiny", **overrides)
     EngineConfig(model_path="tiny", role="decode", host_kv_tokens=64)  # a host tier: its device pages move
+
+
+def test_live_engines_that_both_serve_and_move_kv_are_paired_either_way():
+    """Engines of the role ``both`` with ``kv_transfer`` report the KV they move, and E2
+    pairs any two. Engine 0 holds a 100-token prompt and decodes 40 requests (fully cached,
+    100 tokens each), engine 1 decodes 4. Aggregated, E2 exploits 0's cache: 32·40 + 40·16
+    = 1,920. A leg on 0 costs its one step, 40 + 40/2 = 60; on 1 the transfer (1 ms, and
+    100 tokens of 1,000 bytes at 1,000 GB/s), 48·4 = 192 and the copy's 100: a pair at
+    ~353 is the cheaper. Before the engines report that they move KV, nothing pairs."""
+    from scheduler.policies import make_policy
+
+    def cluster(reported: bool):
+        policy = make_policy("e2", 2, {"page_size": 1, "capacity_tokens": 10_000, "cost_model": BATCH})
+        policy.tree.apply_events(0, [CacheEvent.of("stored", prompt, 0, 1)])
+        for i, b in ((0, 40), (1, 4)):
+            for k in range(b):
+                policy.history[i].add(f"busy{i}-{k}", 0.0, 0.0, 1.0, 100)
+            if reported:
+                policy.learn(i, {"kv_pages_total": 10_000, "page_size": 1, "role": "both",
+                                 "kv_bytes_per_token": 1000, "kv_transfer_gbps": 1000.0})  # fmt: skip
+        return policy
+
+    prompt, loads = list(range(100)), [InstanceLoad(), InstanceLoad()]
+    assert cluster(False).select(req(prompt), loads) == Decision(0, "exploit")
+    policy = cluster(True)
+    assert policy.roles == ["both", "both"] and policy.movable == {0, 1}
+    match = policy.tree.match(req(prompt).chain(1))
+    assert policy.load_cost(0, match, 100, 0.0) == 1920
+    assert policy.load_cost(0, match, 100, 0.0, decode_len=1.0) == 60
+    assert policy.decode_leg_cost(1, match, 100, 0.0) == pytest.approx(1.0001 + 192 + 100)
+    assert policy.select(req(prompt), loads) == Decision(1, "disaggregate", prefill=0)
 
 
 def test_live_an_engine_of_another_kv_shape_is_never_paired_and_a_prefill_engine_serves_alone(caplog):
@@ -347,47 +357,6 @@ def test_live_an_engine_of_another_kv_shape_is_never_paired_and_a_prefill_engine
     for down in (1, 2, 3):
         policy.instance_down(down)
     assert policy.select(req([4, 5, 6]), loads) == Decision(0, "explore")  # no decode engine is up
-
-
-@pytest.mark.parametrize(
-    "name, remote, short_remote",
-    [("dynamo_pd", "remote", True), ("llmd_pd", "remote", False), ("sglang_pd", "pd", True)],
-)
-def test_live_the_anchors_rules_learn_roles_from_the_engines_and_pair_only_engines_that_move_kv(
-    name, remote, short_remote
-):
-    """Built by name as the router builds a policy (``policy: dynamo_pd``), each anchor's
-    rule starts knowing no role: every engine is whole and nothing is paired. Once engine
-    0 reports itself a prefill engine and 1 a decode engine, both moving KV, a 3,000-token
-    uncached prompt decodes on 1 and prefills on 0; a 100-token one stays on 1 for llm-d
-    only (512 uncached tokens or fewer), where Dynamo keeps a prefill local only when
-    under 2,048 uncached tokens are also under 70% of the prompt, and SGLang's gateway
-    always pairs. An engine of another KV shape (2) is never paired; a decode engine that
-    joins later is, once it reports its role."""
-    from scheduler.policies import ALL_POLICIES, make_policy
-
-    assert name not in ALL_POLICIES  # named, never in "all": they need a P/D stack
-    policy = make_policy(name, 3, {"page_size": 1, "clock": Clock()})
-    loads = [InstanceLoad() for _ in range(3)]
-    long, short = req(list(range(3000))), req(list(range(5000, 5100)))
-    assert policy.select(long, loads).prefill is None  # no engine reported a role yet
-    policy.learn(0, {"role": "prefill", "kv_bytes_per_token": 1000})
-    policy.learn(1, {"role": "decode", "kv_bytes_per_token": 1000})
-    policy.learn(2, {"role": "decode", "kv_bytes_per_token": 2000})
-    assert policy.roles == ["prefill", "decode", "decode"] and policy.movable == {0, 1}
-    policy.instance_down(2)
-    assert policy.select(long, loads) == Decision(1, remote, prefill=0)
-    paired, local = Decision(1, remote, prefill=0), Decision(1, "local")
-    assert policy.select(short, loads) == (paired if short_remote else local)
-    policy.instance_up(2)
-    policy.instance_down(1)
-    decision = policy.select(long, loads)
-    assert decision.instance == 2 and decision.prefill is None  # 2 cannot take 0's pages
-    joined = policy.add_instance()  # a decode engine joins: the rule and its own router grow
-    policy.learn(joined, {"role": "decode", "kv_bytes_per_token": 1000})
-    policy.instance_up(joined)
-    policy.instance_down(2)
-    assert policy.select(long, loads + [InstanceLoad()]) == Decision(joined, remote, prefill=0)
 
 
 def test_the_routers_tpot_slo_reaches_e2_and_only_the_policies_that_take_it():

@@ -259,3 +259,31 @@ def test_tensor_parallel_engines_hand_off_each_rank_s_slice_through_tritonserver
             assert_engine_pages_free(client_for(srv), engine)
     finally:
         srv.stop()
+
+
+def test_engines_that_both_serve_and_move_kv_hand_off_either_way(tmp_path, tiny_model):
+    """Its own server: two engines of the role ``both`` with ``kv_transfer`` (``preble repo
+    --kv-transfer``). Each reports the KV it moves; a prompt prefilled on either and
+    decoded on the other answers the aggregated text, what the decoding engine lacked
+    arrives, and every page and lease comes back on both."""
+    repo = write_test_repository(
+        tmp_path / "repo", kv_transfer=True, router_overrides={"health_interval_s": 0.2}
+    )
+    srv = launch(repo, tmp_path / "server.log")
+    try:
+        for engine in (P, D):
+            stats = kv_stats(srv, engine)
+            assert stats["role"] == "both" and stats["kv_bytes_per_token"] > 0
+        for prefill, decode in ((P, D), (D, P)):
+            prompt = f"A document {prefill} prefills for {decode}: " + "the lazy dog sleeps. " * 20
+            reference = ask(srv, prompt, GREEDY, preble_engine=prefill)  # aggregated, caches it there
+            before = kv_stats(srv, decode)["kv_pages_received"]
+            got = ask(srv, prompt, GREEDY, preble_engine=decode, preble_prefill_engine=prefill)
+            moved = kv_stats(srv, decode)["kv_pages_received"] - before
+            assert got["instance"] == decode and got["text_output"] == reference["text_output"]
+            assert moved > 0 and moved * PAGE == got["num_cached_tokens"]
+            wait_for(lambda p=prefill: kv_stats(srv, p)["kv_leases"] == 0, 5, "the notice releases the lease")
+        for engine in (P, D):
+            assert_engine_pages_free(client_for(srv), engine)
+    finally:
+        srv.stop()

@@ -68,3 +68,20 @@ def test_roles_the_simulated_cluster_cannot_take_are_refused_by_name(tmp_path, t
                  "--rates", "1", "--tokenizer", tiny_model, "--output", str(tmp_path)])  # fmt: skip
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "bench_shifting_docs.json").exists()
+
+
+def test_a_bench_replays_through_simulated_engines_that_both_serve_and_move_kv(tmp_path, tiny_model):
+    """``--kv-transfer`` lays the simulated instances out as ``preble repo --kv-transfer``
+    does live: every instance ``both``, any two paired by E2 where the price says so
+    (``test_disagg``), besides roles where they are given; and the bench runs on them."""
+    from preble_backend.cli.commands import sim_roles
+
+    assert sim_roles(2, 0, 0) == () and sim_roles(2, 0, 0, kv_transfer=True) == ("both", "both")
+    assert sim_roles(3, 1, 1, kv_transfer=True) == ("prefill", "decode", "both")
+    code = main(["bench", "--simulate", "2", "--kv-transfer", "--capacity-tokens", "32768",
+                 "--workload", "shifting_docs", "--requests", "30", "--rates", "4", "--policies", "e2",
+                 "--scale", "0.2", "--cost-model", "tiny_cpu", "--tokenizer", tiny_model,
+                 "--output", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    run = json.loads((tmp_path / "bench_shifting_docs.json").read_text())["runs"][0]
+    assert run["completed"] == 30 and set(run["per_engine"]) == {"instance_0", "instance_1"}

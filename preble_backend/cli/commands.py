@@ -75,6 +75,8 @@ def repo(args: argparse.Namespace) -> int:
     if args.host_kv_tokens:
         engine["host_kv_tokens"] = args.host_kv_tokens
         engine["host_copy_ahead"] = args.host_copy_ahead
+    if args.kv_transfer:
+        engine["kv_transfer"] = True
     roles, cpu_engines = None, args.cpu_engines
     if args.prefill_engines or args.decode_engines:
         roles = ["prefill"] * args.prefill_engines + ["decode"] * args.decode_engines
@@ -178,11 +180,12 @@ def bench_cmd(args: argparse.Namespace) -> int:
         cost = CostModel.load(args.cost_model).scaled(args.slowdown)
         sim = SimConfig.of(args.simulate, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens,
                            host_copy_ahead=args.host_copy_ahead)  # fmt: skip
-        roles = sim_roles(args.simulate, args.prefill_engines, args.decode_engines)
+        roles = sim_roles(args.simulate, args.prefill_engines, args.decode_engines, args.kv_transfer)
         records = replay(cfg, sim, cost, roles=roles, kv_gbps=args.kv_gbps, tpot_slo_ms=args.tpot_slo_ms)
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
         if roles:
-            cluster += f", {args.prefill_engines} P + {args.decode_engines} D at {args.kv_gbps:g} GB/s"
+            pd = f"{args.prefill_engines} P + {args.decode_engines} D" if args.prefill_engines else "any pair"
+            cluster += f", {pd} at {args.kv_gbps:g} GB/s"
     else:
         cluster = describe_cluster(cfg.urls[0], cfg.model, cfg.api_key)
         if len(cfg.urls) > 1:
@@ -196,11 +199,12 @@ def bench_cmd(args: argparse.Namespace) -> int:
     return 0 if all(r["completed"] == r["num_requests"] for r in records) else 1
 
 
-def sim_roles(instances: int, prefill: int, decode: int) -> tuple[str, ...]:
+def sim_roles(instances: int, prefill: int, decode: int, kv_transfer: bool = False) -> tuple[str, ...]:
     """The simulated instances' roles, as ``preble repo`` writes them: the first ``prefill``
-    prefill, the next ``decode`` decode, any others both; none without either."""
+    prefill, the next ``decode`` decode, any others both; none without either, unless the
+    instances move KV (``kv_transfer``: every instance both, and any two may pair)."""
     if not prefill and not decode:
-        return ()
+        return ("both",) * instances if kv_transfer else ()
     if prefill < 0 or decode < 0 or prefill + decode > instances:
         raise ValueError(f"--prefill-engines {prefill} and --decode-engines {decode} need that many of the "
                          f"--simulate {instances} instances")  # fmt: skip

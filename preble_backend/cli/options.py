@@ -173,6 +173,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="prefill/decode disaggregation: the first N engines prefill (with --decode-engines; "
                         "without --gpus, the CPU engines are N + M)")  # fmt: skip
     p.add_argument("--decode-engines", type=int, default=0, help="the next M engines decode")
+    p.add_argument("--kv-transfer", action="store_true",
+                   help="engines that serve both also move KV with NIXL, so E2 may prefill a prompt on one "
+                        "and decode it on another, per request (needs the pd extra)")  # fmt: skip
     p.add_argument("--tensor-parallel", type=_positive(int), default=1,
                    help="ranks per engine: --gpus 0-7 with 4 makes two engines of 4 GPUs each")  # fmt: skip
     p.add_argument(
@@ -219,11 +222,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         help="each engine's host tier: KV tokens kept in host memory when the device evicts them (0: none)",
     )  # fmt: skip
     _copy_ahead_flag(p)
-    p.add_argument(
-        "--no-pin",
-        action="store_true",
-        help="CPU engines share every core (without it, each gets cores of its own)",
-    )
+    p.add_argument("--no-pin", action="store_true",
+                   help="CPU engines share every core (without it, each gets cores of its own)")  # fmt: skip
     p.add_argument("--remote", default="", help="comma-separated grpc://host:port/model engines")
     p.set_defaults(func="commands.repo")
 
@@ -351,12 +351,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
         default=1.0,
         help="--simulate: times x this, as emulated engines with --slowdown",
     )
-    p.add_argument(
-        "--capacity-tokens",
-        type=_positive(int),
-        default=240_000,
-        help="--simulate: each instance's KV tokens",
-    )
+    p.add_argument("--capacity-tokens", type=_positive(int), default=240_000,
+                   help="--simulate: each instance's KV tokens")  # fmt: skip
     p.add_argument(
         "--host-kv-tokens", type=int, default=0,
         help="--simulate: each instance's host tier (0: none), as engines with host_kv_tokens",
@@ -365,6 +361,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prefill-engines", type=int, default=0,
                    help="--simulate: the first N instances prefill (with --decode-engines)")  # fmt: skip
     p.add_argument("--decode-engines", type=int, default=0, help="--simulate: the next M instances decode")
+    p.add_argument("--kv-transfer", action="store_true",
+                   help="--simulate: instances that serve both move KV too (kv_transfer)")  # fmt: skip
     p.add_argument("--kv-gbps", type=_positive(float), default=10.0,
                    help="--simulate with roles: the KV link's GB/s (live: kv_transfer_gbps)")  # fmt: skip
     p.add_argument("--tpot-slo-ms", type=float, default=0.0, help="--simulate: the router's tpot_slo_ms")

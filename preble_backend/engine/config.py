@@ -87,6 +87,12 @@ class EngineConfig:
         doc="prefill/decode disaggregation: prefill (offers its prompts' KV to decode engines) | decode "
         "(takes it) | both (serves whole requests; E2 decides per request where roles differ)",
     )
+    kv_transfer: bool = setting(
+        False,
+        doc="both role: move KV with NIXL too (offer this engine's prompts, take other engines'), so E2 "
+        "may prefill a prompt on one such engine and decode it on another, per request; prefill and "
+        "decode engines always do",
+    )
     kv_transfer_lanes: int = setting(
         2, doc="prefill and decode roles: NIXL agents reading one transfer in parallel"
     )
@@ -147,8 +153,9 @@ class EngineConfig:
         check(self.stream_interval >= 1, "stream_interval", "an integer >= 1")
         check(self.stream_interval_ms >= 0, "stream_interval_ms", "a number >= 0 (0: every token)")
         check(self.role in ROLES, "role", f"one of {', '.join(ROLES)}")
-        if self.role != "both" and not self.enable_prefix_caching:
-            raise ValueError(f"role={self.role!r} is invalid without the prefix cache: a KV handoff moves "
+        if self.moves_kv and not self.enable_prefix_caching:
+            what = f"role={self.role!r}" if self.role != "both" else "kv_transfer=true"
+            raise ValueError(f"{what} is invalid without the prefix cache: a KV handoff moves "
                              "cached pages (enable_prefix_caching: true)")  # fmt: skip
         check(1 <= self.kv_transfer_lanes <= 16, "kv_transfer_lanes", "an integer in [1, 16]")
         check(self.kv_lease_s > 0, "kv_lease_s", "a number > 0")
@@ -156,6 +163,12 @@ class EngineConfig:
         check(bool(self.kv_transfer_devices.strip()), "kv_transfer_devices", "lo, or network devices")
         if self.compute == "emulated":
             CostModel.load(self.cost_model)  # names a bad fit here, not at the first iteration
+
+    @property
+    def moves_kv(self) -> bool:
+        """Whether the engine moves KV with NIXL: a prefill or decode engine, or one that
+        serves both and is told to (``kv_transfer``)."""
+        return self.role != "both" or self.kv_transfer
 
     def host_pages(self, device_pages: int) -> int:
         """Pages of the host tier beside ``device_pages`` on the device (0: no tier)."""

@@ -114,10 +114,8 @@ class TritonPythonModel:
         self.engine = Engine(EngineConfig.from_strings(params))
         if self.engine.runner.device.type == "cuda":  # compile the kernels now, not in a request
             self.engine.warm_up()
-        role = self.engine.config.role  # a prefill or decode engine moves KV with NIXL
-        self.kv = (
-            None if role == "both" else KVExchange(self.engine, args["model_name"], pb_utils.Logger.log_warn)
-        )
+        moves = self.engine.config.moves_kv  # a prefill or decode engine, or both with kv_transfer
+        self.kv = KVExchange(self.engine, args["model_name"], pb_utils.Logger.log_warn) if moves else None
         self.metrics = Metrics({"model": args["model_name"]}, METRICS)
         self.tenants = TenantLedger(self.engine, args["model_name"])
         self._counted = dict.fromkeys(COUNTERS, 0)
