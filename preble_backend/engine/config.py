@@ -94,19 +94,20 @@ class EngineConfig:
         "decode engines always do",
     )
     kv_transfer_lanes: int = setting(
-        2, doc="prefill and decode roles: NIXL agents reading one transfer in parallel"
+        2, doc="engines that move KV (a role, or kv_transfer): NIXL agents reading one transfer in parallel"
     )
     kv_transfer_devices: str = setting(
         "lo",
-        doc="prefill and decode roles: the network devices KV moves over (UCX_NET_DEVICES); lo keeps its "
+        doc="engines that move KV: the network devices KV moves over (UCX_NET_DEVICES); lo keeps its "
         "listeners on loopback (engines on one host); name NICs (e.g. mlx5_0:1) for engines on several",
     )
     kv_transfer_timeout_s: float = setting(
-        5.0, doc="decode role: a KV read that takes longer has failed, and the request prefills here"
+        5.0, doc="engines that take KV: a read that takes longer has failed, and the request prefills here"
     )
     kv_lease_s: float = setting(
         30.0,
-        doc="prefill role: offered pages stay locked until the decode side has read them, at most this long",
+        doc="engines that offer KV: offered pages stay locked until the decode side has read them, at most "
+        "this long",
     )
     stream_interval: int = setting(
         16, doc="streaming: at most this many tokens per response (Triton only; see stream_interval_ms)"

@@ -44,9 +44,9 @@ class RouterConfig:
     )
     tpot_slo_ms: float = setting(
         0.0,
-        doc="prefill/decode roles: e2 prefills no prompt on an engine that decodes when the requests "
-        "decoding there would then take longer per output token (ms) and a prefill engine can take it "
-        "(0: no bound; e2 weighs latency alone)",
+        doc="engines that move KV: e2 prefills no prompt, whole or as a leg, on an engine where the "
+        "requests decoding would then take longer per output token (ms), where another engine can take "
+        "it (0: no bound; e2 weighs latency alone)",
     )
     page_size: int = setting(
         DEFAULT_PAGE_SIZE, doc="the engines' KV page size: prompts are matched per page (must equal theirs)"
