@@ -374,7 +374,8 @@ def test_the_routers_tpot_slo_reaches_e2_and_only_the_policies_that_take_it():
 def test_the_bench_runs_at_the_stress_rates_an_earlier_record_found(tmp_path):
     """``--stress-from``: each cell runs at the rate and trace length the record ran at
     (its full-load cell; half of it for the half-load one), a cell it did not run is not
-    run again, and a cell it lacks is searched."""
+    run again, and a cell it lacks is searched. With no seeds the bench writes the rates
+    alone, for a later run."""
     import gzip
     import json
 
@@ -392,3 +393,7 @@ def test_the_bench_runs_at_the_stress_rates_an_earlier_record_found(tmp_path):
     ran = sorted((c["fraction"], c["rps"], c["requests"]) for c in out if "not_run" not in c)
     assert ran == [(0.5, 1.5, 12), (1.0, 3.0, 12)]
     assert [(c["workload"], c["not_run"]) for c in out if "not_run" in c] == [("loogle", "too few")]
+    searched = bench(["70b_tp4"], "nvlink", ["toolbench", "loogle"], 12, 0, 1, known=known)  # --seeds 0
+    with gzip.open(record, "wt") as f:
+        json.dump({"cells": searched}, f)
+    assert stress_of(record) == known and all(not c.get("policies") for c in searched)  # the rates, no runs

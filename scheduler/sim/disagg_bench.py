@@ -27,7 +27,8 @@ of it, on a trace doubled until that rate is a load and not a burst (up to ``--g
 
     python -m scheduler.sim.disagg_bench --clusters 8b,70b_tp2 --seeds 3 --requests 300 --jobs 2
 
-``--stress-from`` an earlier record runs its cells at the rates and trace lengths it found.
+``--stress-from`` an earlier record runs its cells at the rates and trace lengths it found;
+``--seeds 0`` only searches, and writes a record of those for a later run.
 """
 
 from __future__ import annotations
@@ -146,20 +147,14 @@ def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fr
                 for (name, workload, _, _), (rate, size, _) in stress.items() if rate is not None
                 for f in fractions for policy in policies for seed in range(seeds)]  # fmt: skip
         runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
-    cells_out: dict[tuple, dict] = {}
-    for g, record in zip(grid, runs):
-        name, _, workload, size, seed, rps, policy, f = g
-        fresh = {
-            "cluster": name,
-            "link": link_kind,
-            "workload": workload,
-            "fraction": f,
-            "rps": rps,
-            "requests": size,
-            "policies": {},
-        }
-        cell = cells_out.setdefault((name, workload, f), fresh)
-        cell["policies"].setdefault(policy, []).append(record)
+    cells_out = {
+        (name, workload, f): {"cluster": name, "link": link_kind, "workload": workload, "fraction": f,
+                              "rps": rate * f, "requests": size, "policies": {}}
+        for (name, workload, _, _), (rate, size, _) in stress.items() if rate is not None for f in fractions
+    }  # fmt: skip
+    for g, record in zip(grid, runs):  # (no seeds: the cells keep the rates found, for --stress-from)
+        name, _, workload, _, _, _, policy, f = g
+        cells_out[name, workload, f]["policies"].setdefault(policy, []).append(record)
     skipped = [{"cluster": name, "link": link_kind, "workload": workload, "requests": size, "not_run": why}
                for (name, workload, _, _), (rate, size, why) in stress.items() if rate is None]  # fmt: skip
     return list(cells_out.values()) + skipped
