@@ -207,11 +207,10 @@ class E2PD(EngineRoles, E2):
         them in the passes that decode). Legs in flight there do not decode."""
         h, cost = self.history[instance], self.costs[instance]
         missed = prompt_len - match.cached_on(instance)
-        decoding = len(h.in_flight) - h.in_flight_legs
-        if decoding <= 0 or missed <= 0:
+        if h.decoders <= 0 or missed <= 0:
             return 0.0
         d = max(1.0, self.decode_lengths.average(now))
-        b = decoding + joins
+        b = h.decoders + joins
         step = cost.iteration_time(0, b, round(h.in_flight_tokens + prompt_len + b * d / 2))
         prefilling = h.prefill_share(now, cost.prefill_time(missed))
         return step / (1.0 - prefilling) if prefilling < 1.0 else math.inf

@@ -58,8 +58,9 @@ class InstanceHistory:
         self.window_s = window_s
         self.routed: deque[tuple[float, float]] = deque()  # (time, prefill ms)
         self.prefill_ms = 0.0
-        self.in_flight: dict[str, tuple[float, float, int, bool]] = {}  # id -> (prefill ms, cached share,
-        self.in_flight_prefill_ms = 0.0  # tokens, whether it decodes)
+        # id -> (prefill ms, cached share, tokens, whether it decodes)
+        self.in_flight: dict[str, tuple[float, float, int, bool]] = {}
+        self.in_flight_prefill_ms = 0.0
         self.in_flight_legs, self.legs_prefill_ms = 0, 0.0  # those that leave after one token, their prefill
         self.in_flight_cached = 0.0  # Σ cached fraction
         self.in_flight_tokens = 0  # Σ prompt tokens: what the batch's attention reads
@@ -129,11 +130,16 @@ class InstanceHistory:
         span_ms = 1000.0 * max(1.0, now - self.routed[0][0]) if self.routed else 1000.0
         return (max(0.0, self.prefill_ms) + extra_ms) / span_ms
 
+    @property
+    def decoders(self) -> int:
+        """The requests in flight that decode here: all but prefill legs."""
+        return len(self.in_flight) - self.in_flight_legs
+
     def decoding(self, decode_ms: float) -> float:
         """How many of the requests in flight are decoding rather than waiting for their
         prefill, expected from the shares of a request's time the two take: its prefill
         (the mean in flight) and ``decode_ms``. Prefill legs never decode."""
-        b = len(self.in_flight) - self.in_flight_legs
+        b = self.decoders
         if b <= 0 or decode_ms <= 0:
             return 0.0
         return b * decode_ms / (decode_ms + max(0.0, self.in_flight_prefill_ms - self.legs_prefill_ms) / b)
