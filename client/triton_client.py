@@ -119,17 +119,19 @@ class PrebleClient:
         timeout: float = 300,
         model: str | None = None,
         parameters: dict[str, str] | None = None,
+        wait_for_ready: bool = False,
     ) -> StreamResult:
         """Send raw tensors (and request ``parameters``) to a decoupled model over a gRPC
-        stream; gather its responses."""
+        stream; gather its responses. ``wait_for_ready``: a connection that fails to open
+        is tried again until ``timeout`` instead of failing the call at once."""
         import grpc
 
         channel, stub = open_grpc(self.grpc_url)
         out = StreamResult()
         try:
             key = grpc_bearer(self.api_key)
-            calls = stream_infer(stub, model or self.model, inputs, timeout, metadata=key,
-                                 parameters=parameters)  # fmt: skip
+            calls = stream_infer(stub, model or self.model, inputs, timeout, wait_for_ready,
+                                 metadata=key, parameters=parameters)  # fmt: skip
             with closing(calls) as responses:
                 for outputs, final in responses:
                     if outputs:
@@ -161,9 +163,11 @@ class PrebleClient:
         return json.loads(result.final["text_output"])
 
     def engine_control(self, engine: str, op: str, **fields) -> dict:
-        """Run ``stats`` / ``abort`` / ``flush_cache`` on an engine model; return its report."""
+        """Run ``stats`` / ``abort`` / ``flush_cache`` on an engine model; return its report.
+        A connection whose handshake fails on a busy host is tried again within the call's
+        minute (a poll of an engine's stats had failed at once: "tcp handshaker shutdown")."""
         body = np.array([json.dumps({"op": op, **fields}).encode()], dtype=np.object_)
-        result = self.infer_grpc({"control": body}, model=engine, timeout=60)
+        result = self.infer_grpc({"control": body}, model=engine, timeout=60, wait_for_ready=True)
         return json.loads(result.final["report"])
 
 
