@@ -369,31 +369,3 @@ def test_the_routers_tpot_slo_reaches_e2_and_only_the_policies_that_take_it():
     assert make_policy("e2", 2, facts).tpot_slo_ms == 40.0
     assert make_policy("e2", 2, RouterConfig().policy_facts()).tpot_slo_ms == 0
     assert isinstance(make_policy("dynamo_pd", 2, facts), DynamoPD)
-
-
-def test_the_bench_runs_at_the_stress_rates_an_earlier_record_found(tmp_path):
-    """``--stress-from``: each cell runs at the rate and trace length the record ran at
-    (its full-load cell; half of it for the half-load one), a cell it did not run is not
-    run again, and a cell it lacks is searched. With no seeds the bench writes the rates
-    alone, for a later run."""
-    import gzip
-    import json
-
-    from scheduler.sim.disagg_bench import bench, stress_of
-
-    record = tmp_path / "disagg_nvlink.json.gz"
-    cells = [{"cluster": "70b_tp4", "workload": "toolbench", "fraction": f, "rps": 3.0 * f, "requests": 12}
-             for f in (0.5, 1.0)]  # fmt: skip
-    cells.append({"cluster": "70b_tp4", "workload": "loogle", "requests": 24, "not_run": "too few"})
-    with gzip.open(record, "wt") as f:
-        json.dump({"cells": cells}, f)
-    known = stress_of(record)
-    assert known == {("70b_tp4", "toolbench"): (3.0, 12, ""), ("70b_tp4", "loogle"): (None, 24, "too few")}
-    out = bench(["70b_tp4"], "nvlink", ["toolbench", "loogle"], 12, 1, 1, policies=("e2",), known=known)
-    ran = sorted((c["fraction"], c["rps"], c["requests"]) for c in out if "not_run" not in c)
-    assert ran == [(0.5, 1.5, 12), (1.0, 3.0, 12)]
-    assert [(c["workload"], c["not_run"]) for c in out if "not_run" in c] == [("loogle", "too few")]
-    searched = bench(["70b_tp4"], "nvlink", ["toolbench", "loogle"], 12, 0, 1, known=known)  # --seeds 0
-    with gzip.open(record, "wt") as f:
-        json.dump({"cells": searched}, f)
-    assert stress_of(record) == known and all(not c.get("policies") for c in searched)  # the rates, no runs

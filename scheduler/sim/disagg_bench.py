@@ -107,7 +107,12 @@ def _run(job: tuple) -> dict:
     for r in result.records.values():
         branches[r.branch] = branches.get(r.branch, 0) + 1
     slo = SLO[CLUSTERS[name][0]]
-    return {**metrics(result, slo=slo), "branches": branches, "moved_tokens": result.moved_tokens}
+    return {
+        **metrics(result, slo=slo),
+        "branches": branches,
+        "moved_tokens": result.moved_tokens,
+        "seed": seed,
+    }
 
 
 def stress_rate(job: tuple) -> tuple[float | None, int, str]:
@@ -133,9 +138,32 @@ def stress_of(path: str | Path) -> dict[tuple[str, str], tuple[float | None, int
     return found
 
 
+def merge(earlier: list[dict], later: list[dict]) -> list[dict]:
+    """``later``'s traces after ``earlier``'s, cell by cell (the same cluster, workload and
+    load), for more traces than one run could hold. Refused where a cell's rate differs or
+    its policies do not match: traces at two loads, or one policy with more traces than the
+    others, would be summarized as one."""
+    key = lambda c: (c["cluster"], c["workload"], c.get("fraction"))  # noqa: E731
+    added = {key(c): c for c in later if "policies" in c}
+    out = []
+    for c in earlier:
+        new = added.pop(key(c), None)
+        if new is None or "policies" not in c:
+            out.append(c)
+            continue
+        if abs(new["rps"] - c["rps"]) > 1e-9 * c["rps"] or set(new["policies"]) != set(c["policies"]):
+            raise ValueError(f"{key(c)}: {new['rps']} rps and {sorted(new['policies'])} cannot join the "
+                             f"record's {c['rps']} rps and {sorted(c['policies'])}")  # fmt: skip
+        policies = {p: runs + new["policies"][p] for p, runs in c["policies"].items()}
+        out.append({**c, "policies": policies})
+    return out + list(added.values())
+
+
 def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fractions=(0.5, 1.0),
-          policies=POLICIES, grow: int = 8, known: dict | None = None) -> list[dict]:  # fmt: skip
-    """``known``: stress rates already found (``stress_of``); the other cells are searched."""
+          policies=POLICIES, grow: int = 8, known: dict | None = None,
+          first_seed: int = 0) -> list[dict]:  # fmt: skip
+    """``known``: stress rates already found (``stress_of``); the other cells are searched.
+    Traces ``first_seed`` to ``first_seed + seeds - 1``."""
     known = known or {}
     cells = [(name, workload, n, grow) for name in clusters for workload in workloads]
     search = [c for c in cells if c[:2] not in known]
@@ -143,9 +171,10 @@ def bench(clusters, link_kind: str, workloads, n: int, seeds: int, jobs: int, fr
         searched = pool.map(stress_rate, search)
         found = dict(zip(search, progress(searched, total=len(search), desc="stress rates", unit="cell")))
         stress = {c: known[c[:2]] if c[:2] in known else found[c] for c in cells}
+        traces = range(first_seed, first_seed + seeds)
         grid = [(name, link_kind, workload, size, seed, rate * f, policy, f)
                 for (name, workload, _, _), (rate, size, _) in stress.items() if rate is not None
-                for f in fractions for policy in policies for seed in range(seeds)]  # fmt: skip
+                for f in fractions for policy in policies for seed in traces]  # fmt: skip
         runs = list(progress(pool.map(_run, [g[:7] for g in grid]), total=len(grid), desc="runs", unit="run"))
     cells_out = {
         (name, workload, f): {"cluster": name, "link": link_kind, "workload": workload, "fraction": f,
@@ -210,6 +239,10 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0, help="the first trace's seed")
+    ap.add_argument("--merge", default=None,
+                    help="an earlier record to add these traces to (run it with --stress-from that record "
+                         "and --first-seed after its traces); the merged record is written")  # fmt: skip
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--grow", type=int, default=8, help="traces grow to at most this × --requests")
     ap.add_argument("--out", default=None, help="a directory for disagg.json.gz")
@@ -219,7 +252,11 @@ def main() -> None:
     args = ap.parse_args()
     known = stress_of(args.stress_from) if args.stress_from else None
     cells = bench(args.clusters.split(","), args.link, args.workloads.split(","), args.requests, args.seeds,
-                  args.jobs, policies=args.policies.split(","), grow=args.grow, known=known)  # fmt: skip
+                  args.jobs, policies=args.policies.split(","), grow=args.grow, known=known,
+                  first_seed=args.first_seed)  # fmt: skip
+    if args.merge:
+        with gzip.open(args.merge, "rt") as f:
+            cells = merge(json.load(f)["cells"], cells)
     if args.out:  # before the summary: a run of ours alone (no rule to compare with) keeps its record
         path = Path(args.out) / f"disagg_{args.link}.json.gz"
         path.parent.mkdir(parents=True, exist_ok=True)
