@@ -247,6 +247,17 @@ def test_bench_finds_the_admin_key_serve_left_for_its_port(tmp_path, monkeypatch
     assert keys("--url", "127.0.0.1:8123") == ("env", "env-admin")
 
 
+def test_every_generated_key_can_be_passed_on_a_command_line():
+    """A key starting with "-" reads as an option (1 URL-safe key in 64 did): the class
+    of keys serve prints and the bench's tests pass as ``--admin-key KEY``."""
+    from preble_backend.cli.options import build_parser
+    from preble_backend.runtime.access import new_key
+
+    parser = build_parser()
+    for key in (new_key() for _ in range(1000)):
+        assert parser.parse_args(["bench", "--admin-key", key, "--api-key", key]).admin_key == key
+
+
 def _output(tokens, finished=False, logprobs=None):
     from preble_backend.engine.scheduling.request import RequestOutput
 

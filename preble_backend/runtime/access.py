@@ -31,7 +31,9 @@ LOOPBACK = "127.0.0.1"
 
 
 def new_key() -> str:
-    return secrets.token_urlsafe(24)
+    """192 random bits in hex: a URL-safe key may start with "-", which a command line's
+    parser then reads as an option (``--admin-key -Xy...`` fails, 1 key in 64)."""
+    return secrets.token_hex(24)
 
 
 @dataclass(frozen=True)
