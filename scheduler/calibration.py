@@ -36,6 +36,8 @@ from scheduler.cost_priors import TYPICAL_DECODE, Prior, with_decode_step
 PRIOR_PREFILLS = (32, 128, 512, 2048)
 PRIOR_DECODES = ((1, 128), (4, 512), (16, 512), (32, 2048))  # batch, context per request
 GRID_PASSES = 0.5  # the prior's weight where the window has no passes
+COPY_TOKENS = 1024  # the prior's copy between tiers
+ROUNDING = 1e-6  # relative errors this far apart are equal: a prior that is the truth ties its fit
 FLOOR = 1e-6  # the least trust: the grid still defines what no pass exercises
 
 
@@ -169,7 +171,7 @@ class OnlineCost:
         error = eager.relative_error(np.array(model.terms()))
         if not all(math.isfinite(v) for v in model.terms()) or error is None:
             return CostFit(prior, "prior", reason="the fit is not finite", **common)
-        if common["prior_error"] is not None and error > common["prior_error"]:
+        if common["prior_error"] is not None and error > common["prior_error"] + ROUNDING:
             return CostFit(prior, "prior", reason="the fit is no better than the prior",
                            error=common["prior_error"], **common)  # fmt: skip
         return CostFit(model, "learnt", error=error, **common)
@@ -210,11 +212,14 @@ def _scale(window: _Window, prior: np.ndarray) -> float:
 
 def _pseudo_passes(prior: CostModel) -> tuple[np.ndarray, np.ndarray]:
     """The prior's passes over a grid of prefills and decode batches (and a copy between
-    tiers where it prices one): their rows and the times the prior gives them."""
+    tiers where it prices one): their rows and the times the prior gives them. The copy
+    is one alone, no pass around it: inside a decode pass at the prior's time, the copy
+    term was the one left to explain the prior's whole pass where the engine's passes
+    never copy, and came out 265x the true cost (tiny engines from SmolLM2's prior)."""
     rows = [row(n, 0, n, 0, prior.num_experts, prior.experts_per_token) for n in PRIOR_PREFILLS]
     rows += [row(0, b, b * c, 0, prior.num_experts, prior.experts_per_token) for b, c in PRIOR_DECODES]
     if prior.load_ms_per_token:
-        rows.append(row(0, 16, 16 * 512, 1024, prior.num_experts, prior.experts_per_token))
+        rows.append((0.0, 0.0, 0.0, 0.0, float(COPY_TOKENS), 0.0))
     x = np.array(rows)
     return x, x @ np.array(prior.terms())
 

@@ -58,6 +58,22 @@ def test_exact_passes_are_learnt_exactly_whatever_the_prior():
     assert fit.fit.model.decode_step_ms == pytest.approx(TRUE.iteration_time(0, batch, batch * context))
 
 
+def test_a_term_the_passes_never_exercise_keeps_the_priors_value():
+    """Engines without a host tier never copy between tiers: what such a copy costs is the
+    prior's alone to say, whether the prior prices the rest 10x high or 10x low. (The
+    prior's copy inside a whole decode pass had the copy term absorb the pass's error:
+    priced high, 10x and more its value; priced low, zero.)"""
+    copies = replace(TRUE, load_ms_per_token=0.002)
+    for factor in (10.0, 0.1):
+        prior = copies.scaled(factor)
+        engine, fit = PassCosts(), online(prior)
+        passes(engine, TRUE, 400)
+        fit.observe({"eager": engine.report()["eager"]})
+        assert fit.fit.status == "learnt"
+        assert coefficients(fit.fit.model) == pytest.approx(coefficients(TRUE), rel=1e-3)
+        assert fit.fit.model.load_ms_per_token == pytest.approx(prior.load_ms_per_token, rel=1e-3)
+
+
 def test_a_few_outliers_do_not_swing_the_fit():
     """Host pauses: 2% of passes take 10x. The engine weighs them down (Huber); the plain
     least-squares fit of the same passes is swung, so the test can fail."""
