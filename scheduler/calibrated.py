@@ -48,6 +48,7 @@ class Calibrated:
         self._first = CostFit(self._given, status, label, "unknown", "the engine has not said what it serves")
         self.fits: list[CostFit] = [self._first] * num_instances
         self.online: list[OnlineCost | None] = [None] * num_instances
+        self.repricing: set[int] = set()  # instances whose fit changed: E2 reprices their load
 
     @property
     def cost(self) -> CostModel:
@@ -70,7 +71,9 @@ class Calibrated:
         if online is None or not passes or not online.observe(passes):
             return started
         was, self.fits[instance] = self.fits[instance], online.fit
-        self.costs[instance] = online.fit.model
+        if online.fit.model != self.costs[instance]:
+            self.costs[instance] = online.fit.model
+            self.repricing.add(instance)
         fit = online.fit
         if was.status != fit.status:
             why = fit.model.source if fit.status == "learnt" else fit.reason
@@ -78,7 +81,7 @@ class Calibrated:
         return True
 
     def _start(self, instance: int, facts: dict) -> None:
-        prior = self._prior(facts)
+        prior, was = self._prior(facts), self.costs[instance]
         if self.calibrating:
             self.online[instance] = OnlineCost(prior, self.window_passes)
             self.fits[instance] = self.online[instance].fit
@@ -87,6 +90,8 @@ class Calibrated:
             own = self._named is not None and facts.get("emulated") == self._named  # waited out k x slower
             self.costs[instance] = prior.model if own else self._given
             self.fits[instance] = CostFit(self.costs[instance], "fixed", prior.label, prior.kind)
+        if self.costs[instance] != was:  # requests routed before its first report
+            self.repricing.add(instance)
         if prior.kind == "mismatch":
             log.warning("instance %d: %s", instance, mismatch_message(prior, facts, not self.calibrating))
         else:

@@ -143,6 +143,7 @@ class E2PD(EngineRoles, E2):
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
         """Aggregated or a pair, the cheaper; while no engine that decodes is up, a prefill
         engine serves whole requests (it can: a role only steers E2)."""
+        self.reprice()
         decoders = self._decoders()
         prefillers = self._with("prefill") & self.movable
         if not prefillers or not decoders & self.movable or self.link is None:

@@ -118,6 +118,7 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
     # ---- Algorithm 1 ----------------------------------------------------------------------
 
     def select(self, request: RoutingRequest, loads: list[InstanceLoad]) -> Decision:
+        self.reprice()
         now = self.clock()
         match = self.tree.match(request.chain(self.page_size))
         decision = self.choose(request, loads, match, now)
@@ -310,10 +311,24 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         prompt_len = len(request.input_ids)
         hosted = match.hosted_on(instance) if match.hosted and not received else 0
         cached = prompt_len if received else match.cached_on(instance) + hosted
-        cost = self.costs[instance]
-        prefill = self.prefill_time(instance, prompt_len - cached) + (cost.load_time(hosted) if hosted else 0)
+        work = (prompt_len - cached, hosted)
         decodes = request.params.max_tokens != 1  # (a prefill leg leaves after its first token)
-        self.history[instance].add(request.request_id, now, prefill, cached / prompt_len, prompt_len, decodes)
+        self.history[instance].add(request.request_id, now, self._price(instance, *work), cached / prompt_len,
+                                   prompt_len, decodes, work)  # fmt: skip
+
+    def _price(self, instance: int, prefilled: int, loaded: int) -> float:
+        """The prefill time a request routed to ``instance`` adds to its load: its missed
+        tokens' PREFILLTIME and the load-back of those its host tier holds."""
+        cost = self.costs[instance]
+        return self.prefill_time(instance, prefilled) + (cost.load_time(loaded) if loaded else 0.0)
+
+    def reprice(self) -> None:
+        """The instances whose fit changed since the last decision (``Calibrated.calibrate``,
+        on the probe thread): their window's prefills at the new price, here on the
+        requests' thread that owns the history."""
+        while self.repricing:
+            instance = self.repricing.pop()
+            self.history[instance].reprice(functools.partial(self._price, instance))
 
     def _route(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:
         """Route the request in the tree: its prompt is held (pending) on ``instance``."""

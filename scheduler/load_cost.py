@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from preble_backend.common.cost_model import CostModel
 from scheduler.global_tree import GlobalPrefixTree
@@ -56,10 +57,11 @@ class InstanceHistory:
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self.routed: deque[tuple[float, float]] = deque()  # (time, prefill ms)
+        # (time, prefill ms, the tokens it prefills, those it loads from the host tier)
+        self.routed: deque[tuple[float, float, int, int]] = deque()
         self.prefill_ms = 0.0
-        # id -> (prefill ms, cached share, tokens, whether it decodes)
-        self.in_flight: dict[str, tuple[float, float, int, bool]] = {}
+        # id -> (prefill ms, cached share, tokens, whether it decodes, prefilled, loaded)
+        self.in_flight: dict[str, tuple[float, float, int, bool, int, int]] = {}
         self.in_flight_prefill_ms = 0.0
         self.in_flight_legs, self.legs_prefill_ms = 0, 0.0  # those that leave after one token, their prefill
         self.in_flight_cached = 0.0  # Σ cached fraction
@@ -67,14 +69,15 @@ class InstanceHistory:
         self.backlog_ms, self.backlog_at = 0.0, 0.0  # prefill still queued, as of a time
 
     def add(self, request_id: str, now: float, prefill_ms: float, cached: float, tokens: int,
-            decodes: bool = True) -> None:  # fmt: skip
+            decodes: bool = True, work: tuple[int, int] = (0, 0)) -> None:  # fmt: skip
         """A request routed here: its prefill time, the fraction of its prompt cached, its
-        prompt's length, and whether it decodes here (not a prefill leg that leaves after
-        one token, ``disagg.py``)."""
+        prompt's length, whether it decodes here (not a prefill leg that leaves after one
+        token, ``disagg.py``), and the work its prefill time prices (tokens prefilled,
+        tokens loaded from the host tier), for ``reprice``."""
         queued = self.queued_prefill(now)  # capped by what was in flight before this request
-        self.routed.append((now, prefill_ms))
+        self.routed.append((now, prefill_ms, *work))
         self.prefill_ms += prefill_ms
-        self.in_flight[request_id] = (prefill_ms, cached, tokens, decodes)
+        self.in_flight[request_id] = (prefill_ms, cached, tokens, decodes, *work)
         self.in_flight_prefill_ms += prefill_ms
         if not decodes:
             self.in_flight_legs += 1
@@ -102,6 +105,21 @@ class InstanceHistory:
                 self.legs_prefill_ms -= entry[0]
         if not self.in_flight:  # no rounding drift survives an idle moment
             self.in_flight_prefill_ms = self.in_flight_cached = self.backlog_ms = self.legs_prefill_ms = 0.0
+
+    def reprice(self, price: Callable[[int, int], float]) -> None:
+        """The instance's cost model changed (learnt online): every prefill in the window
+        and in flight at the new ``price(prefilled, loaded)``. Kept at the price of their
+        routing, a prior's milliseconds weighed for the whole window (180 s) beside the
+        learnt fit's: tiny engines started from SmolLM2's fit (10x their cost) were priced
+        by the instances' first seconds for the rest of the trace."""
+        self.routed = deque((t, price(m, h), m, h) for t, _, m, h in self.routed)
+        self.prefill_ms = sum(entry[1] for entry in self.routed)
+        before = self.in_flight_prefill_ms
+        self.in_flight = {rid: (price(m, h), *rest, m, h) for rid, (_, *rest, m, h) in self.in_flight.items()}
+        self.in_flight_prefill_ms = sum(entry[0] for entry in self.in_flight.values())
+        self.legs_prefill_ms = sum(entry[0] for entry in self.in_flight.values() if not entry[3])
+        if before > 0:  # the backlog drains as it did, at the new price
+            self.backlog_ms *= self.in_flight_prefill_ms / before
 
     def routed_in_window(self, now: float) -> int:
         self._expire(now)

@@ -244,6 +244,50 @@ def test_e2_calibrating_learns_that_an_instance_is_slow_and_moves_its_choice():
     assert decision.instance == 1 and policy.agreement == [(1, True)]
 
 
+def test_a_learnt_fit_reprices_the_load_its_instance_carries():
+    """A 100-token prompt routed to instance 0 under the prior SLOW counts 80 + 100 * 0.4 =
+    120 ms of prefill in its load; once the engine's passes teach TRUE, the next decision
+    counts it at 20 + 100 * 0.1 = 30 ms (kept at 120 for the window's 180 s, the prior's
+    price outweighed the learnt one's). Instance 1, whose fit did not change, keeps its own."""
+    policy = e2(SLOW, calibrate=True)
+    facts = {"model": "m", "device": "cpu", "tensor_parallel": 1}
+    for i in range(2):
+        policy.calibrate(i, {"cost_facts": facts})
+    assert not policy.repricing  # the prior it was given: nothing priced otherwise
+    routed = [req(range(100 * i, 100 * i + 100)) for i in range(2)]
+    for i, request in enumerate(routed):
+        policy.record(request, i)
+    history = policy.history
+    assert [h.prefill_ms for h in history] == [120.0, 120.0] and history[0].in_flight_prefill_ms == 120.0
+    engine = PassCosts()
+    passes(engine, TRUE, 300)
+    policy.calibrate(0, {"cost_facts": facts, "pass_costs": engine.report()})
+    assert policy.cost_fits()[0].status == "learnt" and policy.repricing == {0}
+    assert history[0].prefill_ms == 120.0  # repriced on the requests' side, not the probe's
+    policy.select(req(range(500, 520)), [InstanceLoad(), InstanceLoad()])
+    assert not policy.repricing
+    assert history[0].routed[0][1] == pytest.approx(30.0, rel=1e-3)
+    assert history[0].in_flight[routed[0].request_id][0] == pytest.approx(30.0, rel=1e-3)
+    assert history[1].routed[0][1] == 120.0
+
+
+def test_the_window_and_the_requests_in_flight_are_repriced_alike():
+    """Two requests, one a prefill leg with 32 tokens loaded from the host tier, at a
+    price of 1 ms a prefilled token and 0.5 a loaded one; repriced at 2 and 0.25."""
+    from scheduler.load_cost import InstanceHistory
+
+    h = InstanceHistory(180.0)
+    h.add("a", 0.0, 70.0, 0.3, 100, True, (70, 0))
+    h.add("b", 0.0, 66.0, 0.5, 100, False, (50, 32))
+    sums = (h.prefill_ms, h.in_flight_prefill_ms, h.legs_prefill_ms, h.backlog_ms)
+    assert sums == (136.0, 136.0, 66.0, 136.0)
+    h.reprice(lambda prefilled, loaded: 2.0 * prefilled + 0.25 * loaded)
+    assert (h.prefill_ms, h.in_flight_prefill_ms, h.legs_prefill_ms) == (248.0, 248.0, 108.0)
+    assert h.backlog_ms == pytest.approx(248.0) and h.in_flight["b"][1:4] == (0.5, 100, False)
+    h.finish("b")
+    assert (h.in_flight_prefill_ms, h.legs_prefill_ms, h.in_flight_legs) == (140.0, 0.0, 0)
+
+
 def test_a_fixed_fit_says_whether_it_suits_the_engine(caplog):
     policy = E2(1, "tiny_cpu")
     policy.calibrate(0, {"cost_facts": {"model": "llama L30 H576 A9/3x64 I1536 V49152", "device": "cpu"}})

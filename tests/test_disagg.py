@@ -75,11 +75,11 @@ def test_e2_disaggregates_when_the_prefill_would_cost_the_decodes_more_than_the_
         assert r.request_id in policy.history[1].in_flight and not policy.history[0].in_flight
         return
     assert (decision.branch, decision.prefill) == ("disaggregate", 0)
-    # the prefill is counted on P (m ms), the decode on D with nothing to prefill there
+    # the prefill is counted on P (m ms for m tokens), the decode on D with nothing to prefill there
     assert policy.history[0].in_flight == {
-        r.request_id + LEG: (m, 0.0, m, False)
+        r.request_id + LEG: (m, 0.0, m, False, m, 0)
     }  # a leg: it does not decode
-    assert policy.history[1].in_flight[r.request_id] == (0.0, 1.0, m, True)
+    assert policy.history[1].in_flight[r.request_id] == (0.0, 1.0, m, True, 0, 0)
 
 
 def test_what_the_decode_instance_caches_is_not_moved_and_not_priced():
@@ -110,12 +110,7 @@ def test_d_holds_a_disaggregated_prompt_from_its_leg_s_end_so_followers_are_not_
     assert policy.select(first, [InstanceLoad(), InstanceLoad()]) == Decision(1, "disaggregate", prefill=0)
     match = policy.tree.match(first.chain(1))
     assert (match.cached_on(0), match.cached_on(1)) == (100, 0)
-    assert policy.history[1].in_flight[first.request_id] == (
-        0.0,
-        1.0,
-        100,
-        True,
-    )  # its decode counts on D now
+    assert policy.history[1].in_flight[first.request_id] == (0.0, 1.0, 100, True, 0, 0)  # on D now
     assert policy.load_cost(1, match, 100, 0.0) == 840
     assert policy.select(second, [InstanceLoad(), InstanceLoad()]) == Decision(1, "disaggregate", prefill=0)
     policy.on_finish(0, prefill_leg(first), FinishInfo())
