@@ -17,6 +17,7 @@ from scheduler.cost_priors import Prior, matches, mismatch_message, parse_settin
 
 log = logging.getLogger("preble.e2")
 UNKNOWN = "tiny_cpu"  # what an auto-calibrating E2 prices an engine with before it first reports
+REPRICE = 0.02  # a fit that moves no prefill's price by more leaves the load as it was priced
 
 
 class Calibrated:
@@ -48,7 +49,8 @@ class Calibrated:
         self._first = CostFit(self._given, status, label, "unknown", "the engine has not said what it serves")
         self.fits: list[CostFit] = [self._first] * num_instances
         self.online: list[OnlineCost | None] = [None] * num_instances
-        self.repricing: set[int] = set()  # instances whose fit changed: E2 reprices their load
+        self.repricing: set[int] = set()  # instances whose fit moved: E2 reprices their load
+        self.priced_with = list(self.costs)  # the fit each instance's load was last priced with
 
     @property
     def cost(self) -> CostModel:
@@ -57,6 +59,7 @@ class Calibrated:
 
     def _grow_costs(self) -> None:
         self.costs.append(self._given)
+        self.priced_with.append(self._given)
         self.fits.append(self._first)
         self.online.append(None)
 
@@ -71,8 +74,8 @@ class Calibrated:
         if online is None or not passes or not online.observe(passes):
             return started
         was, self.fits[instance] = self.fits[instance], online.fit
-        if online.fit.model != self.costs[instance]:
-            self.costs[instance] = online.fit.model
+        self.costs[instance] = online.fit.model
+        if moved(self.priced_with[instance], online.fit.model):
             self.repricing.add(instance)
         fit = online.fit
         if was.status != fit.status:
@@ -90,7 +93,7 @@ class Calibrated:
             own = self._named is not None and facts.get("emulated") == self._named  # waited out k x slower
             self.costs[instance] = prior.model if own else self._given
             self.fits[instance] = CostFit(self.costs[instance], "fixed", prior.label, prior.kind)
-        if self.costs[instance] != was:  # requests routed before its first report
+        if moved(was, self.costs[instance]):  # requests routed before its first report
             self.repricing.add(instance)
         if prior.kind == "mismatch":
             log.warning("instance %d: %s", instance, mismatch_message(prior, facts, not self.calibrating))
@@ -120,3 +123,13 @@ class Calibrated:
 
     def cost_fits(self) -> list[CostFit]:
         return list(self.fits)
+
+
+def moved(old: CostModel, new: CostModel) -> bool:
+    """Whether a prefill of 32, 512 or 4,096 tokens, or a load-back of 1,024, is priced
+    more than ``REPRICE`` apart by the two fits: repricing a load walks every request in
+    the window (~1 µs each, 20 ms for 10,000), so a refit that moves nothing skips it, and
+    small moves add up against the fit the load was priced with."""
+    pairs = [(old.prefill_time(n), new.prefill_time(n)) for n in (32, 512, 4096)]
+    pairs.append((old.load_time(1024), new.load_time(1024)))
+    return any(abs(b - a) > REPRICE * max(a, b) for a, b in pairs)

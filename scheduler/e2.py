@@ -328,6 +328,7 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
         requests' thread that owns the history."""
         while self.repricing:
             instance = self.repricing.pop()
+            self.priced_with[instance] = self.costs[instance]
             self.history[instance].reprice(functools.partial(self._price, instance))
 
     def _route(self, request: RoutingRequest, instance: int, match: Match, now: float) -> None:

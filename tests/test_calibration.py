@@ -269,6 +269,9 @@ def test_a_learnt_fit_reprices_the_load_its_instance_carries():
     assert history[0].routed[0][1] == pytest.approx(30.0, rel=1e-3)
     assert history[0].in_flight[routed[0].request_id][0] == pytest.approx(30.0, rel=1e-3)
     assert history[1].routed[0][1] == 120.0
+    passes(engine, TRUE, 300, seed=1)  # a refit that moves no price by 2%: no walk of the window
+    policy.calibrate(0, {"cost_facts": facts, "pass_costs": engine.report()})
+    assert policy.costs[0] is not policy.priced_with[0] and not policy.repricing
 
 
 def test_the_window_and_the_requests_in_flight_are_repriced_alike():
