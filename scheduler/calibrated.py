@@ -75,16 +75,20 @@ class Calibrated:
             return started
         was, self.fits[instance] = self.fits[instance], online.fit
         self.costs[instance] = online.fit.model
-        if moved(self.priced_with[instance], online.fit.model):
-            self.repricing.add(instance)
+        self._note_price(instance)
         fit = online.fit
         if was.status != fit.status:
             why = fit.model.source if fit.status == "learnt" else fit.reason
             log.info("instance %d is priced with %s: %s", instance, fit.status, why)
         return True
 
+    def _note_price(self, instance: int) -> None:
+        """E2 reprices the instance's load where its fit moved since it was last priced."""
+        if moved(self.priced_with[instance], self.costs[instance]):
+            self.repricing.add(instance)
+
     def _start(self, instance: int, facts: dict) -> None:
-        prior, was = self._prior(facts), self.costs[instance]
+        prior = self._prior(facts)
         if self.calibrating:
             self.online[instance] = OnlineCost(prior, self.window_passes)
             self.fits[instance] = self.online[instance].fit
@@ -93,8 +97,7 @@ class Calibrated:
             own = self._named is not None and facts.get("emulated") == self._named  # waited out k x slower
             self.costs[instance] = prior.model if own else self._given
             self.fits[instance] = CostFit(self.costs[instance], "fixed", prior.label, prior.kind)
-        if moved(was, self.costs[instance]):  # requests routed before its first report
-            self.repricing.add(instance)
+        self._note_price(instance)  # requests routed before its first report
         if prior.kind == "mismatch":
             log.warning("instance %d: %s", instance, mismatch_message(prior, facts, not self.calibrating))
         else:

@@ -317,15 +317,13 @@ class E2(Calibrated, Autoscaling, MirrorsCaches, Policy):
                                    prompt_len, decodes, work)  # fmt: skip
 
     def _price(self, instance: int, prefilled: int, loaded: int) -> float:
-        """The prefill time a request routed to ``instance`` adds to its load: its missed
-        tokens' PREFILLTIME and the load-back of those its host tier holds."""
+        """A request's prefill time in its instance's load: PREFILLTIME and host load-backs."""
         cost = self.costs[instance]
         return self.prefill_time(instance, prefilled) + (cost.load_time(loaded) if loaded else 0.0)
 
     def reprice(self) -> None:
-        """The instances whose fit changed since the last decision (``Calibrated.calibrate``,
-        on the probe thread): their window's prefills at the new price, here on the
-        requests' thread that owns the history."""
+        """Instances whose fit moved (``Calibrated.calibrate``, on the probe thread): their
+        load at the new price, here on the requests' thread that owns the history."""
         while self.repricing:
             instance = self.repricing.pop()
             self.priced_with[instance] = self.costs[instance]
