@@ -5,11 +5,18 @@ The router calls ``calibrate`` with each health probe's answer on its probe thre
 the simulator with each report: the fit runs there, never on a request's path, and E2
 swaps the engine's model in one assignment. ``cost_fits`` says, per engine, what it is
 priced with and why.
+
+An engine that has not learnt its own fit yet is priced with the learnt fit of a peer that
+serves the same model on the same device (``cost_facts`` equal), where one has: a prior
+10x off priced the engines still at it 10x apart from their learnt peers, so E2 sent them
+nothing and they learnt nothing (tiny engines from SmolLM2's prior, programming: one of four
+engines still at its prior after 270 requests).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from preble_backend.common.cost_model import CostModel
 from scheduler.calibration import CostFit, OnlineCost
@@ -49,6 +56,7 @@ class Calibrated:
         self._first = CostFit(self._given, status, label, "unknown", "the engine has not said what it serves")
         self.fits: list[CostFit] = [self._first] * num_instances
         self.online: list[OnlineCost | None] = [None] * num_instances
+        self.facts: list[tuple | None] = [None] * num_instances  # what each engine serves: its peers
         self.repricing: set[int] = set()  # instances whose fit moved: E2 reprices their load
         self.priced_with = list(self.costs)  # the fit each instance's load was last priced with
 
@@ -62,25 +70,46 @@ class Calibrated:
         self.priced_with.append(self._given)
         self.fits.append(self._first)
         self.online.append(None)
+        self.facts.append(None)
 
     def calibrate(self, instance: int, load: dict) -> bool:
         """An engine's report: what it serves (``cost_facts``, once: the prior) and what its
-        passes cost (``pass_costs``). True when its fit changed."""
+        passes cost (``pass_costs``). True when its fit, or a peer's it borrows, changed."""
         facts, started = load.get("cost_facts"), False
         if facts and self.online[instance] is None and self.fits[instance] is self._first:
             self._start(instance, facts)
             started = True
         online, passes = self.online[instance], load.get("pass_costs")
-        if online is None or not passes or not online.observe(passes):
+        refit = online is not None and bool(passes) and online.observe(passes)
+        if online is None or not (started or refit):
             return started
-        was, self.fits[instance] = self.fits[instance], online.fit
-        self.costs[instance] = online.fit.model
-        self._note_price(instance)
-        fit = online.fit
+        was = self.fits[instance]
+        for i in self._peers(instance) if refit else [instance]:
+            self._settle(i)
+        fit = self.fits[instance]
         if was.status != fit.status:
             why = fit.model.source if fit.status == "learnt" else fit.reason
             log.info("instance %d is priced with %s: %s", instance, fit.status, why)
         return True
+
+    def _peers(self, instance: int) -> list[int]:
+        """The calibrating engines that serve what ``instance`` serves, itself first."""
+        key = self.facts[instance]
+        return [instance] + [i for i, f in enumerate(self.facts) if i != instance and f == key]
+
+    def _settle(self, instance: int) -> None:
+        """Price the engine with its own fit once learnt, else with its peers' most practised
+        learnt fit where one has (``CostFit.status`` "peer"), else its prior."""
+        own = self.online[instance].fit
+        fit = own
+        if own.status != "learnt":
+            learnt = [i for i in self._peers(instance)[1:] if self.online[i].fit.status == "learnt"]
+            if learnt:
+                peer = max(learnt, key=lambda i: self.online[i].fit.passes)
+                why = f"instance {peer}'s learnt fit, the same model and device ({own.reason})"
+                fit = replace(own, model=self.online[peer].fit.model, status="peer", reason=why)
+        self.fits[instance], self.costs[instance] = fit, fit.model
+        self._note_price(instance)
 
     def _note_price(self, instance: int) -> None:
         """E2 reprices the instance's load where its fit moved since it was last priced."""
@@ -91,6 +120,7 @@ class Calibrated:
         prior = self._prior(facts)
         if self.calibrating:
             self.online[instance] = OnlineCost(prior, self.window_passes)
+            self.facts[instance] = tuple(sorted(facts.items()))
             self.fits[instance] = self.online[instance].fit
             self.costs[instance] = prior.model
         else:  # fixed: say whether it suits the engine

@@ -46,7 +46,7 @@ class CostFit:
     """What an engine is priced with, and why: exported as gauges and in the live bench."""
 
     model: CostModel
-    status: str  # fixed | prior | learnt
+    status: str  # fixed | prior | learnt | peer (a peer's learnt fit: ``Calibrated._settle``)
     prior: str
     prior_kind: str  # matches | estimate | mismatch | unknown
     reason: str = ""
@@ -59,7 +59,7 @@ class CostFit:
     def mismatch(self) -> bool:
         """Priced with another model's or device's timings, or with a fit not known to be
         this engine's (it has not said what it serves)."""
-        return self.status != "learnt" and self.prior_kind in ("mismatch", "unknown")
+        return self.status in ("fixed", "prior") and self.prior_kind in ("mismatch", "unknown")
 
     def summary(self) -> dict:
         m = self.model

@@ -251,8 +251,8 @@ def test_a_learnt_fit_reprices_the_load_its_instance_carries():
     price outweighed the learnt one's). Instance 1, whose fit did not change, keeps its own."""
     policy = e2(SLOW, calibrate=True)
     facts = {"model": "m", "device": "cpu", "tensor_parallel": 1}
-    for i in range(2):
-        policy.calibrate(i, {"cost_facts": facts})
+    for i in range(2):  # on other devices: no peers (below)
+        policy.calibrate(i, {"cost_facts": {**facts, "device": f"cpu{i}"}})
     assert not policy.repricing  # the prior it was given: nothing priced otherwise
     routed = [req(range(100 * i, 100 * i + 100)) for i in range(2)]
     for i, request in enumerate(routed):
@@ -261,7 +261,7 @@ def test_a_learnt_fit_reprices_the_load_its_instance_carries():
     assert [h.prefill_ms for h in history] == [120.0, 120.0] and history[0].in_flight_prefill_ms == 120.0
     engine = PassCosts()
     passes(engine, TRUE, 300)
-    policy.calibrate(0, {"cost_facts": facts, "pass_costs": engine.report()})
+    policy.calibrate(0, {"pass_costs": engine.report()})
     assert policy.cost_fits()[0].status == "learnt" and policy.repricing == {0}
     assert history[0].prefill_ms == 120.0  # repriced on the requests' side, not the probe's
     policy.select(req(range(500, 520)), [InstanceLoad(), InstanceLoad()])
@@ -270,8 +270,32 @@ def test_a_learnt_fit_reprices_the_load_its_instance_carries():
     assert history[0].in_flight[routed[0].request_id][0] == pytest.approx(30.0, rel=1e-3)
     assert history[1].routed[0][1] == 120.0
     passes(engine, TRUE, 300, seed=1)  # a refit that moves no price by 2%: no walk of the window
-    policy.calibrate(0, {"cost_facts": facts, "pass_costs": engine.report()})
+    policy.calibrate(0, {"pass_costs": engine.report()})
     assert policy.costs[0] is not policy.priced_with[0] and not policy.repricing
+
+
+def test_an_engine_still_at_its_prior_is_priced_with_a_peers_learnt_fit():
+    """Engines 0-2 serve one model on one device, engine 3 on another. Engine 0 learns TRUE;
+    1 and 2, no passes yet, are priced with it: at the prior a 100-token prefill costs them
+    120 ms against their peer's 30, and E2 would send them nothing to learn from. Engine 3
+    keeps its prior. Engine 1 then learns its own (SLOW), and 2 takes the more practised."""
+    policy = E2(4, SLOW, 100_000, clock=Clock(), page_size=1, calibrate=True)
+    facts = {"model": "m", "device": "cpu", "tensor_parallel": 1}
+    for i in range(4):
+        policy.calibrate(i, {"cost_facts": {**facts, "device": "cpu" if i < 3 else "gpu"}})
+    engines = [PassCosts(), PassCosts()]
+    passes(engines[0], TRUE, 300)
+    assert policy.calibrate(0, {"pass_costs": engines[0].report()})
+    fits = policy.cost_fits()
+    assert [f.status for f in fits] == ["learnt", "peer", "peer", "prior"]
+    assert policy.costs[1] is policy.costs[2] is fits[0].model and policy.costs[3] is SLOW
+    assert "instance 0's learnt fit" in fits[1].reason and not fits[1].mismatch and fits[3].mismatch
+    assert policy.repricing == {0, 1, 2}
+    passes(engines[1], SLOW, 400, seed=1)
+    policy.calibrate(1, {"pass_costs": engines[1].report()})
+    assert [f.status for f in policy.cost_fits()] == ["learnt", "learnt", "peer", "prior"]
+    assert policy.costs[1].prefill_ms_per_token == pytest.approx(0.4, rel=1e-3)
+    assert policy.costs[2] is policy.costs[1] and policy.costs[0].prefill_ms_per_token == pytest.approx(0.1)
 
 
 def test_the_window_and_the_requests_in_flight_are_repriced_alike():
@@ -327,6 +351,19 @@ def test_agreement_holds_from_the_first_window_after_which_every_window_agrees()
     flags = [False] * 60 + [True] * 100  # a window of 50 agrees at 90% from index 55 on
     assert agree_from([(2 * i, ok) for i, ok in enumerate(flags)]) == 110
     assert agree_from([(i, i % 5 != 0) for i in range(200)]) is None  # 80%: never
+
+
+def test_a_bench_run_again_for_one_policy_takes_the_records_rates_and_replaces_its_runs():
+    from scheduler.sim.calibration_bench import merge, stress_of
+
+    cell = {"scenario": "off10", "workload": "chat", "requests": 3200}
+    earlier = [{**cell, "stress_fraction": f, "rps": 7.6 * f, "policy": p, "per_seed": [p]}
+               for f in (0.5, 1.0) for p in ("e2_true", "e2_online")]  # fmt: skip
+    earlier.append({"scenario": "off10", "workload": "loogle", "requests": 1600, "not_run": "a burst"})
+    assert stress_of(earlier) == {("chat", "off10"): (7.6, 3200)}
+    again = {**cell, "stress_fraction": 1.0, "rps": 7.6, "policy": "e2_online", "per_seed": ["again"]}
+    merged = merge(earlier, [again])
+    assert len(merged) == 5 and merged[3] is again and merged[:3] == earlier[:3]
 
 
 def test_the_simulator_prices_a_mixed_cluster_and_e2_learns_it():

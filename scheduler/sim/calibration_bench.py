@@ -22,6 +22,10 @@ from which request on it stays matched (``agree_from``: every later window of
 ``AGREE_WINDOW`` costed decisions agrees at ``AGREE_SHARE`` or more).
 
     python -m scheduler.sim.calibration_bench --out docs/sim --jobs 2
+
+``--stress-from R`` runs R's cells at the rates and trace lengths R found (no search);
+``--policies`` runs only those; ``--merge R`` writes R with the new runs in place of the
+same cell's and policy's (E2 calibrating again after a change to it, say).
 """
 
 from __future__ import annotations
@@ -134,24 +138,28 @@ def stress_rate(job: tuple) -> tuple[float | None, int, str]:
     return stress_or_why(workload, n, SimConfig.of(INSTANCES), truth)
 
 
-def bench(
-    workloads, scenarios, n: int, seeds: int, after: int, jobs: int, fractions=(0.5, 1.0)
-) -> list[dict]:
+def bench(workloads, scenarios, n: int, seeds: int, after: int, jobs: int, fractions=(0.5, 1.0),
+          policies: tuple[str, ...] | None = None, known: dict | None = None) -> list[dict]:  # fmt: skip
+    """``known``: (workload, scenario) -> (stress rate, requests) from an earlier record."""
+    known = known or {}
     cells = [(workload, name, n) for name in scenarios for workload in workloads]
+    search = [c for c in cells if c[:2] not in known]
     # Spawned, not forked: a fork of a process whose torch thread pool is running deadlocks.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        stress = dict(zip(cells, progress(pool.map(stress_rate, cells), total=len(cells), desc="stress rates",
-                                          unit="cell")))  # fmt: skip
+        found = progress(pool.map(stress_rate, search), total=len(search), desc="stress rates", unit="cell")
+        stress = dict(zip(search, found))
+        stress.update({c: (*known[c[:2]], "") for c in cells if c[:2] in known})
         grid = []
         for workload, name, _ in cells:
-            policies = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
+            run = E2_VARIANTS + (BASELINES if name in ("mixed", "off10") else ("cache_aware",))
             rate, size, _ = stress[workload, name, n]
             if rate is None:
                 continue
             for fraction in fractions:
                 grid += [
                     (workload, size, seed, rate * fraction, name, p, after, fraction)
-                    for p in policies
+                    for p in run
+                    if policies is None or p in policies
                     for seed in range(seeds)
                 ]
         work = pool.map(_run, [g[:7] for g in grid])
@@ -170,6 +178,20 @@ def bench(
     skipped = [{"scenario": name, "workload": workload, "requests": size, "not_run": why}
                for (workload, name, _), (rate, size, why) in stress.items() if rate is None]  # fmt: skip
     return list(records.values()) + skipped
+
+
+def stress_of(records: list[dict]) -> dict:
+    """(workload, scenario) -> (stress rate, requests), as a record ran them."""
+    return {(r["workload"], r["scenario"]): (r["rps"] / r["stress_fraction"], r["requests"])
+            for r in records if "not_run" not in r}  # fmt: skip
+
+
+def merge(earlier: list[dict], later: list[dict]) -> list[dict]:
+    """``earlier`` with ``later``'s records in place of the same cell's and policy's, and
+    its others added."""
+    key = lambda r: (r["scenario"], r["workload"], r.get("stress_fraction"), r.get("policy"))  # noqa: E731
+    new = {key(r): r for r in later}
+    return [new.pop(key(r), r) for r in earlier] + list(new.values())
 
 
 def summarize(records: list[dict]) -> list[str]:
@@ -223,15 +245,27 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--after", type=int, default=200, help="metrics over the requests after these")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--policies", default="", help="only these (default: every one)")
+    p.add_argument("--stress-from", default="", help="a record whose cells' rates and lengths to run at")
+    p.add_argument("--merge", default="", help="a record to write again with these runs in it")
     p.add_argument("--out", default="", help="a directory for calibration.json.gz")
     args = p.parse_args()
+    known = stress_of(_read(args.stress_from)) if args.stress_from else None
+    policies = tuple(args.policies.split(",")) if args.policies else None
     records = bench(args.workloads.split(","), args.scenarios.split(","), args.num_requests, args.seeds,
-                    args.after, args.jobs)  # fmt: skip
+                    args.after, args.jobs, policies=policies, known=known)  # fmt: skip
+    if args.merge:
+        records = merge(_read(args.merge), records)
     print("\n".join(summarize(records)))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with gzip.GzipFile(Path(args.out) / "calibration.json.gz", "wb", mtime=0) as f:
             f.write(json.dumps(records, indent=1).encode())
+
+
+def _read(path: str) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":

@@ -148,25 +148,25 @@ class RouterState:
 
     def calibrate(self, instance: int, load: dict) -> None:
         """A probe's answer, on the monitor's thread: the policy fits the engine's costs
-        there, never on a request's path, and the fit in use is exported when it changed."""
+        there, never on a request's path, and the fits in use are exported when one changed
+        (an engine still at its prior may price with a peer's new fit)."""
         policy = self.policy
         if not policy.calibrate(instance, load):
             return
-        fits = policy.cost_fits()
-        if instance >= len(fits) or instance >= len(self.engines):
-            return
-        fit, labels, gauge = fits[instance], {"engine": self.engines[instance].name}, self.metrics.gauge
-        gauge("preble_router_cost_model_learnt", int(fit.status == "learnt"), labels)
-        gauge("preble_router_cost_model_mismatch", int(fit.mismatch), labels)
-        gauge("preble_router_cost_fit_passes", fit.passes, labels)
-        if fit.error is not None:
-            gauge("preble_router_cost_fit_error", fit.error, labels)
-        m = fit.model
-        for term, value in (("base", m.base_ms), ("prefill_per_token", m.prefill_ms_per_token),
-                            ("decode_per_request", m.decode_ms_per_request),
-                            ("attention_per_context_token", m.attention_ms_per_context_token),
-                            ("decode_step", m.decode_step_ms)):  # fmt: skip
-            gauge("preble_router_cost_ms", value, {**labels, "term": term})
+        gauge = self.metrics.gauge
+        for fit, engine in zip(policy.cost_fits(), list(self.engines)):
+            labels = {"engine": engine.name}
+            gauge("preble_router_cost_model_learnt", int(fit.status == "learnt"), labels)
+            gauge("preble_router_cost_model_mismatch", int(fit.mismatch), labels)
+            gauge("preble_router_cost_fit_passes", fit.passes, labels)
+            if fit.error is not None:
+                gauge("preble_router_cost_fit_error", fit.error, labels)
+            m = fit.model
+            for term, value in (("base", m.base_ms), ("prefill_per_token", m.prefill_ms_per_token),
+                                ("decode_per_request", m.decode_ms_per_request),
+                                ("attention_per_context_token", m.attention_ms_per_context_token),
+                                ("decode_step", m.decode_step_ms)):  # fmt: skip
+                gauge("preble_router_cost_ms", value, {**labels, "term": term})
 
     def _engine_load(self, instance: int, load: dict) -> None:
         """A health probe's answer: what the engine is (its KV, its host tier), for
