@@ -368,7 +368,8 @@ def test_a_bench_run_again_for_one_policy_takes_the_records_rates_and_replaces_i
 
 def test_the_simulator_prices_a_mixed_cluster_and_e2_learns_it():
     """Two fast and two slow instances, E2 starting from the fast ones' fit: the slow ones
-    run their passes at twice the time, and E2's fits of them come out at the truth."""
+    run their passes at twice the time and report another device (no peer lends across the
+    two), and E2's fits of them come out at the truth."""
     from scheduler.sim.calibration_bench import _run, scenario
 
     truth, prior = scenario("mixed")
@@ -377,4 +378,5 @@ def test_the_simulator_prices_a_mixed_cluster_and_e2_learns_it():
     assert [f["status"] for f in record["fits"]] == ["learnt"] * 4
     assert learnt == pytest.approx([t.prefill_ms_per_token for t in truth], rel=0.02)
     assert prior.prefill_ms_per_token == truth[0].prefill_ms_per_token != truth[2].prefill_ms_per_token
+    assert truth[0].device == prior.device != truth[2].device == truth[3].device
     assert record["agreement_after"] > 0.9 and record["num_requests"] == 140

@@ -4,7 +4,9 @@ E2 learns its engines' own costs.
 Each scenario is a cluster's true costs, per instance, and the fit E2 starts from:
 
 - ``mixed``: two fast and two slow instances, the slow ones 2x the fast ones' every
-  cost (the paper's Mistral-7B-on-A6000 fit); E2 starts from the fast ones' fit;
+  cost (the paper's Mistral-7B-on-A6000 fit) and reporting a device of their own, as a
+  slower GPU does (so no slow engine borrows a fast one's learnt fit, nor the reverse);
+  E2 starts from the fast ones' fit;
 - ``off10``: four equal instances; E2 starts from their fit with PREFILLTIME's per-token
   cost 10x too high, so recompute weighs 10x too much against load (a fit scaled as a
   whole changes no decision: L, M and P all scale with it);
@@ -68,7 +70,8 @@ def _scenario(name: str) -> tuple[list[CostModel], CostModel]:
     if name in ("mixed", "off10"):
         fast = CostModel.load("mistral7b_a6000")
         if name == "mixed":
-            return [fast, fast, fast.scaled(2), fast.scaled(2)], fast
+            slow = replace(fast.scaled(2), device=f"{fast.device} at half speed")
+            return [fast, fast, slow, slow], fast
         off = replace(fast, prefill_ms_per_token=10 * fast.prefill_ms_per_token, source="prefill x10")
         return [fast] * INSTANCES, off
     smollm2, tiny = CostModel.load("smollm2_cpu"), CostModel.load("tiny_cpu")
