@@ -252,3 +252,82 @@ def test_a_received_request_joins_the_next_pass_ahead_of_a_running_prefill(recei
     assert moved.num_cached_tokens == 16
     for r in (fresh, moved):
         sched.finish(r)
+
+
+def _step(sched):
+    """One pass, each request that computed its last token given its next (a decode), and
+    finished at its ``max_tokens`` as the engine does."""
+    batch = sched.schedule()
+    sched.advance(batch)
+    for r in batch.requests:
+        if r.num_computed >= r.num_tokens:
+            r.output_ids.append(0)
+            if len(r.output_ids) >= r.params.max_tokens:
+                sched.finish(r)
+    return batch
+
+
+def _received(sched, doc, rid):
+    """``doc``'s pages cached as a transfer leaves them, and a request for it, received."""
+    pages = sched.blocks.pool.alloc(len(doc) // sched.blocks.page_size)
+    sched.blocks.cache.insert(doc, pages)
+    moved = make_request(doc + [2], rid)
+    moved.received = True
+    return moved
+
+
+@pytest.mark.parametrize("received", [True, False])
+def test_a_received_prompt_keeps_its_pages_until_it_is_admitted(received):
+    """A received prompt waits for a running slot while the running request's decode needs
+    the pool: its pages are not evicted for it (the decode yields, preempted, and the
+    received request is admitted on all 16 moved tokens), where a prompt merely cached
+    loses its last page to that decode. Every page comes back."""
+    sched = make_scheduler(chunk_size=8, max_running=1, num_pages=8)  # 4 tokens a page
+    moved = _received(sched, list(range(100, 116)), "moved")  # 4 of the 8 pages cached
+    moved.received = received
+    decode = make_request(list(range(300, 308)), "decode")
+    decode.params = decode.params.__class__(max_tokens=12)  # to 20 tokens: a fifth page
+    sched.add(decode)
+    _step(sched)
+    sched.add(moved)
+    assert (moved.held_node is not None) == received
+    while moved.num_cached_tokens is None:
+        _step(sched)
+    assert moved.num_cached_tokens == (16 if received else 12) and moved.held_node is None
+    assert decode.num_preemptions == (1 if received else 0)
+    while sched.has_work():
+        _step(sched)
+    pool, cache = sched.blocks.pool, sched.blocks.cache
+    assert pool.num_used == cache.num_pages == cache.num_evictable_pages  # nothing locked or lost
+
+
+def test_a_received_prompt_that_leaves_before_admission_lets_its_pages_go():
+    sched = make_scheduler(chunk_size=8, max_running=1, num_pages=12)
+    moved = _received(sched, list(range(100, 116)), "moved")
+    blocker = make_request(list(range(300, 304)), "blocker")
+    sched.add(blocker)
+    _step(sched)
+    evictable = sched.blocks.cache.num_evictable_pages
+    sched.add(moved)
+    assert sched.blocks.cache.num_evictable_pages == evictable - 4
+    sched.finish(moved)  # cancelled while it waited
+    assert moved.held_node is None and sched.blocks.cache.num_evictable_pages == evictable
+
+
+def test_held_pages_that_leave_no_room_for_any_waiting_prompt_are_let_go():
+    """Two received prompts hold all 6 pages while nothing runs, and each needs one more
+    for its last token: rather than wait for ever, the holds are let go, the first is
+    admitted on a page of the second's, and every page comes back."""
+    sched = make_scheduler(chunk_size=16, max_running=4, num_pages=6)
+    first = _received(sched, list(range(100, 112)), "first")
+    second = _received(sched, list(range(200, 212)), "second")
+    sched.add(first)
+    sched.add(second)
+    assert sched.blocks.pool.num_free == sched.blocks.cache.num_evictable_pages == 0
+    batch = _step(sched)
+    assert [(r.request_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)] == [("first", 1)]
+    assert first.held_node is None and second.held_node is None and first.num_cached_tokens == 12
+    while sched.has_work():
+        _step(sched)
+    assert second.num_cached_tokens == 8  # its last page went to the first
+    assert sched.blocks.pool.num_used == sched.blocks.cache.num_evictable_pages

@@ -63,6 +63,7 @@ class Request:
     tenant: str = DEFAULT_TENANT  # whose share it is served from (engine/scheduling/fair_queue.py)
     tenant_weight: float | None = None  # that tenant's weight, as its request said (None: as it was)
     received: bool = False  # its prompt's KV came from a prefill instance (P/D): it joins the next pass
+    held_node: TreeNode | None = None  # received: its prompt's cached pages, locked until first admitted
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None and self.logprobs is None:
