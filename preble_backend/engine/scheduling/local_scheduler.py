@@ -118,7 +118,7 @@ class LocalScheduler:
         """Lock a received prompt's cached pages until the request is first admitted, as
         vLLM's decode side holds the blocks a transfer filled: evictable while it waited for
         room, they went to other prompts and were computed here again (Llama-3-70B on 1
-        prefill + 1 decode instance, chat: 9% of moved prompts recomputed, goodput 0.59 ->
+        prefill + 1 decode instance, chat: 9% of moved prompts recomputed; goodput 0.63 ->
         0.91 with them held; docs/benchmarks/disagg.md). Not on a preempted request's
         return: its pages were let go to make room."""
         _, node = self.blocks.cache.match_prefix(req.tokens(0, req.num_tokens - 1))
