@@ -111,7 +111,7 @@ class LocalScheduler:
         self.waiting.push(req, self.waiting.group_for(cached, req.num_tokens), front=front)
         if req.received and req.num_tokens - cached <= self.blocks.page_size:
             self.ready.append(req)
-        if req.received and cache is not None and req.num_cached_tokens is None and req.held_node is None:
+        if req.received and cache is not None and req.num_cached_tokens is None:  # never admitted yet
             self._hold(req)
 
     def _hold(self, req: Request) -> None:
