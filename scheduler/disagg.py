@@ -13,7 +13,10 @@ Engines serve as ``prefill``, ``decode`` or ``both``. For each request, ``E2PD``
 
 The pair's cost splits into a term of P and a term of D, so the best pair is the best P
 with the best D: O(instances), not O(P × D). The cheaper of the two wins; a tie stays
-aggregated. The anchors' rules (``disagg_baselines.py``) threshold or pick P and D apart.
+aggregated. Told a TTFT bound (``ttft_slo_ms``), where exactly one of the two is expected
+to meet it, that one wins: a sum of latencies lets one request wait past the bound to
+spare many decodes a few milliseconds each, and goodput counts the one. The anchors'
+rules (``disagg_baselines.py``) threshold or pick P and D apart.
 
 A prefill on P is its own request to the policy (``prefill_leg``), so P's load, its tree
 and its finish report are counted as any other request's.
@@ -114,12 +117,13 @@ class EngineRoles:
 class E2PD(EngineRoles, E2):
     def __init__(self, num_instances: int, roles: tuple[str, ...] | list[str] = (),
                  link: KVLink | None = None, link_gbps: float = 10.0, link_latency_ms: float = 1.0,
-                 tpot_slo_ms: float = 0.0, **e2_options) -> None:  # fmt: skip
+                 tpot_slo_ms: float = 0.0, ttft_slo_ms: float = 0.0, **e2_options) -> None:  # fmt: skip
         super().__init__(num_instances, **e2_options)
         self._init_roles(num_instances, roles, link.kv_bytes_per_token if link else None)
         self.link = link
         self.link_gbps, self.link_latency_ms = link_gbps, link_latency_ms
         self.tpot_slo_ms = tpot_slo_ms  # 0: none; else no local prefill that breaks it where a pair can serve
+        self.ttft_slo_ms = ttft_slo_ms  # 0: none; else the one of aggregated and the pair expected to meet it
         self.chunk = [DEFAULT_CHUNK_SIZE] * num_instances  # each engine's prefill tokens per pass
         self._arriving: dict[str, tuple[RoutingRequest, int]] = {}  # id -> (request, D) while its leg runs
 
@@ -169,7 +173,12 @@ class E2PD(EngineRoles, E2):
             self._record(request, aggregated.instance, match, now)
             return aggregated
         d = min(sorted(rest), key=rest.__getitem__)
-        if leg[p] + rest[d] >= agg_cost:
+        pair_cost = leg[p] + rest[d]
+        if self.ttft_slo_ms and math.isfinite(agg_cost) and math.isfinite(pair_cost):
+            local = self.ttft_aggregated(aggregated.instance, match, prompt_len, now) <= self.ttft_slo_ms
+            if local != (self.ttft_disaggregated(p, d, match, prompt_len, now) <= self.ttft_slo_ms):
+                agg_cost, pair_cost = (0.0, math.inf) if local else (math.inf, 0.0)
+        if pair_cost >= agg_cost:
             self._record(request, aggregated.instance, match, now)
             return aggregated
         self._record(prefill_leg(request), p, match, now)
@@ -215,6 +224,29 @@ class E2PD(EngineRoles, E2):
         step = cost.iteration_time(0, b, round(h.in_flight_tokens + prompt_len + b * d / 2))
         prefilling = h.prefill_share(now, cost.prefill_time(missed))
         return step / (1.0 - prefilling) if prefilling < 1.0 else math.inf
+
+    def ttft_aggregated(self, instance: int, match, prompt_len: int, now: float) -> float:
+        """The request's expected time to first token prefilled where it decodes (ms): the
+        prefill queued there ahead of it (``InstanceHistory.queued_prefill``) and its own,
+        in chunked passes that each also run a decode step of the requests decoding there
+        (the step less the pass's base, which the prefill pays already)."""
+        h, cost, b = self.history[instance], self.costs[instance], self.history[instance].decoders
+        missed = max(1, prompt_len - match.cached_on(instance))
+        work = h.queued_prefill(now) + self.prefill_time(instance, missed)
+        if b <= 0:
+            return work
+        d = max(1.0, self.decode_lengths.average(now))
+        step = cost.iteration_time(0, b, round(h.in_flight_tokens + b * d / 2)) - cost.base_ms
+        passes = math.ceil(work / max(1e-9, self.prefill_time(instance, self.chunk[instance])))
+        return work + passes * max(0.0, step)
+
+    def ttft_disaggregated(self, p: int, d: int, match, prompt_len: int, now: float) -> float:
+        """The same for the pair (ms): P's queued prefill and the leg's, then the transfer of
+        what D lacks. D admits a received request ahead of its queue, so its wait there is
+        not counted."""
+        missed = max(1, prompt_len - match.cached_on(p))
+        work = self.history[p].queued_prefill(now) + self.prefill_time(p, missed)
+        return work + self.link.transfer_ms(prompt_len - match.cached_on(d))
 
     def prefill_time(self, instance: int, tokens: int) -> float:
         """PREFILLTIME, and on a prefill-only instance the base of every chunk's pass: with

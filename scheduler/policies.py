@@ -31,7 +31,7 @@ POLICIES: dict[str, str] = {
 }
 PD_RULES = ("dynamo_pd", "llmd_pd", "sglang_pd")
 ALL_POLICIES = tuple(p for p in POLICIES if p not in PD_RULES)  # E2 first, then the aggregated baselines
-CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens", "tpot_slo_ms")
+CLUSTER_FACTS = ("clock", "page_size", "cost_model", "capacity_tokens", "tpot_slo_ms", "ttft_slo_ms")
 
 
 def policy_class(name: str) -> type[Policy]:

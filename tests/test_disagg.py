@@ -227,6 +227,39 @@ def test_with_a_tpot_slo_no_leg_prefills_where_the_decodes_would_miss_it(slo_ms,
     assert (decision.instance, decision.prefill) == ((1, 0) if expected == 0 else (0, None))
 
 
+@pytest.mark.parametrize("slo_ms, expected", [(0.0, 0), (50.0, 0), (150.0, None), (300.0, 0)])
+def test_with_a_ttft_slo_e2_keeps_the_request_whole_where_only_that_meets_it(slo_ms, expected):
+    """b = 4, m = 100: E2 alone pairs (2 + 2m < m·b, above). The first token whole on D: no
+    prefill queued there, its own 100 ms in one chunk pass (100 < 512) that also runs a
+    decode step of D's 4 requests (4 ms, no base): 104 ms. As a pair: 100 on the idle P,
+    then the transfer of 100 tokens, 2 + 100: 202 ms. Told 150 ms, only the aggregated
+    choice meets it; told 50 neither does and told 300 both do, and the price decides."""
+    policy, _ = pd_pair(4)
+    policy.ttft_slo_ms = slo_ms
+    match = policy.tree.match(req(range(100)).chain(1))
+    assert policy.ttft_aggregated(1, match, 100, 0.0) == pytest.approx(104.0)
+    assert policy.ttft_disaggregated(0, 1, match, 100, 0.0) == pytest.approx(202.0)
+    assert policy.select(req(range(100)), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
+@pytest.mark.parametrize("slo_ms, expected", [(0.0, None), (300.0, 0), (1000.0, None)])
+def test_with_a_ttft_slo_e2_pairs_where_only_the_pair_meets_it(slo_ms, expected):
+    """Nothing decodes on D, where 600 ms of prefill was routed this instant; P is idle and
+    the link fast (0.001 ms a token after 2 ms). A 100-token prompt: whole on D it waits
+    the 600 ms and prefills 100, with nothing decoding beside: 700 ms; as a pair, 100 on P
+    and 2 + 0.1 for the transfer: 102.1 ms. E2 alone keeps it whole: the pair pays the
+    same 600 ms ahead of it on D (it decodes there) and the copy's PREFILLTIME on top.
+    Told 300 ms, only the pair meets it; told 1,000 both do."""
+    fast = KVLink(bandwidth_gbps=1.0, latency_ms=2.0, kv_bytes_per_token=1000)
+    policy = E2PD(2, ("prefill", "decode"), fast, cost_model=BATCH, capacity_tokens=10_000, clock=Clock(),
+                  page_size=1, ttft_slo_ms=slo_ms)  # fmt: skip
+    policy.history[1].add("queued", 0.0, 600.0, 0.0, 600, decodes=False)
+    match = policy.tree.match(req(range(100)).chain(1))
+    assert policy.ttft_aggregated(1, match, 100, 0.0) == pytest.approx(700.0)
+    assert policy.ttft_disaggregated(0, 1, match, 100, 0.0) == pytest.approx(102.1)
+    assert policy.select(req(range(100)), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
 def test_a_prefill_leg_does_not_shorten_the_average_decoding_length():
     policy, _ = pd_pair(3)
     r = req(range(100))
@@ -354,13 +387,16 @@ def test_live_an_engine_of_another_kv_shape_is_never_paired_and_a_prefill_engine
     assert policy.select(req([4, 5, 6]), loads) == Decision(0, "explore")  # no decode engine is up
 
 
-def test_the_routers_tpot_slo_reaches_e2_and_only_the_policies_that_take_it():
-    """``tpot_slo_ms`` in the router's config.pbtxt is a cluster fact: the live e2 (and a
-    policy switched to at run time) is built with it; the anchors' rules ignore it."""
+def test_the_routers_slos_reach_e2_and_only_the_policies_that_take_them():
+    """``tpot_slo_ms`` and ``ttft_slo_ms`` in the router's config.pbtxt are cluster facts:
+    the live e2 (and a policy switched to at run time) is built with them; the anchors'
+    rules ignore them."""
     from preble_backend.router.config import RouterConfig
     from scheduler.policies import make_policy
 
     facts = RouterConfig.from_strings({"tpot_slo_ms": "40"}).policy_facts()
     assert make_policy("e2", 2, facts).tpot_slo_ms == 40.0
     assert make_policy("e2", 2, RouterConfig().policy_facts()).tpot_slo_ms == 0
+    ttft = RouterConfig.from_strings({"ttft_slo_ms": "2000"}).policy_facts()
+    assert make_policy("e2", 2, ttft).ttft_slo_ms == 2000.0
     assert isinstance(make_policy("dynamo_pd", 2, facts), DynamoPD)

@@ -165,6 +165,7 @@ def test_router_config_names_each_bad_parameter():
         ({"health_interval_s": "0"}, "health_interval_s=0.0 is invalid"),
         ({"tpot_slo_ms": "-5"}, "tpot_slo_ms=-5.0 is invalid: expected a number >= 0"),
         ({"tpot_slo_ms": "nan"}, "tpot_slo_ms=nan is invalid"),
+        ({"ttft_slo_ms": "-1"}, "ttft_slo_ms=-1.0 is invalid: expected a number >= 0"),
     ):
         with pytest.raises(ValueError, match=message):
             RouterConfig.from_strings(values)

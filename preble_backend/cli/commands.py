@@ -181,7 +181,8 @@ def bench_cmd(args: argparse.Namespace) -> int:
         sim = SimConfig.of(args.simulate, args.capacity_tokens, host_kv_tokens=args.host_kv_tokens,
                            host_copy_ahead=args.host_copy_ahead)  # fmt: skip
         roles = sim_roles(args.simulate, args.prefill_engines, args.decode_engines, args.kv_transfer)
-        records = replay(cfg, sim, cost, roles=roles, kv_gbps=args.kv_gbps, tpot_slo_ms=args.tpot_slo_ms)
+        records = replay(cfg, sim, cost, roles=roles, kv_gbps=args.kv_gbps, tpot_slo_ms=args.tpot_slo_ms,
+                         ttft_slo_ms=args.ttft_slo_ms)  # fmt: skip
         cluster = f"{args.simulate} simulated instances ({args.cost_model}, slowdown {args.slowdown:g})"
         if roles:
             pd = f"{args.prefill_engines} P + {args.decode_engines} D" if args.prefill_engines else "any pair"

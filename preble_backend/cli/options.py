@@ -366,6 +366,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--kv-gbps", type=_positive(float), default=10.0,
                    help="--simulate with roles: the KV link's GB/s (live: kv_transfer_gbps)")  # fmt: skip
     p.add_argument("--tpot-slo-ms", type=float, default=0.0, help="--simulate: the router's tpot_slo_ms")
+    p.add_argument("--ttft-slo-ms", type=float, default=0.0, help="--simulate: the router's ttft_slo_ms")
     p.add_argument("--output", default="bench", help="directory for the JSON and PNG")
     p.set_defaults(func="commands.bench_cmd")
 

@@ -48,6 +48,12 @@ class RouterConfig:
         "requests decoding would then take longer per output token (ms), where another engine can take "
         "it (0: no bound; e2 weighs latency alone)",
     )
+    ttft_slo_ms: float = setting(
+        0.0,
+        doc="engines that move KV: where only one of serving a request whole and prefilling it on a prefill "
+        "engine is expected to give its first token within this bound (ms), e2 takes that one (0: no bound; "
+        "e2 weighs latency alone)",
+    )
     page_size: int = setting(
         DEFAULT_PAGE_SIZE, doc="the engines' KV page size: prompts are matched per page (must equal theirs)"
     )
@@ -81,8 +87,9 @@ class RouterConfig:
         for key in ("page_size", "max_inflight", "max_input_bytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 1")
-        if not self.tpot_slo_ms >= 0:
-            raise ValueError(f"tpot_slo_ms={self.tpot_slo_ms!r} is invalid: expected a number >= 0 (0: none)")
+        for key in ("tpot_slo_ms", "ttft_slo_ms"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected a number >= 0 (0: none)")
         for key in ("max_queue", "migration_limit"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} is invalid: expected an integer >= 0")
@@ -96,7 +103,8 @@ class RouterConfig:
 
     def policy_facts(self) -> dict:
         """The cluster facts of these settings every policy is offered (``scheduler.policies``)."""
-        return {"cost_model": self.cost_model, "page_size": self.page_size, "tpot_slo_ms": self.tpot_slo_ms}
+        return {"cost_model": self.cost_model, "page_size": self.page_size, "tpot_slo_ms": self.tpot_slo_ms,
+                "ttft_slo_ms": self.ttft_slo_ms}  # fmt: skip
 
     @classmethod
     def from_strings(cls, values: dict[str, str]) -> RouterConfig:

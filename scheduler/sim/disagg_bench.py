@@ -16,7 +16,9 @@ and its completion notice), and moves the KV bytes per token of the model (70B: 
 
 Policies: ``e2`` (aggregated, every instance ``both``), ``e2_pd`` (E2 choosing per request
 with the P/D roles), ``e2_pd_slo`` (the same, told the TPOT SLO: no local prefill that would
-push a decode instance past it, ``E2PD.tpot_slo_ms``), ``e2_pd_flex`` (every instance
+push a decode instance past it, ``E2PD.tpot_slo_ms``), ``e2_pd_ttft`` (the same, told the
+TTFT SLO instead: where only one of aggregated and the pair is expected to meet it, that
+one, ``E2PD.ttft_slo_ms``), ``e2_pd_flex`` (every instance
 ``both``: E2 may pair any two), and with the P/D roles ``dynamo_pd``, ``dynamo_pd_load``
 (its prefill-load variant: local while every prefill worker has 2 requests in flight),
 ``llmd_pd`` and ``sglang_pd``. Rates: the
@@ -52,8 +54,9 @@ from scheduler.sim.sweep import _cached_trace, at_rate, stress_or_why
 
 WORKLOADS = ("toolbench", "embodied_agent", "programming", "videoqa", "loogle", "chat", "multi_tenant",
              "agentic", "shifting_docs")  # fmt: skip
-POLICIES = ("e2", "e2_pd", "e2_pd_slo", "e2_pd_flex", "dynamo_pd", "dynamo_pd_load", "llmd_pd", "sglang_pd")
-OURS = ("e2_pd", "e2_pd_slo", "e2_pd_flex")
+POLICIES = ("e2", "e2_pd", "e2_pd_slo", "e2_pd_ttft", "e2_pd_flex", "dynamo_pd", "dynamo_pd_load", "llmd_pd",
+            "sglang_pd")  # fmt: skip
+OURS = ("e2_pd", "e2_pd_slo", "e2_pd_ttft", "e2_pd_flex")
 KV_BYTES = {"70b": 80 * 8 * 128 * 2 * 2, "8b": 32 * 8 * 128 * 2 * 2}
 GBPS_PER_GPU = {"nvlink": 450.0, "ib": 50.0}
 LATENCY_MS = 0.5
@@ -87,8 +90,9 @@ def make(policy: str, name: str, link: KVLink, cfg: SimConfig, clock):
     if policy == "e2":
         return E2(n, **e2)
     if policy in OURS:
-        slo_ms = 1000.0 * SLO[CLUSTERS[name][0]][1] if policy == "e2_pd_slo" else 0.0
-        return E2PD(n, roles if policy != "e2_pd_flex" else ("both",) * n, link, tpot_slo_ms=slo_ms, **e2)
+        ttft_s, tpot_s = SLO[CLUSTERS[name][0]]
+        slos = {"e2_pd_slo": {"tpot_slo_ms": 1000.0 * tpot_s}, "e2_pd_ttft": {"ttft_slo_ms": 1000.0 * ttft_s}}
+        return E2PD(n, roles if policy != "e2_pd_flex" else ("both",) * n, link, **slos.get(policy, {}), **e2)
     kw = dict(page_size=cfg.page_size, clock=clock)
     if policy.startswith("dynamo_pd"):
         return DynamoPD(n, roles, prefill_queue=2 if policy == "dynamo_pd_load" else None, **kw)

@@ -30,9 +30,10 @@ LINK_LATENCY_MS = 1.0  # the live router's per-transfer latency (``E2PD.link_lat
 
 
 def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print, roles: tuple[str, ...] = (),
-           kv_gbps: float = 10.0, tpot_slo_ms: float = 0.0) -> list[dict]:  # fmt: skip
+           kv_gbps: float = 10.0, tpot_slo_ms: float = 0.0,
+           ttft_slo_ms: float = 0.0) -> list[dict]:  # fmt: skip
     """One record per policy and rate (the simulator is deterministic: no repeats);
-    ``tpot_slo_ms``: the router's setting of that name."""
+    ``tpot_slo_ms`` and ``ttft_slo_ms``: the router's settings of those names."""
     from transformers import AutoTokenizer
 
     if not cfg.tokenizer:
@@ -53,7 +54,7 @@ def replay(cfg: BenchConfig, sim: SimConfig, cost: CostModel, log=print, roles: 
         runs = [*cfg.policies, *REFERENCES]  # the references: what any router could do here
         for policy in progress(runs, desc=f"simulating @ {rps or 'trace'} rps", unit="policy"):
             metrics = run(requests, policy, sim, cost, link, lambda r: _pd_fields(r, groups),
-                          {"tpot_slo_ms": tpot_slo_ms}, roles)  # fmt: skip
+                          {"tpot_slo_ms": tpot_slo_ms, "ttft_slo_ms": ttft_slo_ms}, roles)  # fmt: skip
             rec = {
                 "policy": policy, "workload": cfg.trace or cfg.workload, "rps": rps, "repeat": 0,
                 "completed": metrics["num_requests"], "errors": {}, **metrics,
