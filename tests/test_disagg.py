@@ -4,6 +4,7 @@ simulator's P/D model: every expected choice computed by hand (the anchors' rule
 
 from __future__ import annotations
 
+import math
 from math import ceil
 
 import pytest
@@ -240,6 +241,20 @@ def test_with_a_ttft_slo_e2_keeps_the_request_whole_where_only_that_meets_it(slo
     assert policy.ttft_aggregated(1, match, 100, 0.0) == pytest.approx(104.0)
     assert policy.ttft_disaggregated(0, 1, match, 100, 0.0) == pytest.approx(202.0)
     assert policy.select(req(range(100)), [InstanceLoad(), InstanceLoad()]).prefill == expected
+
+
+def test_with_a_ttft_slo_no_first_token_is_promised_on_a_decode_instance_out_of_room():
+    """As above (b = 4, m = 100, told 150 ms), with D's KV 4,000 tokens: its 4 requests hold
+    (4,000 + 4 · 32) / 4 = 1,032 tokens each at the default decoding length, and beside this
+    prompt's 132 room is left for 4,000 - 132 = 3,868 of theirs, 3.75 requests: it would
+    wait for one to finish. Neither way meets the bound then, and the price pairs it."""
+    policy, _ = pd_pair(4)
+    policy.capacity[1] = 4000
+    policy.ttft_slo_ms = 150.0
+    match = policy.tree.match(req(range(100)).chain(1))
+    assert policy.ttft_aggregated(1, match, 100, 0.0) == math.inf
+    assert policy.ttft_disaggregated(0, 1, match, 100, 0.0) == math.inf
+    assert policy.select(req(range(100)), [InstanceLoad(), InstanceLoad()]).prefill == 0
 
 
 @pytest.mark.parametrize("slo_ms, expected", [(0.0, None), (300.0, 0), (1000.0, None)])
