@@ -174,11 +174,12 @@ class E2PD(EngineRoles, E2):
             return aggregated
         d = min(sorted(rest), key=rest.__getitem__)
         pair_cost = leg[p] + rest[d]
+        pair_wins = pair_cost < agg_cost
         if self.ttft_slo_ms and math.isfinite(agg_cost) and math.isfinite(pair_cost):
             local = self.ttft_aggregated(aggregated.instance, match, prompt_len, now) <= self.ttft_slo_ms
             if local != (self.ttft_disaggregated(p, d, match, prompt_len, now) <= self.ttft_slo_ms):
-                agg_cost, pair_cost = (0.0, math.inf) if local else (math.inf, 0.0)
-        if pair_cost >= agg_cost:
+                pair_wins = not local  # exactly one meets the bound: that one
+        if not pair_wins:
             self._record(request, aggregated.instance, match, now)
             return aggregated
         self._record(prefill_leg(request), p, match, now)
@@ -234,14 +235,15 @@ class E2PD(EngineRoles, E2):
         first token is promised there, and without this the bound kept prompts on decode
         instances out of room (70B, 1 P + 3 D, programming at stress, trace 0: goodput
         0.472 -> 0.083; docs/benchmarks/disagg.md)."""
-        h, cost, b = self.history[instance], self.costs[instance], self.history[instance].decoders
-        d = max(1.0, self.decode_lengths.average(now))
-        if h.queued(d, prompt_len, self.capacity[instance]) > 0:
+        if self._out_of_room(instance, prompt_len, now):
             return math.inf  # it would wait for room too, for as long as requests take to finish
+        h, cost = self.history[instance], self.costs[instance]
+        b = h.decoders
         missed = max(1, prompt_len - match.cached_on(instance))
         work = h.queued_prefill(now) + self.prefill_time(instance, missed)
         if b <= 0:
             return work
+        d = max(1.0, self.decode_lengths.average(now))
         step = cost.iteration_time(0, b, round(h.in_flight_tokens + b * d / 2)) - cost.base_ms
         passes = math.ceil(work / max(1e-9, self.prefill_time(instance, self.chunk[instance])))
         return work + passes * max(0.0, step)
@@ -250,12 +252,16 @@ class E2PD(EngineRoles, E2):
         """The same for the pair (ms): P's queued prefill and the leg's, then the transfer of
         what D lacks. D admits a received request ahead of its queue, so its wait there is
         not counted, unless D is out of room for it (unbounded, as above)."""
-        decode_len = max(1.0, self.decode_lengths.average(now))
-        if self.history[d].queued(decode_len, prompt_len, self.capacity[d]) > 0:
+        if self._out_of_room(d, prompt_len, now):
             return math.inf
         missed = max(1, prompt_len - match.cached_on(p))
         work = self.history[p].queued_prefill(now) + self.prefill_time(p, missed)
         return work + self.link.transfer_ms(prompt_len - match.cached_on(d))
+
+    def _out_of_room(self, instance: int, prompt_len: int, now: float) -> bool:
+        """Whether the prompt's KV would wait for room beside the requests in flight there."""
+        d = max(1.0, self.decode_lengths.average(now))
+        return self.history[instance].queued(d, prompt_len, self.capacity[instance]) > 0
 
     def prefill_time(self, instance: int, tokens: int) -> float:
         """PREFILLTIME, and on a prefill-only instance the base of every chunk's pass: with
