@@ -16,7 +16,6 @@ import datetime
 import multiprocessing
 import pickle
 import shutil
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -52,12 +51,14 @@ def rank_device(device: str, rank: int) -> str:
 class Group:
     """One engine's process group, a group of its own rather than torch.distributed's
     default one: a process may hold several engines, and an engine may be rebuilt in the
-    process that held it. Rank 0 hosts the rendezvous store at ``port``."""
+    process that held it. Rank 0 hosts the rendezvous store (``store``); a follower joins
+    it at ``port``."""
 
-    def __init__(self, rank: int, size: int, port: int, device: str, timeout_s: float) -> None:
+    def __init__(self, rank: int, size: int, port: int, device: str, timeout_s: float,
+                 store: dist.TCPStore | None = None) -> None:  # fmt: skip
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size = rank, size
-        self.store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
+        self.store = store or dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
         if device.startswith("cuda"):
             self.device = torch.device(rank_device(device, rank))
             torch.cuda.set_device(self.device)
@@ -97,14 +98,15 @@ class Ranks:
     def __init__(self, size: int, device: str, follow: Callable, args: tuple,
                  timeout_s: float = 120.0) -> None:  # fmt: skip
         self.closed = False
-        self.port = port = _free_port()  # the group's rendezvous store, also the KV slices' channel
+        store = rendezvous_store(size, timeout_s)  # also the KV slices' channel
+        self.port = port = store.port
         context = multiprocessing.get_context("spawn")
         context.set_executable(_python())  # inside Triton's stub, sys.executable is not python
         self.processes = [context.Process(target=follow, args=(rank, size, port, *args), daemon=True,
                                           name=f"preble-tp-{rank}") for rank in range(1, size)]  # fmt: skip
         for process in self.processes:
             process.start()
-        self.group = Group(0, size, port, device, timeout_s)
+        self.group = Group(0, size, port, device, timeout_s, store=store)
 
     def send(self, message: object) -> None:
         self.group.send(message)
@@ -133,10 +135,12 @@ class Ranks:
                     process.kill()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store, bound before any follower starts, on a port the OS picks: a port
+    found free and bound later can be taken in between (by another engine's gloo pairs),
+    and a follower then talks to a stranger."""
+    return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 
 
 def _python() -> str:
