@@ -289,6 +289,28 @@ def test_a_rank_reads_its_slices_without_a_memory_map(tmp_path, dtype):
         os.close(fd)
 
 
+def test_rank_0s_store_listens_before_any_follower_starts(monkeypatch):
+    """A port found free and bound only later can be taken in between by another engine's
+    gloo pairs (CI lost a TP-2 prefill + TP-2 decode server to it): the group's port must
+    already be rank 0's when its followers start. No follower is spawned here, so rank 0's
+    group times out waiting for it, at once."""
+    import multiprocessing.context
+    import socket
+
+    from preble_backend.engine.runners.tp_ranks import Ranks
+
+    listening = []
+
+    def start(process) -> None:
+        with socket.socket() as s:
+            listening.append(s.connect_ex(("127.0.0.1", process._args[2])) == 0)
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start)
+    with pytest.raises(RuntimeError):
+        Ranks(2, "cpu", print, (), timeout_s=1.0)
+    assert listening == [True]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a CUDA device")
 def test_the_engines_nccl_group_forms_on_a_gpu():
