@@ -319,8 +319,7 @@ def test_the_engines_nccl_group_forms_on_a_gpu():
     place and carries rank 0's messages; the TP-1 engine on CUDA is the parity suite's."""
     from preble_backend.engine.runners.tp_ranks import Group, rendezvous_store
 
-    store = rendezvous_store(1, 30.0)
-    group = Group(0, 1, store.port, "cuda:0", timeout_s=30.0, store=store)
+    group = Group(0, 1, rendezvous_store(1, 30.0), "cuda:0", timeout_s=30.0)
     x = torch.arange(6.0, device="cuda:0")
     assert group.all_reduce(x) is x and torch.equal(x, torch.arange(6.0, device="cuda:0"))
     group.send(("pool", 4, 16))  # a broadcast with no follower to receive it

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from preble_backend.engine.runners.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
+from preble_backend.engine.runners.tp_ranks import (
+    Group,
+    RankLost,
+    Ranks,
+    check_devices,
+    join_store,
+    rank_device,
+)
 from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch
 from preble_backend.kv_transfer.rank_transport import follower_reads, stop_follower
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
@@ -239,7 +246,7 @@ def follow(rank: int, size: int, port: int, model_path: str, dtype: str, device:
            attention_backend: str) -> None:  # fmt: skip
     """A follower rank's life (in a process of its own): join the group, load its slice,
     then run every pass rank 0 sends until told to stop."""
-    group = Group(rank, size, port, device, timeout_s=120.0)
+    group = Group(rank, size, join_store(port, 120.0), device, timeout_s=120.0)
     runner = ModelRunner(model_path, dtype, device, attention_backend, size, group)
     pool, reads, at = None, None, [""]
     while (message := group.receive()) is not None:

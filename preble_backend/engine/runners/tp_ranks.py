@@ -51,14 +51,13 @@ def rank_device(device: str, rank: int) -> str:
 class Group:
     """One engine's process group, a group of its own rather than torch.distributed's
     default one: a process may hold several engines, and an engine may be rebuilt in the
-    process that held it. Rank 0 hosts the rendezvous store (``store``); a follower joins
-    it at ``port``."""
+    process that held it. ``store``: the group's rendezvous, rank 0's own
+    (``rendezvous_store``) or joined at its port (``join_store``)."""
 
-    def __init__(self, rank: int, size: int, port: int, device: str, timeout_s: float,
-                 store: dist.TCPStore | None = None) -> None:  # fmt: skip
+    def __init__(self, rank: int, size: int, store: dist.TCPStore, device: str, timeout_s: float) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size = rank, size
-        self.store = store or dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+        self.store = store
         if device.startswith("cuda"):
             self.device = torch.device(rank_device(device, rank))
             torch.cuda.set_device(self.device)
@@ -106,7 +105,7 @@ class Ranks:
                                           name=f"preble-tp-{rank}") for rank in range(1, size)]  # fmt: skip
         for process in self.processes:
             process.start()
-        self.group = Group(0, size, port, device, timeout_s, store=store)
+        self.group = Group(0, size, store, device, timeout_s)
 
     def send(self, message: object) -> None:
         self.group.send(message)
@@ -141,6 +140,11 @@ def rendezvous_store(size: int, timeout_s: float) -> dist.TCPStore:
     and a follower then talks to a stranger."""
     return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def join_store(port: int, timeout_s: float) -> dist.TCPStore:
+    """A follower's connection to rank 0's store."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _python() -> str:
