@@ -379,17 +379,20 @@ def test_metrics_federation_merges_families_and_labels_each_engine():
     assert 'preble_router_engines{model="preble"} 2' in lines  # the router's own, unlabelled
 
 
-def test_fresh_ports_never_repeat():
+def test_fresh_ports_never_repeat_and_lie_below_the_kernel_s_own():
     """A server given a port another one was given refuses to start, or, worse, answers the
     other's probes (a full run hit both: HTTP and gRPC on one port; then one engine's
-    readiness probe reached another engine's gRPC). Ports from one call, and from every
-    call of one process, are distinct, and none is one the caller said to avoid."""
-    from preble_backend.runtime.launcher import free_ports
+    readiness probe reached another engine's gRPC); and a port in the kernel's ephemeral
+    range can be taken before the server binds it (a TP engine's gloo pairs took one).
+    Ports from one call, and from every call of one process, are distinct, none is one the
+    caller said to avoid, and none is a port the kernel numbers itself."""
+    from preble_backend.runtime.launcher import ephemeral_port_range, free_ports
 
+    low, _ = ephemeral_port_range()
     seen: set[int] = set()
     for _ in range(100):
         avoid = free_ports(2)
         ports = free_ports(6, avoid)
-        assert len(set(ports)) == 6 and all(p > 0 for p in ports)
+        assert len(set(ports)) == 6 and all(0 < p < low for p in ports + avoid)
         assert not seen & set(ports + avoid) and not set(avoid) & set(ports)
         seen |= set(ports + avoid)

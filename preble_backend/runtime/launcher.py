@@ -16,6 +16,7 @@ import contextlib
 import http.client
 import importlib.util
 import os
+import random
 import re
 import shutil
 import signal
@@ -26,7 +27,7 @@ import sysconfig
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,25 +210,60 @@ def free_port() -> int:
 
 
 _HANDED_OUT: set[int] = set()  # every port free_ports gave this process
+QUIET_PORTS_FROM = 10000  # below: the ports well-known and registered services usually take
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel numbers itself: an outgoing connection's local port, a bind to 0."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
 
 
 def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
     """``n`` distinct free loopback ports, none in ``avoid`` and none this process has
-    handed out before. Every socket stays bound until all are chosen, and a port once
-    handed out is never handed out again: the server it went to may not have bound it yet,
-    and the kernel offers a just-released port again (two engines of one ``preble serve``
-    were given one port, and one's readiness probe reached the other's gRPC)."""
+    handed out before, from below the kernel's ephemeral range.
+
+    Between this choice and the server's own bind, a port in the ephemeral range can be
+    taken by any socket the kernel numbers itself (a TP engine's gloo pairs took a server's
+    metrics port while its models loaded, and the server died). Every socket stays bound
+    until all are chosen, and a port once handed out is never handed out again: the server
+    it went to may not have bound it yet (two engines of one ``preble serve`` were once
+    given one port, and one's readiness probe reached the other's gRPC)."""
     taken = _HANDED_OUT | set(avoid)
+    candidates = _quiet_ports()
     ports: list[int] = []
     with contextlib.ExitStack() as stack:
         while len(ports) < n:
             s = stack.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            if (port := s.getsockname()[1]) not in taken:
+            port = next((p for p in candidates if p not in taken and _binds(s, p)), None)
+            if port is None:  # no quiet port free here: the kernel's choice
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in taken:
                 ports.append(port)
                 taken.add(port)
     _HANDED_OUT.update(ports)
     return ports
+
+
+def _quiet_ports(tries: int = 1000) -> Iterator[int]:
+    """Random ports below the ephemeral range (none where it starts too low); a system
+    random source, so processes that seed ``random`` alike do not pick alike."""
+    low, _ = ephemeral_port_range()
+    if low - QUIET_PORTS_FROM >= 1000:
+        rng = random.SystemRandom()
+        yield from (rng.randrange(QUIET_PORTS_FROM, low) for _ in range(tries))
+
+
+def _binds(s: socket.socket, port: int) -> bool:
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
 
 
 # Every model loaded at start, and loadable again with a configuration override (how
