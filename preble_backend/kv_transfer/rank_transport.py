@@ -42,7 +42,9 @@ _POLL_S = 0.002  # how often rank 0 looks for its followers' answers
 _GRACE_S = 2.0  # a follower's read ends within its timeout and about a second of settling
 
 
-def _store(port: int, timeout_s: float) -> dist.TCPStore:
+def join_store(port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of rank 0's rendezvous store (``tp_ranks.rendezvous_store``): a follower
+    rank's group joins it, and the KV slices' channel runs through it."""
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
@@ -52,7 +54,8 @@ def follower_reads(rank: int, port: int, pool: KVPool, name: str, lanes: int, ne
     reads in order until an order says stop (``stop_follower``) or rank 0's store goes
     away. ``at[0]``: the key of the order it waits for."""
     lock = threading.Lock()  # ``waiting`` and ``early``, shared with the transport's poller
-    store, answers = _store(port, 60.0), _store(port, 60.0)  # a client waiting blocks any other use of it
+    # two clients: one waiting for an order blocks any other use of it
+    store, answers = join_store(port, 60.0), join_store(port, 60.0)
     waiting: dict[tuple[int, ...], int] = {}  # held pages -> the read that holds them
     early: set[tuple[int, ...]] = set()  # held pages that settled before their read returned
 
@@ -103,7 +106,7 @@ def follower_reads(rank: int, port: int, pool: KVPool, name: str, lanes: int, ne
 
 def stop_follower(port: int, at: list[str]) -> None:
     """Wake a follower's ``follower_reads`` with the order to stop."""
-    _store(port, 5.0).set(at[0], "null")
+    join_store(port, 5.0).set(at[0], "null")
 
 
 class RankTransport:
@@ -119,7 +122,7 @@ class RankTransport:
                                on_settled=self._own_settled)  # fmt: skip
         self.name, self.layout, self.ranks = self.own.name, self.own.layout, ranks
         self.on_settled = on_settled
-        self._store = _store(port, timeout_s)
+        self._store = join_store(port, timeout_s)
         followers = [f"kv/offer/{r}" for r in range(1, ranks)]
         self._store.wait(followers, datetime.timedelta(seconds=timeout_s))
         self._offers = [json.loads(self._store.get(key)) for key in followers]

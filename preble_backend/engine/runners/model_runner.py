@@ -12,16 +12,9 @@ from pathlib import Path
 
 import torch
 
-from preble_backend.engine.runners.tp_ranks import (
-    Group,
-    RankLost,
-    Ranks,
-    check_devices,
-    join_store,
-    rank_device,
-)
+from preble_backend.engine.runners.tp_ranks import Group, RankLost, Ranks, check_devices, rank_device
 from preble_backend.engine.scheduling.local_scheduler import ScheduledBatch
-from preble_backend.kv_transfer.rank_transport import follower_reads, stop_follower
+from preble_backend.kv_transfer.rank_transport import follower_reads, join_store, stop_follower
 from preble_backend.model.attention import AttentionBatch, shared_prefix_groups
 from preble_backend.model.attention_backends import make_attention_backend
 from preble_backend.model.decode_graphs import DecodeGraphs

@@ -52,7 +52,7 @@ class Group:
     """One engine's process group, a group of its own rather than torch.distributed's
     default one: a process may hold several engines, and an engine may be rebuilt in the
     process that held it. ``store``: the group's rendezvous, rank 0's own
-    (``rendezvous_store``) or joined at its port (``join_store``)."""
+    (``rendezvous_store``) or joined at its port (``rank_transport.join_store``)."""
 
     def __init__(self, rank: int, size: int, store: dist.TCPStore, device: str, timeout_s: float) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -140,11 +140,6 @@ def rendezvous_store(size: int, timeout_s: float) -> dist.TCPStore:
     and a follower then talks to a stranger."""
     return dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
-
-
-def join_store(port: int, timeout_s: float) -> dist.TCPStore:
-    """A follower's connection to rank 0's store."""
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _python() -> str:
