@@ -110,10 +110,12 @@ FORBIDDEN = "admin control needs the admin key"  # the router's refusal; fronts 
 RETRYABLE = ("at capacity", "no engine is available", "failed while serving", "unreachable",
              "shutting down", "is unavailable")  # fmt: skip
 
-# Triton's answers for a model that is not loaded, or whose stub died: a restarted server
+# Triton's answers for a model that is not loaded, whose stub died, or whose server is
+# stopping (an engine's server being restarted after its stub died): a restarted server
 # gives them until its model is up. They are not the model refusing a request: the router
 # moves a request on, and a front answers its client 503 (retry).
-NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready", "is not healthy")
+NOT_LOADED = ("Request for unknown model", "has no available versions", "is not ready", "is not healthy",
+              "Server is stopping")  # fmt: skip
 
 
 # A tenant over its tokens_per_minute: fronts answer 429 with Retry-After (the seconds named).
