@@ -1,6 +1,7 @@
 """One gRPC stream per engine carries all of a router's requests to it: responses reach
 the request whose id they carry, an error ends only its request, a request abandoned
-early sends the engine an abort, and a stream that ends fails the requests open on it."""
+early sends the engine an abort, and a stream that ends fails the requests open on it. An
+error response is classed by what the router must do with its request."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from client.triton_client import StreamError, open_grpc
+from preble_backend.router.engines.engine_client import (
+    EngineError,
+    EngineRefused,
+    EngineUnavailable,
+    LocalEngine,
+)
 from preble_backend.router.engines.engine_stream import EngineStream, StreamClosed
+from preble_backend.serving.protocol import retryable
 
 
 class Echo(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -119,3 +127,26 @@ def test_a_server_that_goes_away_fails_the_open_requests(echo):
         await channel.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("message", "kind"),
+    [
+        ("[request id: r8] Server is stopping, scheduler for model has stopped accepting new inference "
+         "requests", EngineUnavailable),  # its server stopped after its stub died: the request moves
+        ("Request for unknown model: 'e0' is not found", EngineUnavailable),
+        ("Stub process 'e0' is not healthy.", EngineUnavailable),
+        ("refused: the prompt is 9000 tokens, over the context of 8192", EngineRefused),
+        ("the forward pass failed: CUDA error", EngineError),
+    ],
+)  # fmt: skip
+def test_an_engines_error_response_is_classed_by_what_the_router_must_do(message, kind):
+    """Triton's answers for a model that is not serving move the request to another engine
+    (and a front answers them 503); an engine's refusal is the client's error; any other
+    failure is the engine's."""
+    engine = LocalEngine("e0", "127.0.0.1:1")
+    with pytest.raises(EngineError) as raised, engine._errors():
+        raise StreamError(message)
+    assert type(raised.value) is kind
+    assert retryable(str(raised.value)) == (kind is EngineUnavailable)
+    engine.close()

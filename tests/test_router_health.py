@@ -14,20 +14,12 @@ import uuid
 
 import pytest
 
-from client.triton_client import StreamError
 from preble_backend.common.procfs import process_alive
 from preble_backend.common.sampling_params import SamplingParams
-from preble_backend.router.engines.engine_client import (
-    EngineError,
-    EngineRefused,
-    EngineUnavailable,
-    LocalEngine,
-    RemoteEngine,
-)
+from preble_backend.router.engines.engine_client import EngineError, LocalEngine, RemoteEngine
 from preble_backend.router.engines.engine_monitor import EngineMonitor
 from preble_backend.router.requests.flights import Flights
 from preble_backend.router.requests.responder import Responder
-from preble_backend.serving.protocol import retryable
 
 
 class Sender:
@@ -303,29 +295,6 @@ def test_stopping_the_monitor_cancels_a_probe_that_would_never_return(silent_eng
     assert time.monotonic() - started < 1.0 and not stuck._probes[0].is_alive()
     assert downs == []  # the cancelled probe is shutdown, not the engine failing
     silent.close()
-
-
-@pytest.mark.parametrize(
-    ("message", "kind"),
-    [
-        ("[request id: r8] Server is stopping, scheduler for model has stopped accepting new inference "
-         "requests", EngineUnavailable),  # its server stopped after its stub died: the request moves
-        ("Request for unknown model: 'e0' is not found", EngineUnavailable),
-        ("Stub process 'e0' is not healthy.", EngineUnavailable),
-        ("refused: the prompt is 9000 tokens, over the context of 8192", EngineRefused),
-        ("the forward pass failed: CUDA error", EngineError),
-    ],
-)  # fmt: skip
-def test_an_engines_error_response_is_classed_by_what_the_router_must_do(message, kind):
-    """Triton's answers for a model that is not serving move the request to another engine
-    (and a front answers them 503); an engine's refusal is the client's error; any other
-    failure is the engine's."""
-    engine = LocalEngine("e0", "127.0.0.1:1")
-    with pytest.raises(EngineError) as raised, engine._errors():
-        raise StreamError(message)
-    assert type(raised.value) is kind
-    assert retryable(str(raised.value)) == (kind is EngineUnavailable)
-    engine.close()
 
 
 def test_process_alive():
